@@ -1,0 +1,15 @@
+// Host entry points of the compiled eagle3 kernels. Arguments are validated in Python
+// (eagle3_ops/validation.py) before these are called; the TORCH_CHECKs here only guard the
+// assumptions each kernel makes about its launch.
+#pragma once
+
+#include <ATen/ATen.h>
+#include <optional>
+
+namespace eagle3 {
+
+// buffer[:T, slot*H:(slot+1)*H] = hidden (+ residual), fp32 add, one rounding.
+void capture(const at::Tensor& hidden, const std::optional<at::Tensor>& residual,
+             at::Tensor& buffer, int64_t slot);
+
+}  // namespace eagle3

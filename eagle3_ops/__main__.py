@@ -1,0 +1,45 @@
+"""Command line: ``python -m eagle3_ops {demo|doctor|capture-states|info}``."""
+from __future__ import annotations
+
+import json
+import sys
+
+USAGE = """usage: python -m eagle3_ops COMMAND [ARGS]
+
+commands:
+  demo             stock vs eagle3_ops draft-input path on a random case (and SGLang, if installed)
+  doctor           check which hidden states an engine feeds an EAGLE-3 draft (--help for options)
+  capture-states   record a target's hidden states for `doctor --replay` (--help for options)
+  info             build info and the backend serving each op on this machine
+"""
+
+
+def main(argv=None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help"):
+        print(USAGE)
+        return 0 if argv else 2
+    cmd, rest = argv[0], argv[1:]
+    if cmd == "demo":
+        from .demo import main as demo_main
+
+        return demo_main()
+    if cmd == "doctor":
+        from .doctor.cli import main as doctor_main
+
+        return doctor_main(rest)
+    if cmd == "capture-states":
+        from .doctor.cli import capture_states_main
+
+        return capture_states_main(rest)
+    if cmd == "info":
+        import eagle3_ops
+
+        print(json.dumps({"build": eagle3_ops.build_info(), "backends": eagle3_ops.backends()}, indent=2))
+        return 0
+    print(f"unknown command {cmd!r}\n\n{USAGE}", file=sys.stderr)
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,94 @@
+"""Plain-PyTorch reference of every eagle3 op: the documented ground truth.
+
+Each function computes in ``acc_dtype`` (float32 by default, as the kernels do; tests pass
+float64 to get the exact answer) and rounds once into the caller's tensors. Arguments are assumed
+valid: ``eagle3_ops.validation`` checks them before any backend runs.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+
+def capture_ref(hidden: torch.Tensor, residual: Optional[torch.Tensor], buffer: torch.Tensor,
+                slot: int, acc_dtype: torch.dtype = torch.float32) -> None:
+    """buffer[:T, slot*H:(slot+1)*H] = hidden + residual (or hidden), one rounding."""
+    T, H = hidden.shape
+    if T == 0:
+        return
+    value = hidden.to(acc_dtype)
+    if residual is not None:
+        value = value + residual.to(acc_dtype)
+    buffer[:T, slot * H:(slot + 1) * H].copy_(value.to(buffer.dtype))
+
+
+def rms_scale(x: torch.Tensor, eps: float) -> torch.Tensor:
+    """rsqrt(mean(x^2) + eps) over the last dim, keepdim (x already in the accumulation dtype)."""
+    return torch.rsqrt(x.pow(2).mean(dim=-1, keepdim=True) + eps)
+
+
+def fused_add_rmsnorm_capture_ref(input: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                                  eps: float, buffer: torch.Tensor, slot: int,
+                                  acc_dtype: torch.dtype = torch.float32) -> None:
+    """SGLang ``fused_add_rmsnorm`` plus a capture of the new residual.
+
+    Numerics follow SGLang/FlashInfer: ``s = input + residual`` in fp32; ``residual <- s`` rounded
+    to its dtype; the norm reads the *unrounded* fp32 ``s``; ``input <- round(s * rsqrt(mean(s^2) +
+    eps) * weight)``. The captured value is the stored (rounded) residual, exactly what SGLang's
+    capture sees.
+    """
+    T, H = input.shape
+    if T == 0:
+        return
+    s = input.to(acc_dtype) + residual.to(acc_dtype)
+    normed = s * rms_scale(s, eps) * weight.to(acc_dtype)
+    residual.copy_(s.to(residual.dtype))
+    input.copy_(normed.to(input.dtype))
+    buffer[:T, slot * H:(slot + 1) * H].copy_(residual)
+
+
+def draft_fc_input_ref(x: torch.Tensor, rows: Optional[torch.Tensor],
+                       chunk_norm_weight: Optional[torch.Tensor],
+                       input_norm_weight: Optional[torch.Tensor], eps: float,
+                       acc_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """The normalized fc input ``norm(x[rows])`` in ``acc_dtype`` (never rounded in between).
+
+    Rows outside [0, R) give NaN rows (the device-side contract); host-side callers raise earlier.
+    Order when both norms are present: input_norm (whole K*H row), then chunk norm (per H slot),
+    as in SGLang's llama_eagle3 draft.
+    """
+    R = x.shape[0]
+    if rows is None:
+        xs = x.to(acc_dtype)
+        bad = None
+    else:
+        rows = rows.long()
+        bad = (rows < 0) | (rows >= R)
+        xs = x.index_select(0, rows.clamp(0, max(R - 1, 0))).to(acc_dtype) if R > 0 else \
+            torch.empty((rows.numel(), x.shape[1]), dtype=acc_dtype, device=x.device)
+    if input_norm_weight is not None:
+        xs = xs * rms_scale(xs, eps) * input_norm_weight.to(acc_dtype)
+    if chunk_norm_weight is not None:
+        K, H = chunk_norm_weight.shape
+        chunks = xs.view(xs.shape[0], K, H)
+        xs = (chunks * rms_scale(chunks, eps) * chunk_norm_weight.to(acc_dtype)).view(xs.shape[0], K * H)
+    if bad is not None:
+        xs = torch.where(bad[:, None], torch.full_like(xs, float("nan")), xs)
+    return xs
+
+
+def draft_fc_ref(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None,
+                 rows: Optional[torch.Tensor] = None, chunk_norm_weight: Optional[torch.Tensor] = None,
+                 input_norm_weight: Optional[torch.Tensor] = None, eps: float = 1e-6,
+                 acc_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """``linear(norm(x[rows]), weight, bias)`` accumulated in ``acc_dtype``, result in acc_dtype."""
+    xs = draft_fc_input_ref(x, rows, chunk_norm_weight, input_norm_weight, eps, acc_dtype)
+    y = xs @ weight.to(acc_dtype).t()
+    if bias is not None:
+        y = y + bias.to(acc_dtype)
+    return y
+
+
+def draft_fc_out_ref(x, weight, bias, rows, chunk_norm_weight, input_norm_weight, eps, out) -> None:
+    out.copy_(draft_fc_ref(x, weight, bias, rows, chunk_norm_weight, input_norm_weight, eps).to(out.dtype))
