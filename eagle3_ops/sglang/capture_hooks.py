@@ -1,0 +1,426 @@
+"""Target side: EAGLE-3 aux hidden states go into ONE persistent ``[max_tokens, K*H]`` buffer.
+
+Stock SGLang 0.5.23 collects the K captures of a forward in an ``AuxHiddenStateList`` (one
+``clone`` per capture, then ``torch.cat`` in ``pack_aux_hidden_states``) or, for DeepSeek-V2/V3
+and Kimi, an ``AuxHiddenStatePacker`` (a fresh ``[T, K*H]`` tensor per forward, or per CUDA-graph
+batch size). With this module installed on a model:
+
+* the model owns one :class:`eagle3_ops.AuxCaptureBuffer` allocated once, when SGLang configures
+  the capture (``configure_aux_hidden_state_capture``, which runs before CUDA-graph capture), so
+  it lives outside every CUDA-graph memory pool and every graph batch size and every eager forward
+  write into the same storage;
+* each capture is written by ``eagle3_ops.capture`` into its slot; where the captured value is the
+  residual produced by SGLang's add+RMSNorm at the layer boundary (the layer's input norm called as
+  ``norm(hidden, residual)``), that norm call itself becomes ``eagle3_ops.fused_add_rmsnorm_capture``
+  and the capture is free;
+* the model returns the packed ``buffer[:T]`` view, so ``pack_aux_hidden_states`` (which returns a
+  tensor unchanged) and the logits processor pass the view on: no clone, no cat.
+
+Why reusing one buffer is safe: the rows a target forward writes are read by the draft's first
+(fc) step, which SGLang's EAGLE worker runs right after that target forward (``_draft_extend_for_
+prefill`` / ``_draft_extend_for_decode``) on the same stream, before it launches the next target
+forward; the next forward's writes are therefore ordered after the draft's reads. This is the same
+contract SGLang already relies on for CUDA-graph outputs (views of graph buffers that the next
+replay overwrites, ``decode_cuda_graph_runner`` / ``resolve_aux_hidden_states_width``). Anything
+that keeps ``logits_output.hidden_states`` beyond that point must copy it, as it must already for
+graph replays (SGLang's ``return_hidden_states`` readback is queued right behind the forward).
+
+A forward the buffer cannot hold (more rows than ``max_tokens``, an unexpected dtype/width) runs
+the stock path unchanged, with one log line per reason. Under ``torch.compile`` tracing the hooks
+step aside, and SGLang's code runs as is.
+"""
+from __future__ import annotations
+
+import logging
+import sys
+import threading
+from typing import Any, Dict, List, Optional
+
+import torch
+
+from .. import ops
+from ..buffer import AuxCaptureBuffer
+
+log = logging.getLogger("eagle3_ops.sglang")
+
+# Inner model classes whose forward() this module knows (SGLang 0.5.23), by defining module.
+# "list": captures go through AuxHiddenStateList.capture; "packer": through AuxHiddenStatePacker.
+SUPPORTED_TARGET_MODELS = (
+    ("sglang.srt.models.llama", "LlamaModel", "list"),
+    ("sglang.srt.models.qwen2", "Qwen2Model", "list"),
+    ("sglang.srt.models.qwen3", "Qwen3Model", "list"),
+    ("sglang.srt.models.qwen2_moe", "Qwen2MoeModel", "list"),      # also Qwen3MoeModel
+    ("sglang.srt.models.deepseek_v2", "DeepseekV2Model", "packer"),  # DeepSeek V2/V3, Kimi K2/K2.5
+)
+
+_STATE_ATTR = "_eagle3_ops_capture"
+_tls = threading.local()
+_warned: set = set()
+
+
+def _warn_once(key: str, msg: str, *args) -> None:
+    if key not in _warned:
+        _warned.add(key)
+        log.warning(msg, *args)
+
+
+def _compiling() -> bool:
+    try:
+        return bool(torch.compiler.is_compiling())
+    except Exception:  # pragma: no cover - very old torch
+        return False
+
+
+def active_capture() -> Optional["ForwardCapture"]:
+    """The capture of the target forward running on this thread, if any."""
+    return getattr(_tls, "capture", None)
+
+
+class TargetCaptureState:
+    """What one target model owns: the persistent buffer and the layer -> slot map."""
+
+    def __init__(self, model_name: str, layer_ids: List[int], hidden_size: int, dtype: torch.dtype,
+                 device: torch.device, max_tokens: int):
+        self.model_name = model_name
+        self.layer_ids = list(layer_ids)                  # captured layers, in capture order
+        self.slot_of_layer = {lid: k for k, lid in enumerate(self.layer_ids)}
+        self.num_captures = len(self.layer_ids)
+        self.hidden_size = hidden_size
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError("eagle3_ops: the capture buffer must be allocated outside CUDA-graph capture")
+        self.buffer = AuxCaptureBuffer(max_tokens, hidden_size, self.num_captures, dtype, device)
+        self.enabled = True
+        self.fused_sites: List[str] = []
+        self.stats = {"buffer_forwards": 0, "stock_forwards": 0, "fused_captures": 0, "copied_captures": 0}
+
+    @property
+    def max_tokens(self) -> int:
+        return self.buffer.max_tokens
+
+    def fits(self, t: torch.Tensor) -> Optional[str]:
+        """None if ``t`` ([T, H] activations) can go into the buffer, else why not."""
+        buf = self.buffer.buffer
+        if t.dim() != 2 or t.shape[1] != self.hidden_size:
+            return f"capture shape {tuple(t.shape)} is not [T, {self.hidden_size}]"
+        if t.dtype != buf.dtype or t.device != buf.device:
+            return f"capture is {t.dtype} on {t.device}, buffer is {buf.dtype} on {buf.device}"
+        if t.shape[0] > self.max_tokens:
+            return (f"forward has {t.shape[0]} tokens, more than the buffer's {self.max_tokens} rows "
+                    f"(raise {_max_tokens_env()})")
+        if t.shape[-1] > 1 and t.stride(-1) != 1:
+            return "capture has a non-contiguous last dim"
+        return None
+
+
+def _max_tokens_env() -> str:
+    from .version import ENV_MAX_TOKENS
+
+    return ENV_MAX_TOKENS
+
+
+class ForwardCapture:
+    """The captures of one target forward: which accumulator it took over, T, fused slots."""
+
+    def __init__(self, state: TargetCaptureState):
+        self.state = state
+        self.owner: Any = None          # the AuxHiddenStateList / AuxHiddenStatePacker taken over
+        self.mode: Optional[str] = None  # None until the first capture; then "buffer" or "stock"
+        self.num_tokens: Optional[int] = None
+        self.count = 0                  # captures recorded so far (= the next slot)
+        self.fused: Dict[int, torch.Tensor] = {}  # slot -> residual the fused norm wrote
+
+    def claim(self, accumulator) -> bool:
+        if self.owner is None:
+            self.owner = accumulator
+            return True
+        return self.owner is accumulator
+
+    def decide(self, value: torch.Tensor) -> str:
+        if self.mode is None:
+            why = self.state.fits(value)
+            if why is None and self.count >= self.state.num_captures:
+                why = "more captures than configured layers"
+            if why is None:
+                self.mode, self.num_tokens = "buffer", value.shape[0]
+            else:
+                self.mode = "stock"
+                _warn_once(f"stock:{self.state.model_name}:{why.split(' ')[0]}",
+                           "eagle3_ops: %s: stock capture path for this forward: %s", self.state.model_name, why)
+        return self.mode
+
+    def write(self, value: torch.Tensor) -> Optional[torch.Tensor]:
+        """Put ``value`` into the next slot; the slot view, or None to fall back to stock."""
+        k = self.count
+        if (self.mode != "buffer" or k >= self.state.num_captures or value.dim() != 2
+                or value.shape[0] != self.num_tokens or self.state.fits(value) is not None):
+            self.mode = "stock"
+            return None
+        if self.fused.get(k) is value:
+            # fused_add_rmsnorm_capture already wrote exactly this residual into slot k
+            self.state.stats["fused_captures"] += 1
+        else:
+            ops.capture(value, None, self.state.buffer.buffer, k)
+            self.state.stats["copied_captures"] += 1
+        self.count += 1
+        return self.state.buffer.slot(k, self.num_tokens)
+
+    def packed(self) -> torch.Tensor:
+        """``buffer[:T, :count*H]`` (= ``buffer[:T]`` once all K slots are written)."""
+        view = self.state.buffer.view(self.num_tokens)
+        if self.count == self.state.num_captures:
+            return view
+        return view[:, : self.count * self.state.hidden_size]
+
+
+# ---- hooks on SGLang's accumulators (class level, registered through HookRegistry) ----------------
+def list_capture_hook(original, self, hidden, *args, **kwargs):
+    """AROUND ``AuxHiddenStateList.capture``: write the slot instead of cloning."""
+    cap = active_capture()
+    if cap is None or not cap.claim(self) or cap.decide(hidden) != "buffer":
+        return original(self, hidden, *args, **kwargs)
+    view = cap.write(hidden)
+    if view is None:
+        return original(self, hidden, *args, **kwargs)
+    list.append(self, view)
+    return None
+
+
+def packer_append_hook(original, self, hidden):
+    """AROUND ``AuxHiddenStatePacker.append`` (``capture`` and ``extend`` go through it): the
+    packer's output becomes the persistent buffer's rows and each slot is written by the op."""
+    cap = active_capture()
+    if cap is None:
+        return original(self, hidden)
+    fresh = getattr(self, "_buffer", None) is None and getattr(self, "_idx", None) == 0
+    if cap.owner is not self and not fresh:
+        return original(self, hidden)  # a graph runner's own buffer (DFlash) or someone else's
+    if (not cap.claim(self) or cap.decide(hidden) != "buffer"
+            or getattr(self, "_num_captures", None) != cap.state.num_captures):
+        return original(self, hidden)
+    if self._buffer is None:
+        self._buffer = cap.state.buffer.view(cap.num_tokens)
+    if self._buffer.data_ptr() != cap.state.buffer.buffer.data_ptr():
+        return original(self, hidden)
+    self.slot(hidden)  # SGLang's own shape/dtype check and slot bookkeeping
+    if cap.write(hidden) is None:
+        raise RuntimeError("eagle3_ops: capture rows changed within one forward")
+    return None
+
+
+# ---- instance-level wrappers installed on one model -----------------------------------------------
+def _model_forward_wrapper(inner, state: TargetCaptureState):
+    original = inner.forward
+
+    def forward(*args, **kwargs):
+        if not state.enabled or _compiling():
+            return original(*args, **kwargs)
+        cap = ForwardCapture(state)
+        previous = getattr(_tls, "capture", None)
+        _tls.capture = cap
+        try:
+            out = original(*args, **kwargs)
+        finally:
+            _tls.capture = previous
+        if cap.mode == "buffer":
+            state.stats["buffer_forwards"] += 1
+            if (isinstance(out, tuple) and len(out) == 2 and out[1] is cap.owner
+                    and isinstance(cap.owner, list)):
+                # the list holds slot views; hand over the packed view instead of cat-ing them
+                out = (out[0], cap.packed())
+        elif cap.mode == "stock":
+            state.stats["stock_forwards"] += 1
+        return out
+
+    forward.__wrapped__ = original
+    forward._eagle3_ops = True
+    return forward
+
+
+def _norm_fusable_statically(norm, dtype: torch.dtype) -> Optional[str]:
+    """None if SGLang would run this RMSNorm's ``norm(x, residual)`` as a plain fused add+RMSNorm
+    (the math of eagle3::fused_add_rmsnorm_capture), else the reason it would not."""
+    from sglang.srt.layers import layernorm
+
+    if type(norm) is not layernorm.RMSNorm:
+        return f"{type(norm).__name__} is not a plain RMSNorm"
+    if not getattr(norm, "has_weight", True) or not isinstance(getattr(norm, "weight", None), torch.Tensor):
+        return "RMSNorm without weight"
+    if norm.cast_x_before_out_mul or norm.fp32_residual or norm.override_orig_dtype is not None:
+        return "RMSNorm with cast_x_before_out_mul / fp32_residual / override_orig_dtype"
+    if norm.variance_size_override is not None:
+        return "RMSNorm with a variance size override"
+    if norm.weight.dtype != dtype:
+        return f"RMSNorm weight is {norm.weight.dtype}, activations are {dtype}"
+    if getattr(layernorm, "_use_aiter", False):
+        return "aiter (ROCm) norm kernels"
+    fp8_scale = getattr(layernorm, "_fp8_static_input_scale", None)
+    if fp8_scale is None:
+        return "cannot tell whether the norm fuses an FP8 input quant"
+    if fp8_scale(getattr(norm, "_quant_linear", None)) is not None:
+        return "the norm fuses the next projection's static FP8 input quant"
+    return None
+
+
+def _norm_forward_wrapper(norm, state: TargetCaptureState, slot: int):
+    original = norm.forward
+    weight = norm.weight
+    eps = float(norm.variance_epsilon)
+    buf = state.buffer.buffer
+    from sglang.srt.batch_invariant_ops import is_batch_invariant_mode_enabled
+
+    def forward(x, residual=None, post_residual_addition=None, *args, **kwargs):
+        cap = active_capture()
+        if (cap is None or cap.state is not state or cap.mode == "stock" or cap.count != slot
+                or slot in cap.fused or residual is None or post_residual_addition is not None
+                or args or kwargs or _compiling()):
+            return original(x, residual, post_residual_addition, *args, **kwargs)
+        if (not isinstance(x, torch.Tensor) or not isinstance(residual, torch.Tensor)
+                or x.dim() != 2 or x.shape != residual.shape or x.shape[0] == 0
+                or x.dtype != residual.dtype or not x.is_contiguous() or not residual.is_contiguous()
+                or state.fits(residual) is not None or weight.dtype != x.dtype
+                or is_batch_invariant_mode_enabled()):
+            return original(x, residual, post_residual_addition, *args, **kwargs)
+        ops.fused_add_rmsnorm_capture(x, residual, weight, eps, buf, slot)
+        cap.fused[slot] = residual
+        return x, residual
+
+    forward.__wrapped__ = original
+    forward._eagle3_ops = True
+    return forward
+
+
+# ---- installation ----------------------------------------------------------------------------------
+def resolve_causal_lm(model):
+    """The module that owns ``.model.layers_to_capture`` (Kimi-K2.5 wraps it as language_model)."""
+    for candidate in (model, getattr(model, "language_model", None)):
+        inner = getattr(candidate, "model", None) if candidate is not None else None
+        if inner is not None and hasattr(inner, "layers_to_capture"):
+            return candidate
+    return None
+
+
+def supported_kind(inner) -> Optional[str]:
+    forward = getattr(type(inner), "forward", None)
+    for module_name, class_name, kind in SUPPORTED_TARGET_MODELS:
+        module = sys.modules.get(module_name)
+        cls = getattr(module, class_name, None) if module is not None else None
+        if cls is not None and isinstance(inner, cls) and forward is cls.forward:
+            return kind
+    return None
+
+
+def _default_max_tokens() -> int:
+    import os
+
+    from .version import ENV_MAX_TOKENS
+
+    if os.environ.get(ENV_MAX_TOKENS):
+        return int(os.environ[ENV_MAX_TOKENS])
+    candidates = []
+    try:
+        from sglang.srt.runtime_context import get_server_args
+
+        sa = get_server_args()
+        chunk = getattr(sa, "chunked_prefill_size", None)
+        if chunk is not None and chunk > 0:
+            candidates.append(int(chunk))
+        else:
+            candidates.append(int(getattr(sa, "max_prefill_tokens", None) or 16384))
+        bs = getattr(sa, "cuda_graph_max_bs_decode", None) or getattr(sa, "cuda_graph_max_bs", None)
+        draft_tokens = getattr(sa, "speculative_num_draft_tokens", None) or 1
+        if bs:
+            candidates.append(int(bs) * int(draft_tokens))
+    except Exception:
+        pass
+    return max(candidates) if candidates else 16384
+
+
+def _activation_dtype(inner, norms) -> torch.dtype:
+    for norm in norms:
+        w = getattr(norm, "weight", None)
+        if isinstance(w, torch.Tensor) and w.is_floating_point():
+            return w.dtype
+    embed = getattr(getattr(inner, "embed_tokens", None), "weight", None)
+    if isinstance(embed, torch.Tensor) and embed.is_floating_point():
+        return embed.dtype
+    return torch.get_default_dtype()
+
+
+def _attention_input_norm(layer):
+    boundary = getattr(layer, "attn_boundary", None)
+    norm = getattr(boundary, "norm", None) if boundary is not None else None
+    return norm if norm is not None else getattr(layer, "input_layernorm", None)
+
+
+def install_target_capture(model, max_tokens: Optional[int] = None) -> Optional[TargetCaptureState]:
+    """Route ``model``'s EAGLE-3 captures into one persistent buffer (after SGLang configured which
+    layers to capture). Returns the state, or None when the model is left stock (one warning)."""
+    lm = resolve_causal_lm(model)
+    name = type(model).__name__
+    if lm is None:
+        _warn_once(f"family:{name}", "eagle3_ops: %s has no layers_to_capture; EAGLE-3 capture left stock", name)
+        return None
+    inner = lm.model
+    existing = inner.__dict__.get(_STATE_ATTR)
+    if existing is not None:
+        return existing
+    if not getattr(lm, "capture_aux_hidden_states", False):
+        return None  # not capturing on this rank (e.g. a non-last pipeline stage)
+    kind = supported_kind(inner)
+    if kind is None:
+        _warn_once(f"family:{type(inner).__name__}",
+                   "eagle3_ops: model family %s (%s) is not supported by this plugin; its EAGLE-3 "
+                   "capture is left stock", name, type(inner).__name__)
+        return None
+    start = getattr(inner, "start_layer", 0)
+    end = getattr(inner, "end_layer", len(inner.layers))
+    layer_ids = sorted(i for i in set(inner.layers_to_capture) if start <= i < end)
+    if not layer_ids:
+        return None
+    norms = {i: _attention_input_norm(inner.layers[i]) for i in layer_ids}
+    dtype = _activation_dtype(inner, [n for n in norms.values() if n is not None])
+    hidden_size = int(lm.config.hidden_size) if hasattr(lm, "config") else int(inner.config.hidden_size)
+    device = next((p.device for p in inner.parameters()), torch.device("cpu"))
+    if max_tokens is None:
+        max_tokens = _default_max_tokens()
+    state = TargetCaptureState(name, layer_ids, hidden_size, dtype, device, int(max_tokens))
+
+    # Decide every site first, then install all wrappers (no half-patched model on error).
+    from .. import dispatch
+
+    backend = dispatch.backends(device)
+    norm_wrappers = {}
+    for i in layer_ids:
+        norm = norms[i]
+        if i == 0:
+            continue  # layer 0's input is the embedding output: there is no add, the slot is a copy
+        why = _norm_fusable_statically(norm, dtype) if norm is not None else "no input norm"
+        if why is None:
+            norm_wrappers[i] = (norm, _norm_forward_wrapper(norm, state, state.slot_of_layer[i]))
+        else:
+            _warn_once(f"nofuse:{name}:{why}", "eagle3_ops: %s: layer %d input norm not fused (%s); "
+                       "its capture is a copy", name, i, why)
+    inner.forward = _model_forward_wrapper(inner, state)
+    for i, (norm, wrapper) in norm_wrappers.items():
+        norm.forward = wrapper
+        state.fused_sites.append(f"model.layers.{i}.input_layernorm")
+    inner.__dict__[_STATE_ATTR] = state
+
+    mib = state.buffer.buffer.numel() * state.buffer.buffer.element_size() / 2**20
+    log.info("eagle3_ops: patched %s capture (%s.%s, %s path): layers %s -> one persistent [%d, %dx%d] %s "
+             "buffer on %s (%.1f MiB), pack_aux_hidden_states gets its view (no clone/cat); backend capture=%s",
+             name, type(inner).__module__.rsplit(".", 1)[-1], type(inner).__name__, kind, layer_ids,
+             state.max_tokens, state.num_captures, hidden_size, str(dtype).replace("torch.", ""), device,
+             mib, backend.get("capture"))
+    for i in sorted(norm_wrappers):
+        log.info("eagle3_ops: patched %s model.layers.%d.input_layernorm: add+RMSNorm writes capture slot %d "
+                 "(eagle3::fused_add_rmsnorm_capture); backend fused_add_rmsnorm_capture=%s",
+                 name, i, state.slot_of_layer[i], backend.get("fused_add_rmsnorm_capture"))
+    return state
+
+
+def capture_state(model) -> Optional[TargetCaptureState]:
+    """The installed state of a target model (or of its inner model), or None if it runs stock."""
+    lm = resolve_causal_lm(model)
+    inner = lm.model if lm is not None else model
+    return getattr(inner, "__dict__", {}).get(_STATE_ATTR)

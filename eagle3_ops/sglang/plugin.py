@@ -1,0 +1,116 @@
+"""The SGLang plugin entry point: ``eagle3_ops = eagle3_ops.sglang.plugin:register`` in the
+``sglang.srt.plugins`` entry-point group.
+
+SGLang calls :func:`register` (no arguments) early in every process (``load_plugins``), then
+applies the hooks registered with its ``HookRegistry``. We register three:
+
+* AFTER ``attention_backend_setup.configure_aux_hidden_state_capture`` — SGLang calls it for every
+  model runner (target and draft) after the weights are loaded and before CUDA-graph capture. For
+  a target configured for EAGLE-3 it installs the persistent capture buffer (capture_hooks); for an
+  EAGLE-3 draft it installs the fused fc (draft_fc_hooks). Nothing is patched until then, and only
+  on that model instance.
+* AROUND ``AuxHiddenStateList.capture`` and ``AuxHiddenStatePacker.append`` — inert (one
+  thread-local read) unless a model with an installed buffer is running its forward.
+
+``EAGLE3_OPS_SGLANG=0`` makes :func:`register` return before touching anything (SGLang runs
+byte-for-byte stock), as does leaving ``eagle3_ops`` out of ``SGLANG_PLUGINS`` (SGLang then never
+calls it). An unsupported SGLang version gets one warning and no hooks. No error in here may stop
+SGLang: every failure is logged and leaves SGLang stock.
+"""
+from __future__ import annotations
+
+import logging
+from .version import check_sglang_version, plugin_enabled
+
+log = logging.getLogger("eagle3_ops.sglang")
+
+CONFIGURE_TARGET = ("sglang.srt.model_executor.model_runner_components.attention_backend_setup."
+                    "configure_aux_hidden_state_capture")
+LIST_CAPTURE_TARGET = "sglang.srt.layers.aux_hidden_states.AuxHiddenStateList.capture"
+PACKER_APPEND_TARGET = "sglang.srt.layers.aux_hidden_states.AuxHiddenStatePacker.append"
+
+_registered = False
+_warned_version = False
+
+
+def _on_configure_aux_hidden_state_capture(result, *args, **kwargs):
+    """AFTER hook: SGLang has configured (or not) the aux capture of ``model``."""
+    model = kwargs.get("model", args[0] if args else None)
+    try:
+        if model is None:
+            return None
+        if kwargs.get("eagle_use_aux_hidden_state"):
+            from .capture_hooks import install_target_capture
+
+            install_target_capture(model)
+        else:
+            from .draft_fc_hooks import install_draft_fc
+
+            install_draft_fc(model)
+    except Exception:  # never stop SGLang; the model keeps whatever stock path it had
+        log.exception("eagle3_ops: could not patch %s; it runs stock", type(model).__name__)
+    return None
+
+
+def _around_list_capture(original, *args, **kwargs):
+    from .capture_hooks import list_capture_hook
+
+    return list_capture_hook(original, *args, **kwargs)
+
+
+def _around_packer_append(original, *args, **kwargs):
+    from .capture_hooks import packer_append_hook
+
+    return packer_append_hook(original, *args, **kwargs)
+
+
+def register() -> None:
+    """Entry point called by SGLang's ``load_plugins`` (idempotent)."""
+    global _registered, _warned_version
+    if _registered or not plugin_enabled():
+        return
+    ok, reason = check_sglang_version()
+    if not ok:
+        if not _warned_version:
+            _warned_version = True
+            log.warning("eagle3_ops: %s; the SGLang plugin is inactive and SGLang is left unchanged", reason)
+        return
+    try:
+        from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+
+        HookRegistry.register(CONFIGURE_TARGET, _on_configure_aux_hidden_state_capture, HookType.AFTER)
+        HookRegistry.register(LIST_CAPTURE_TARGET, _around_list_capture, HookType.AROUND)
+        HookRegistry.register(PACKER_APPEND_TARGET, _around_packer_append, HookType.AROUND)
+    except Exception:
+        log.exception("eagle3_ops: could not register the SGLang hooks; SGLang is left unchanged")
+        return
+    _registered = True
+    log.info("eagle3_ops: SGLang plugin registered (%s); EAGLE-3 capture and draft fc are patched per "
+             "model when SGLang configures them (EAGLE3_OPS_SGLANG=0 turns this off)", reason)
+
+
+def install() -> bool:
+    """For use without SGLang's plugin loader (scripts, tests): register and apply the hooks now.
+    Returns whether the plugin is active."""
+    register()
+    if not _registered:
+        return False
+    from sglang.srt.plugins.hook_registry import HookRegistry
+
+    HookRegistry.apply_hooks()
+    return True
+
+
+def is_registered() -> bool:
+    return _registered
+
+
+def hooked_functions() -> dict:
+    """The three hooked SGLang functions as they are now (to check whether the hooks are applied)."""
+    import pkgutil
+
+    out = {}
+    for target in (CONFIGURE_TARGET, LIST_CAPTURE_TARGET, PACKER_APPEND_TARGET):
+        obj_path, attr = target.rsplit(".", 1)
+        out[target] = getattr(pkgutil.resolve_name(obj_path), attr)
+    return out
