@@ -1,0 +1,342 @@
+"""Reading target/draft ``config.json`` dialects and the draft's weight headers.
+
+Dialects of EAGLE-3 draft configs in use:
+
+- ``specforge``: SpecForge / SGLang. ``eagle_config.eagle_aux_hidden_state_layer_ids`` (nested).
+  Training convention: id ``k`` = *output* of decoder layer ``k`` (SpecForge captures through
+  SGLang's ``set_eagle3_layers_to_capture``, which adds 1; its default ids are
+  ``[1, L//2 - 1, L - 4]``), ``-1`` = the embeddings.
+- ``speculators``: vLLM's speculators format. ``speculators_model_type``, top-level
+  ``eagle_aux_hidden_state_layer_ids``, ``transformer_layer_config`` (the draft layer's Llama
+  config), ``target_hidden_size``, ``norm_before_fc``, ``fc_norm``, ``norm_before_residual``.
+  Training convention: id ``k`` = the residual stream *entering* layer ``k`` (vLLM's capture
+  point), ``0`` = the embeddings.
+- ``top-level``: plain config with top-level ``eagle_aux_hidden_state_layer_ids`` (what vLLM
+  reads). Assumed convention: vLLM's ("entering layer k").
+- ``eagle-original``: no ids at all (SafeAILab EAGLE-3 checkpoints). Trained on Hugging Face
+  boundaries ``(2, L//2, L-3)``, which is also every engine's default.
+
+Targets: a plain config, or a multimodal wrapper with the language model under ``text_config``
+(Kimi-K2.5), ``language_config`` or ``llm_config``.
+
+Weights: only safetensors headers are read (``safe_open``: names, shapes, dtypes). ``d2t``/``t2d``
+(tiny) are loaded for value checks; nothing else is loaded except by ``--replay``.
+``pytorch_model.bin`` drafts are opened with ``torch.load(mmap=True)`` so only headers are touched.
+"""
+from __future__ import annotations
+
+import dataclasses
+import glob
+import json
+import os
+from pathlib import Path
+from typing import Dict, List, Optional, Tuple
+
+from .draft import canonical_name
+
+NESTED_TEXT_KEYS = ("text_config", "language_config", "llm_config")
+
+# Training conventions: how a draft's ids were turned into hidden states during training.
+LAYER_OUTPUT = "layer-output"   # id k = output of layer k (SpecForge, SGLang, TensorRT-LLM); -1 = embeddings
+LAYER_INPUT = "layer-input"     # id k = input of layer k = HF output_hidden_states[k] (vLLM); 0 = embeddings
+CONVENTIONS = (LAYER_OUTPUT, LAYER_INPUT)
+
+CONVENTION_TEXT = {
+    LAYER_OUTPUT: 'id k = output of layer k (SpecForge/SGLang convention; -1 = embeddings)',
+    LAYER_INPUT: 'id k = residual stream entering layer k (vLLM convention; 0 = embeddings)',
+}
+
+
+class DoctorInputError(Exception):
+    """Bad usage or unreadable input: the CLI prints the message and exits with status 2."""
+
+
+def convention_to_index(conv: str, layer_id: int) -> int:
+    """Hugging Face boundary index (output_hidden_states index) that ``layer_id`` names in ``conv``."""
+    return layer_id + 1 if conv == LAYER_OUTPUT else layer_id
+
+
+def index_to_convention(conv: str, index: int) -> int:
+    return index - 1 if conv == LAYER_OUTPUT else index
+
+
+def read_config(path, what: str) -> Tuple[Path, dict]:
+    """``path`` is a model directory (or a config.json); returns (dir, parsed config)."""
+    p = Path(path)
+    if not p.exists():
+        raise DoctorInputError(f"{what}: {p} does not exist")
+    cfg_path = p / "config.json" if p.is_dir() else p
+    model_dir = p if p.is_dir() else p.parent
+    if not cfg_path.is_file():
+        raise DoctorInputError(f"{what}: no config.json in {p}")
+    try:
+        text = cfg_path.read_text()
+    except OSError as e:
+        raise DoctorInputError(f"{what}: cannot read {cfg_path}: {e}") from None
+    try:
+        cfg = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise DoctorInputError(f"{what}: {cfg_path} is not valid JSON (line {e.lineno}, column {e.colno}: {e.msg})") \
+            from None
+    if not isinstance(cfg, dict):
+        raise DoctorInputError(f"{what}: {cfg_path} must hold a JSON object, found {type(cfg).__name__}")
+    return model_dir, cfg
+
+
+def _int_field(cfg: dict, key: str, what: str, required: bool = True) -> Optional[int]:
+    v = cfg.get(key)
+    if v is None:
+        if required:
+            raise DoctorInputError(f"{what}: config.json has no '{key}'")
+        return None
+    if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
+        raise DoctorInputError(f"{what}: '{key}' must be a positive integer, found {v!r}")
+    return v
+
+
+def _ids_field(value, where: str, what: str) -> Optional[List[int]]:
+    if value is None:
+        return None
+    if not isinstance(value, (list, tuple)) or not all(isinstance(x, int) and not isinstance(x, bool) for x in value):
+        raise DoctorInputError(f"{what}: {where} must be a list of integers, found {value!r}")
+    return [int(x) for x in value] if value else None
+
+
+# --------------------------------------------------------------------------------------- target
+@dataclasses.dataclass
+class TargetInfo:
+    path: Path
+    config: dict
+    text_config: dict            # the dict that describes the decoder stack (== config unless nested)
+    nested_key: Optional[str]
+    model_type: str
+    text_model_type: str
+    architectures: List[str]
+    num_layers: int
+    hidden_size: int
+    vocab_size: Optional[int]
+
+    def describe(self) -> str:
+        mt = self.model_type if self.model_type == self.text_model_type else \
+            f"{self.model_type}, language model {self.text_model_type} under '{self.nested_key}'"
+        vocab = f", vocab {self.vocab_size}" if self.vocab_size else ""
+        return f"{mt}, {self.num_layers} layers (0..{self.num_layers - 1}), hidden {self.hidden_size}{vocab}"
+
+
+def parse_target(path) -> TargetInfo:
+    what = "target"
+    model_dir, cfg = read_config(path, what)
+    text, key = cfg, None
+    if "num_hidden_layers" not in cfg:
+        for k in NESTED_TEXT_KEYS:
+            if isinstance(cfg.get(k), dict):
+                text, key = cfg[k], k
+                break
+    where = f"{what} ({key})" if key else what
+    num_layers = _int_field(text, "num_hidden_layers", where)
+    hidden = _int_field(text, "hidden_size", where)
+    vocab = _int_field(text, "vocab_size", where, required=False) or _int_field(cfg, "vocab_size", what,
+                                                                               required=False)
+    archs = cfg.get("architectures") or text.get("architectures") or []
+    return TargetInfo(path=model_dir, config=cfg, text_config=text, nested_key=key,
+                      model_type=str(cfg.get("model_type", "")), text_model_type=str(text.get("model_type", "")),
+                      architectures=[str(a) for a in archs] if isinstance(archs, list) else [str(archs)],
+                      num_layers=num_layers, hidden_size=hidden, vocab_size=vocab)
+
+
+# ---------------------------------------------------------------------------------------- draft
+@dataclasses.dataclass
+class DraftInfo:
+    path: Path
+    config: dict
+    dialect: str                    # specforge | speculators | top-level | eagle-original
+    nested_ids: Optional[List[int]]  # eagle_config.eagle_aux_hidden_state_layer_ids
+    top_ids: Optional[List[int]]     # top-level eagle_aux_hidden_state_layer_ids
+    use_aux_hidden_state: bool
+    layer_config: dict               # the draft layer's config (transformer_layer_config for speculators)
+    hidden_size: Optional[int]
+    target_hidden_size: Optional[int]
+    vocab_size: Optional[int]
+    draft_vocab_size: Optional[int]
+    num_aux_declared: Optional[int]  # num_aux_hidden_states
+    norm_before_fc: bool
+    fc_norm: bool
+    norm_before_residual: bool
+    tie_word_embeddings: bool
+    architectures: List[str]
+
+    @property
+    def training_ids(self) -> Optional[List[int]]:
+        """The ids that describe what the draft was trained on, as the dialect records them."""
+        if self.dialect == "specforge":
+            return self.nested_ids
+        return self.top_ids
+
+    @property
+    def dialect_convention(self) -> Optional[str]:
+        if self.dialect == "specforge":
+            return LAYER_OUTPUT
+        if self.dialect in ("speculators", "top-level"):
+            return LAYER_INPUT
+        return None
+
+    def describe(self) -> str:
+        if self.dialect == "specforge":
+            s = f"SpecForge/SGLang config: eagle_config.eagle_aux_hidden_state_layer_ids = {self.nested_ids}"
+            if self.top_ids is not None:
+                s += f"; also top-level eagle_aux_hidden_state_layer_ids = {self.top_ids}"
+            return s
+        if self.dialect == "speculators":
+            s = f"speculators config: eagle_aux_hidden_state_layer_ids = {self.top_ids}"
+            if self.nested_ids is not None:
+                s += f"; also eagle_config.eagle_aux_hidden_state_layer_ids = {self.nested_ids}"
+            return s
+        if self.dialect == "top-level":
+            return f"config with top-level eagle_aux_hidden_state_layer_ids = {self.top_ids}"
+        return "EAGLE-3 config without layer ids (original EAGLE format): engines use their defaults"
+
+
+def parse_draft(path) -> DraftInfo:
+    what = "draft"
+    model_dir, cfg = read_config(path, what)
+    eagle_cfg = cfg.get("eagle_config")
+    if eagle_cfg is not None and not isinstance(eagle_cfg, dict):
+        raise DoctorInputError(f"{what}: 'eagle_config' must be a JSON object, found {eagle_cfg!r}")
+    eagle_cfg = eagle_cfg or {}
+    nested = _ids_field(eagle_cfg.get("eagle_aux_hidden_state_layer_ids"),
+                        "eagle_config.eagle_aux_hidden_state_layer_ids", what)
+    top = _ids_field(cfg.get("eagle_aux_hidden_state_layer_ids"), "eagle_aux_hidden_state_layer_ids", what)
+    is_speculators = "speculators_model_type" in cfg or "transformer_layer_config" in cfg
+    layer_cfg = cfg.get("transformer_layer_config") if isinstance(cfg.get("transformer_layer_config"), dict) else cfg
+    if is_speculators:
+        dialect = "speculators"
+    elif nested is not None:
+        dialect = "specforge"
+    elif top is not None:
+        dialect = "top-level"
+    else:
+        dialect = "eagle-original"
+
+    def pick(key, default=None):
+        for d in (cfg, eagle_cfg, layer_cfg):
+            if key in d and d[key] is not None:
+                return d[key]
+        return default
+
+    num_aux = cfg.get("num_aux_hidden_states")
+    if num_aux is not None and (isinstance(num_aux, bool) or not isinstance(num_aux, int) or num_aux <= 0):
+        raise DoctorInputError(f"{what}: 'num_aux_hidden_states' must be a positive integer, found {num_aux!r}")
+    archs = cfg.get("architectures") or layer_cfg.get("architectures") or []
+    nbr_default = is_speculators  # vLLM's speculators conversion defaults norm_before_residual to True
+    return DraftInfo(
+        path=model_dir, config=cfg, dialect=dialect, nested_ids=nested, top_ids=top,
+        use_aux_hidden_state=bool(eagle_cfg.get("use_aux_hidden_state", True)),
+        layer_config=layer_cfg,
+        hidden_size=_int_field(layer_cfg, "hidden_size", what, required=False),
+        target_hidden_size=_int_field(cfg, "target_hidden_size", what, required=False),
+        vocab_size=_int_field(layer_cfg, "vocab_size", what, required=False),
+        draft_vocab_size=_int_field(cfg, "draft_vocab_size", what, required=False)
+        or _int_field(layer_cfg, "draft_vocab_size", what, required=False),
+        num_aux_declared=num_aux,
+        norm_before_fc=bool(pick("norm_before_fc", False)),
+        fc_norm=bool(pick("fc_norm", False) or pick("use_aux_norm", False)),
+        norm_before_residual=bool(pick("norm_before_residual", nbr_default)),
+        tie_word_embeddings=bool(layer_cfg.get("tie_word_embeddings", cfg.get("tie_word_embeddings", False))),
+        architectures=[str(a) for a in archs] if isinstance(archs, list) else [str(archs)],
+    )
+
+
+# -------------------------------------------------------------------------------------- weights
+@dataclasses.dataclass
+class TensorInfo:
+    name: str          # canonical name (see draft.canonical_name)
+    raw_name: str
+    shape: Tuple[int, ...]
+    dtype: str
+    file: str
+
+
+def _weight_files(model_dir: Path) -> List[str]:
+    index = model_dir / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text()).get("weight_map", {})
+        except (OSError, json.JSONDecodeError) as e:
+            raise DoctorInputError(f"draft: cannot read {index}: {e}") from None
+        files = sorted({str(model_dir / f) for f in weight_map.values()})
+        missing = [f for f in files if not os.path.isfile(f)]
+        if missing:
+            raise DoctorInputError(f"draft: {index.name} lists missing files: {', '.join(missing)}")
+        return files
+    files = sorted(glob.glob(str(model_dir / "*.safetensors")))
+    if files:
+        return files
+    return sorted(glob.glob(str(model_dir / "pytorch_model*.bin")))
+
+
+def read_weight_headers(model_dir) -> Dict[str, TensorInfo]:
+    """Names, shapes and dtypes of every tensor of a checkpoint directory, without loading data."""
+    model_dir = Path(model_dir)
+    files = _weight_files(model_dir)
+    if not files:
+        raise DoctorInputError(f"draft: no weights in {model_dir} (expected model.safetensors, sharded "
+                               f"*.safetensors with model.safetensors.index.json, or pytorch_model.bin)")
+    out: Dict[str, TensorInfo] = {}
+    for f in files:
+        if f.endswith(".bin"):
+            out.update(_bin_headers(f))
+            continue
+        try:
+            from safetensors import safe_open
+
+            with safe_open(f, framework="pt") as st:
+                for raw in st.keys():
+                    sl = st.get_slice(raw)
+                    name = canonical_name(raw)
+                    out[name] = TensorInfo(name, raw, tuple(int(x) for x in sl.get_shape()), str(sl.get_dtype()), f)
+        except DoctorInputError:
+            raise
+        except Exception as e:  # safetensors raises its own error types for corrupt headers
+            raise DoctorInputError(f"draft: cannot read safetensors header of {f}: {e}") from None
+    return out
+
+
+def _bin_headers(f: str) -> Dict[str, TensorInfo]:
+    import torch
+
+    try:
+        sd = torch.load(f, map_location="cpu", mmap=True, weights_only=True)
+    except Exception as e:
+        raise DoctorInputError(f"draft: cannot read {f}: {e}") from None
+    out = {}
+    for raw, t in sd.items():
+        if hasattr(t, "shape"):
+            name = canonical_name(raw)
+            out[name] = TensorInfo(name, raw, tuple(t.shape), str(t.dtype).replace("torch.", "").upper(), f)
+    return out
+
+
+def load_tensors(infos: Dict[str, TensorInfo], names) -> Dict[str, "torch.Tensor"]:  # noqa: F821
+    """Load only the named tensors (canonical names) from their files."""
+    import torch
+
+    by_file: Dict[str, List[TensorInfo]] = {}
+    for n in names:
+        if n in infos:
+            by_file.setdefault(infos[n].file, []).append(infos[n])
+    out = {}
+    for f, items in by_file.items():
+        try:
+            if f.endswith(".bin"):
+                sd = torch.load(f, map_location="cpu", mmap=True, weights_only=True)
+                for it in items:
+                    out[it.name] = sd[it.raw_name]
+            else:
+                from safetensors import safe_open
+
+                with safe_open(f, framework="pt") as st:
+                    for it in items:
+                        out[it.name] = st.get_tensor(it.raw_name)
+        except Exception as e:
+            raise DoctorInputError(f"draft: cannot load tensors from {f}: {e}") from None
+    return out
