@@ -23,3 +23,14 @@ def sglang_cpu():
     harness.init_distributed()
     assert harness.plugin_install(), "the eagle3_ops SGLang plugin did not activate"
     return harness
+
+
+@pytest.fixture(autouse=True)
+def _no_dynamo_in_sglang():
+    """SGLang torch.compiles a few helpers (MoE top-k, vocab-parallel masking); on 2 CPU cores each
+    new batch shape costs seconds of dynamo/inductor for nothing these tests look at. Scoped to
+    each test here so other tests in the session keep torch.compile as they expect."""
+    import torch._dynamo
+
+    with torch._dynamo.config.patch(disable=True):
+        yield

@@ -1,0 +1,130 @@
+"""The plugin as SGLang loads it: discovered through the installed ``sglang.srt.plugins`` entry
+point in a fresh process (``load_plugins``), one log line per patched site; off with
+EAGLE3_OPS_SGLANG=0 (SGLang byte-for-byte stock) or when left out of SGLANG_PLUGINS; inactive with
+one warning on an unsupported SGLang version; unknown model families left stock."""
+import json
+import os
+import subprocess
+import sys
+from importlib.metadata import entry_points
+
+import pytest
+import torch
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(os.path.dirname(HERE))
+OUR_TARGETS = [
+    "sglang.srt.layers.aux_hidden_states.AuxHiddenStateList.capture",
+    "sglang.srt.layers.aux_hidden_states.AuxHiddenStatePacker.append",
+    "sglang.srt.model_executor.model_runner_components.attention_backend_setup.configure_aux_hidden_state_capture",
+]
+
+
+def _other_plugins():
+    return [ep.name for ep in entry_points(group="sglang.srt.plugins") if ep.name != "eagle3_ops"]
+
+
+@pytest.fixture(scope="module")
+def worker_runs():
+    """The four scenarios, each in a fresh SGLang process (run side by side)."""
+    base = dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")]),
+                SGLANG_NCCL_SO_PATH="/nonexistent", TORCHDYNAMO_DISABLE="1")
+    for var in ("SGLANG_USE_CPU_ENGINE", "SGLANG_PLUGINS", "EAGLE3_OPS_SGLANG", "EAGLE3_OPS_BACKEND"):
+        base.pop(var, None)
+    scenarios = {
+        "default": {},
+        "off": {"EAGLE3_OPS_SGLANG": "0"},
+        # every installed plugin except ours (SGLANG_PLUGINS is a whitelist)
+        "excluded": {"SGLANG_PLUGINS": ",".join(_other_plugins()) or "none"},
+        "old-version": {},
+    }
+    procs = {mode: subprocess.Popen([sys.executable, os.path.join(HERE, "plugin_worker.py"), mode],
+                                    env=dict(base, **extra), stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+             for mode, extra in scenarios.items()}
+    results = {}
+    for mode, p in procs.items():
+        out, err = p.communicate(timeout=420)
+        assert p.returncode == 0, f"{mode} worker failed:\n{err.decode(errors='replace')[-4000:]}"
+        results[mode] = json.loads(out.decode().strip().splitlines()[-1])
+    return results
+
+
+def test_entry_point_is_installed():
+    eps = {ep.name: ep.value for ep in entry_points(group="sglang.srt.plugins")}
+    assert eps.get("eagle3_ops") == "eagle3_ops.sglang.plugin:register"
+
+
+def test_discovered_through_entry_point_and_patches_each_site(worker_runs):
+    r = worker_runs["default"]
+    assert r["our_hooks"] == OUR_TARGETS and not r["sglang_functions_unchanged"]
+    assert r["target_patched"] and r["draft_patched"] and r["aux_in_buffer"]
+    log = r["eagle3_log"]
+    assert sum("plugin registered" in m for m in log) == 1
+    # one line per patched site, each naming the backend in use
+    sites = [m for m in log if m.startswith("eagle3_ops: patched")]
+    assert len(sites) == 5  # target capture + 3 fused norms (layers 1..3) + draft fc
+    assert all("backend " in m for m in sites)
+    assert sum("input_layernorm" in m for m in sites) == 3
+    assert r["eagle3_warnings"] == []
+    assert len(r["sglang_applied"]) == 3
+
+
+def test_off_switch_leaves_sglang_stock(worker_runs):
+    off, excluded = worker_runs["off"], worker_runs["excluded"]
+    for r in (off, excluded):
+        assert r["our_hooks"] == [] and r["sglang_functions_unchanged"]
+        assert r["model_attrs_added"] == [] and not r["target_patched"] and not r["draft_patched"]
+        assert r["eagle3_log"] == [] and r["sglang_applied"] == []
+    # the same bits as a process in which SGLang never called the plugin
+    assert off["digests"] == excluded["digests"]
+
+
+def test_plugin_on_gives_the_stock_answers(worker_runs):
+    on, off = worker_runs["default"], worker_runs["off"]
+    assert on["model_attrs_added"]  # it did patch this time, and the answers are stock's
+    for name in ("target_logits", "aux", "draft_logits"):
+        torch.testing.assert_close(torch.tensor(on["values"][name]), torch.tensor(off["values"][name]),
+                                   atol=1e-5, rtol=1e-5, msg=name)
+    if set(on["backends"].values()) == {"reference"}:
+        assert on["digests"] == off["digests"]  # fp32 reference ops: bit-identical to SGLang's own
+
+
+def test_unsupported_sglang_version_warns_once_and_stays_stock(worker_runs):
+    r = worker_runs["old-version"]
+    assert r["our_hooks"] == [] and r["sglang_functions_unchanged"] and not r["target_patched"]
+    assert len(r["eagle3_warnings"]) == 1 and "0.5.22" in r["eagle3_warnings"][0]
+    assert r["digests"] == worker_runs["off"]["digests"]
+
+
+def test_version_check():
+    from eagle3_ops.sglang.version import check_sglang_version
+
+    assert check_sglang_version("0.5.23")[0]
+    assert check_sglang_version("0.5.23+cu130")[0]
+    assert not check_sglang_version("0.5.22")[0] and not check_sglang_version("0.6.0")[0]
+
+
+def test_unknown_model_family_is_left_stock(sglang_cpu, caplog):
+    """A model whose forward is not code this plugin knows (here: a LlamaModel subclass with its own
+    forward) gets one warning and keeps SGLang's own capture path."""
+    h = sglang_cpu
+    dtype = torch.float32
+    cfg = h.FAMILIES["llama"].make_config()
+    model = h.sglang_model("llama", cfg, dtype, seed=3)
+
+    class CustomModel(type(model.model)):
+        def forward(self, *args, **kwargs):
+            return super().forward(*args, **kwargs)
+
+    model.model.__class__ = CustomModel
+    with caplog.at_level("WARNING", logger="eagle3_ops.sglang"):
+        h.configure_capture(model, [0, 1, 2])
+        h.configure_capture(model, [0, 1, 2])
+    from eagle3_ops.sglang.capture_hooks import capture_state
+
+    assert capture_state(model) is None and "forward" not in vars(model.model)
+    warnings = [r for r in caplog.records if "not supported" in r.getMessage()]
+    assert len(warnings) == 1 and "CustomModel" in warnings[0].getMessage()
+    kv = h.KVCache(cfg, dtype)
+    out = h.run(model, h.extend_batch(kv, [h.Req(kv.new_req())], [[1, 2, 3]]), kv)
+    assert out.hidden_states.shape == (3, 3 * cfg.hidden_size)

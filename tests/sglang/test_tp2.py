@@ -1,0 +1,67 @@
+"""TP=2 on CPU (two gloo processes running SGLang's LlamaForCausalLM): with the plugin the captures
+are the post-all-reduce residual stream — bitwise equal on both ranks and equal to TP=1 and to
+Hugging Face within rounding (a per-rank partial sum would be far off) — and logits are unchanged."""
+import os
+import subprocess
+import sys
+
+import torch
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(os.path.dirname(HERE))
+
+
+def _run_ranks(tmp_path):
+    sys.path.insert(0, HERE)
+    import harness
+
+    port = harness.free_port()
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")]),
+               SGLANG_NCCL_SO_PATH="/nonexistent", TORCHDYNAMO_DISABLE="1")
+    env.pop("SGLANG_USE_CPU_ENGINE", None)
+    procs = [subprocess.Popen([sys.executable, os.path.join(HERE, "tp2_worker.py"), str(r), str(port),
+                               str(tmp_path)], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+             for r in range(2)]
+    logs = []
+    for p in procs:
+        try:
+            out, _ = p.communicate(timeout=420)
+        except subprocess.TimeoutExpired:
+            for q in procs:
+                q.kill()
+            raise
+        logs.append(out.decode(errors="replace")[-4000:])
+    for p, log in zip(procs, logs):
+        assert p.returncode == 0, f"TP=2 rank failed:\n{log}"
+    return [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
+
+
+def test_tp2_captures_post_all_reduce_and_logits_unchanged(sglang_cpu, tmp_path):
+    h = sglang_cpu
+    ranks = _run_ranks(tmp_path)
+    from tp2_worker import DRAFTS, LAYER_IDS, PROMPTS, two_forwards
+
+    for dtype in (torch.float32, torch.bfloat16):
+        key = str(dtype)
+        tol = h.tolerances(dtype)
+        r0, r1 = ranks[0][key], ranks[1][key]
+        cfg = h.FAMILIES["llama"].make_config()
+        hf = h.hf_model("llama", cfg, dtype)
+        tp1_model = h.sglang_from_hf("llama", cfg, dtype, hf)
+        h.configure_capture(tp1_model, LAYER_IDS)
+        tp1 = two_forwards(tp1_model, cfg, dtype, 1)
+        capture_ids = [i + 1 for i in LAYER_IDS]
+        hf_out = h.hf_hidden_states(hf, [p + d for p, d in zip(PROMPTS, DRAFTS)])
+        ref = {"extend_aux": h.hf_aux(hf_out, capture_ids, [slice(0, len(p)) for p in PROMPTS]),
+               "verify_aux": h.hf_aux(hf_out, capture_ids,
+                                      [slice(len(p), len(p) + len(d)) for p, d in zip(PROMPTS, DRAFTS)])}
+        for name in ("extend_aux", "verify_aux"):
+            assert torch.equal(r0["plugin"][name], r1["plugin"][name]), f"{key} {name}: ranks differ"
+            torch.testing.assert_close(r0["plugin"][name], tp1[name], **tol, msg=f"{key} {name} vs TP=1")
+            torch.testing.assert_close(r0["plugin"][name].float(), ref[name].float(), **tol,
+                                       msg=f"{key} {name} vs HF")
+            torch.testing.assert_close(r0["plugin"][name], r0["stock"][name], **tol)
+        for r in (r0, r1):
+            for name in ("extend_logits", "verify_logits"):
+                torch.testing.assert_close(r["plugin"][name], r["stock"][name], **tol, msg=f"{key} {name}")
+            assert r["stats"]["buffer_forwards"] == 2 and r["stats"]["fused_captures"] == 6
