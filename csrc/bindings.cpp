@@ -16,4 +16,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.attr("compiled_archs") = EAGLE3_STR(EAGLE3_OPS_ARCHS);
   m.def("capture", &eagle3::capture, "buffer[:T, slot] = hidden (+ residual)", py::arg("hidden"),
         py::arg("residual"), py::arg("buffer"), py::arg("slot"));
+  m.def("fused_add_rmsnorm_capture", &eagle3::fused_add_rmsnorm_capture,
+        "fused_add_rmsnorm(input, residual, weight, eps) + buffer[:T, slot] = new residual", py::arg("input"),
+        py::arg("residual"), py::arg("weight"), py::arg("eps"), py::arg("buffer"), py::arg("slot"));
 }

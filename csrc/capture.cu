@@ -1,10 +1,23 @@
-// capture: buffer[:T, slot*H:(slot+1)*H] = hidden + residual (or hidden).
+// capture: buffer[:T, slot*H:(slot+1)*H] = hidden + residual (or hidden); fp32 add, one rounding.
 //
-// Bytes: reads T*H (or 2*T*H with residual) and writes T*H elements; no FLOPs to speak of, so the
-// floor is (reads + writes) / copy bandwidth. Launch: one 256-thread block per (row, 256-vector
-// chunk of the row); every thread moves one 16-byte vector (8 bf16/fp16 or 4 fp32 elements) when
-// all pointers, H and the row strides allow it, else one element (scalar tail for odd shapes).
-// Blocks = T * ceil(H / (256*VEC)) covers H200 (132 SMs) and sm_120 (170-188 SMs) from a few rows on.
+// Bytes: reads T*H (2*T*H with residual) and writes T*H elements; no FLOPs to speak of, so the
+// floor is (reads + writes) / copy bandwidth (e.g. T=8192, H=7168, bf16, residual: 352 MB).
+//
+// Two launch shapes:
+// * aligned (every pointer 16-byte aligned, H and all row strides multiples of the vector width):
+//   one block per (row, row chunk); every thread moves exactly one 16-byte vector (8 bf16/fp16 or
+//   4 fp32). A row of V vectors is cut into ceil(V/256) equal chunks of <= 256 threads (a whole
+//   number of warps), so H = 4096/5120/7168/8192 bf16 waste <= 32 threads per chunk. Blocks =
+//   T * chunks: from T ~ 32 on this is several waves on 132-SM Hopper and 188-SM Blackwell; below
+//   that the op is launch-latency bound (a few KB per row), not bandwidth bound.
+// * any other layout (H not a multiple of the vector width, odd row strides, unaligned views): one
+//   block per row; each row gets a scalar head up to the first 16-byte boundary of its buffer row,
+//   a vector body, and a scalar tail, when hidden/residual/buffer rows share the same misalignment;
+//   otherwise the row is moved element by element (still coalesced).
+// The buffer store is a streaming store (st.global.cs): the captured rows are read again only by
+// the draft model after the whole target forward, so they should not evict the layer's live data
+// from L2. hidden/residual are plain loads (the next layer reads them again right away).
+// CUDA-graph safe: no allocation, no host sync, current stream.
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAGuard.h>
 
@@ -14,50 +27,95 @@
 namespace eagle3 {
 namespace {
 
-constexpr int kThreads = 256;
+constexpr int kMaxChunkThreads = 256;
+constexpr int kRowThreads = 256;
 
-template <typename T, int VEC, bool kHasResidual>
-__global__ void capture_kernel(const T* __restrict__ hidden, int64_t hidden_stride,
-                               const T* __restrict__ residual, int64_t residual_stride,
-                               T* __restrict__ out, int64_t out_stride, int H, int chunks_per_row) {
+template <typename T, bool kHasResidual>
+__global__ void __launch_bounds__(kMaxChunkThreads)
+    capture_aligned_kernel(const T* __restrict__ hidden, int64_t hidden_stride, const T* __restrict__ residual,
+                           int64_t residual_stride, T* __restrict__ out, int64_t out_stride, int vecs_per_row,
+                           int chunks_per_row) {
+  constexpr int VEC = Vec16<T>::kElems;
   const int64_t row = blockIdx.x / chunks_per_row;
-  const int chunk = blockIdx.x - row * chunks_per_row;
-  const int col = (chunk * kThreads + threadIdx.x) * VEC;
-  if (col >= H) return;
-  const T* h = hidden + row * hidden_stride + col;
-  T* o = out + row * out_stride + col;
-  if constexpr (VEC > 1) {
-    Vec16<T> hv, rv, ov;
-    hv.raw = *reinterpret_cast<const uint4*>(h);
-    if constexpr (kHasResidual) rv.raw = *reinterpret_cast<const uint4*>(residual + row * residual_stride + col);
+  const int chunk = static_cast<int>(blockIdx.x - row * chunks_per_row);
+  const int v = chunk * blockDim.x + threadIdx.x;
+  if (v >= vecs_per_row) return;
+  const int64_t col = static_cast<int64_t>(v) * VEC;
+  Vec16<T> hv, ov;
+  hv.raw = *reinterpret_cast<const uint4*>(hidden + row * hidden_stride + col);
+  if constexpr (kHasResidual) {
+    Vec16<T> rv;
+    rv.raw = *reinterpret_cast<const uint4*>(residual + row * residual_stride + col);
 #pragma unroll
-    for (int i = 0; i < VEC; ++i) {
-      float v = to_float(hv.elem[i]);
-      if constexpr (kHasResidual) v += to_float(rv.elem[i]);
-      ov.elem[i] = from_float<T>(v);
-    }
-    *reinterpret_cast<uint4*>(o) = ov.raw;
+    for (int i = 0; i < VEC; ++i) ov.elem[i] = from_float<T>(to_float(hv.elem[i]) + to_float(rv.elem[i]));
   } else {
-    float v = to_float(*h);
-    if constexpr (kHasResidual) v += to_float(residual[row * residual_stride + col]);
-    *o = from_float<T>(v);
+    ov.raw = hv.raw;  // a pure copy: same bits, no conversion
   }
+  __stcs(reinterpret_cast<uint4*>(out + row * out_stride + col), ov.raw);
 }
 
-template <typename T, int VEC>
-void launch_capture(const at::Tensor& hidden, const std::optional<at::Tensor>& residual, T* out,
-                    int64_t out_stride, int64_t T_rows, int H, cudaStream_t stream) {
-  const int chunks_per_row = (H + kThreads * VEC - 1) / (kThreads * VEC);
-  const int64_t blocks = T_rows * chunks_per_row;
-  TORCH_CHECK(blocks <= INT32_MAX, "eagle3::capture: too many rows for one launch");
-  const T* h = reinterpret_cast<const T*>(hidden.data_ptr());
-  if (residual.has_value()) {
-    capture_kernel<T, VEC, true><<<blocks, kThreads, 0, stream>>>(
-        h, hidden.stride(0), reinterpret_cast<const T*>(residual->data_ptr()), residual->stride(0), out,
-        out_stride, H, chunks_per_row);
+template <typename T, bool kHasResidual>
+__device__ __forceinline__ void capture_scalar(const T* h, const T* r, T* o, int i) {
+  float v = to_float(h[i]);
+  if constexpr (kHasResidual) v += to_float(r[i]);
+  o[i] = from_float<T>(v);
+}
+
+template <typename T, bool kHasResidual>
+__global__ void __launch_bounds__(kRowThreads)
+    capture_any_kernel(const T* hidden, int64_t hidden_stride, const T* residual, int64_t residual_stride, T* out,
+                       int64_t out_stride, int H) {
+  constexpr int VEC = Vec16<T>::kElems;
+  const int64_t row = blockIdx.x;
+  const T* h = hidden + row * hidden_stride;
+  const T* r = kHasResidual ? residual + row * residual_stride : nullptr;
+  T* o = out + row * out_stride;
+  // Vector body only when all rows start at the same offset within a 16-byte line.
+  const uintptr_t mis = reinterpret_cast<uintptr_t>(o) & 15u;
+  const bool co_aligned = (reinterpret_cast<uintptr_t>(h) & 15u) == mis &&
+                          (!kHasResidual || (reinterpret_cast<uintptr_t>(r) & 15u) == mis);
+  int head = H, vecs = 0;
+  if (co_aligned) {
+    head = min(H, static_cast<int>(((16u - mis) & 15u) / sizeof(T)));
+    vecs = (H - head) / VEC;
+  }
+  const int body_end = head + vecs * VEC;
+  for (int i = threadIdx.x; i < head; i += blockDim.x) capture_scalar<T, kHasResidual>(h, r, o, i);
+  for (int v = threadIdx.x; v < vecs; v += blockDim.x) {
+    const int col = head + v * VEC;
+    Vec16<T> hv, ov;
+    hv.raw = *reinterpret_cast<const uint4*>(h + col);
+    if constexpr (kHasResidual) {
+      Vec16<T> rv;
+      rv.raw = *reinterpret_cast<const uint4*>(r + col);
+#pragma unroll
+      for (int i = 0; i < VEC; ++i) ov.elem[i] = from_float<T>(to_float(hv.elem[i]) + to_float(rv.elem[i]));
+    } else {
+      ov.raw = hv.raw;
+    }
+    __stcs(reinterpret_cast<uint4*>(o + col), ov.raw);
+  }
+  for (int i = body_end + threadIdx.x; i < H; i += blockDim.x) capture_scalar<T, kHasResidual>(h, r, o, i);
+}
+
+template <typename T, bool kHasResidual>
+void launch_capture(const T* hidden, int64_t hidden_stride, const T* residual, int64_t residual_stride, T* out,
+                    int64_t out_stride, int64_t rows, int H, bool aligned, cudaStream_t stream) {
+  constexpr int VEC = Vec16<T>::kElems;
+  if (aligned) {
+    const int vecs_per_row = H / VEC;
+    const int chunks_per_row = (vecs_per_row + kMaxChunkThreads - 1) / kMaxChunkThreads;
+    const int per_chunk = (vecs_per_row + chunks_per_row - 1) / chunks_per_row;
+    const int threads = (per_chunk + 31) / 32 * 32;
+    const int64_t blocks = rows * chunks_per_row;
+    TORCH_CHECK(blocks <= INT32_MAX, "eagle3::capture (cuda): too many rows for one launch");
+    capture_aligned_kernel<T, kHasResidual><<<static_cast<unsigned>(blocks), threads, 0, stream>>>(
+        hidden, hidden_stride, residual, residual_stride, out, out_stride, vecs_per_row, chunks_per_row);
   } else {
-    capture_kernel<T, VEC, false><<<blocks, kThreads, 0, stream>>>(h, hidden.stride(0), nullptr, 0, out,
-                                                                   out_stride, H, chunks_per_row);
+    TORCH_CHECK(rows <= INT32_MAX, "eagle3::capture (cuda): too many rows for one launch");
+    const int threads = std::min(kRowThreads, (H + 31) / 32 * 32);
+    capture_any_kernel<T, kHasResidual><<<static_cast<unsigned>(rows), threads, 0, stream>>>(
+        hidden, hidden_stride, residual, residual_stride, out, out_stride, H);
   }
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
@@ -66,18 +124,21 @@ template <typename T>
 void capture_typed(const at::Tensor& hidden, const std::optional<at::Tensor>& residual, at::Tensor& buffer,
                    int64_t slot) {
   constexpr int VEC = Vec16<T>::kElems;
-  const int64_t T_rows = hidden.size(0);
+  const int64_t rows = hidden.size(0);
   const int H = static_cast<int>(hidden.size(1));
+  const T* h = reinterpret_cast<const T*>(hidden.data_ptr());
   T* out = reinterpret_cast<T*>(buffer.data_ptr()) + slot * H;
-  const bool vectorizable = H % VEC == 0 && hidden.stride(0) % VEC == 0 && buffer.stride(0) % VEC == 0 &&
-                            is_aligned16(hidden.data_ptr()) && is_aligned16(out) &&
-                            (!residual.has_value() ||
-                             (residual->stride(0) % VEC == 0 && is_aligned16(residual->data_ptr())));
+  const T* r = residual.has_value() ? reinterpret_cast<const T*>(residual->data_ptr()) : nullptr;
+  const int64_t r_stride = residual.has_value() ? residual->stride(0) : 0;
+  // Aligned launch: every row of every tensor starts on a 16-byte boundary and holds whole vectors.
+  const bool aligned = H % VEC == 0 && hidden.stride(0) % VEC == 0 && buffer.stride(0) % VEC == 0 &&
+                       is_aligned16(h) && is_aligned16(out) &&
+                       (r == nullptr || (r_stride % VEC == 0 && is_aligned16(r)));
   cudaStream_t stream = at::cuda::getCurrentCUDAStream();
-  if (vectorizable) {
-    launch_capture<T, VEC>(hidden, residual, out, buffer.stride(0), T_rows, H, stream);
+  if (r != nullptr) {
+    launch_capture<T, true>(h, hidden.stride(0), r, r_stride, out, buffer.stride(0), rows, H, aligned, stream);
   } else {
-    launch_capture<T, 1>(hidden, residual, out, buffer.stride(0), T_rows, H, stream);
+    launch_capture<T, false>(h, hidden.stride(0), nullptr, 0, out, buffer.stride(0), rows, H, aligned, stream);
   }
 }
 
@@ -86,7 +147,18 @@ void capture_typed(const at::Tensor& hidden, const std::optional<at::Tensor>& re
 void capture(const at::Tensor& hidden, const std::optional<at::Tensor>& residual, at::Tensor& buffer,
              int64_t slot) {
   TORCH_CHECK(hidden.is_cuda() && buffer.is_cuda(), "eagle3::capture (cuda): tensors must be on CUDA");
-  TORCH_CHECK(hidden.stride(1) == 1 && buffer.stride(1) == 1, "eagle3::capture (cuda): last dim must be contiguous");
+  TORCH_CHECK(hidden.dim() == 2 && buffer.dim() == 2, "eagle3::capture (cuda): hidden and buffer must be 2-D");
+  const int64_t H = hidden.size(1);
+  TORCH_CHECK(H > 0 && H <= INT32_MAX / 2, "eagle3::capture (cuda): hidden size out of range");
+  TORCH_CHECK((H == 1 || hidden.stride(1) == 1) && (buffer.size(1) == 1 || buffer.stride(1) == 1),
+              "eagle3::capture (cuda): last dim must be contiguous");
+  TORCH_CHECK(!residual.has_value() || (residual->is_cuda() && residual->sizes() == hidden.sizes() &&
+                                        (H == 1 || residual->stride(1) == 1) &&
+                                        residual->scalar_type() == hidden.scalar_type()),
+              "eagle3::capture (cuda): residual must be CUDA, same shape and dtype as hidden, last dim contiguous");
+  TORCH_CHECK(buffer.scalar_type() == hidden.scalar_type(), "eagle3::capture (cuda): buffer dtype differs");
+  TORCH_CHECK(buffer.size(0) >= hidden.size(0) && (slot + 1) * H <= buffer.size(1) && slot >= 0,
+              "eagle3::capture (cuda): slot/rows outside the buffer");
   if (hidden.size(0) == 0) return;
   const at::cuda::OptionalCUDAGuard guard(hidden.device());
   switch (hidden.scalar_type()) {

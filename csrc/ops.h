@@ -12,4 +12,9 @@ namespace eagle3 {
 void capture(const at::Tensor& hidden, const std::optional<at::Tensor>& residual,
              at::Tensor& buffer, int64_t slot);
 
+// SGLang fused_add_rmsnorm (residual <- input + residual in its dtype; input <- rmsnorm of the
+// unrounded fp32 sum * weight) that also writes the new residual into buffer slot `slot`.
+void fused_add_rmsnorm_capture(at::Tensor& input, at::Tensor& residual, const at::Tensor& weight,
+                               double eps, at::Tensor& buffer, int64_t slot);
+
 }  // namespace eagle3

@@ -1,0 +1,291 @@
+// fused_add_rmsnorm_capture: SGLang's fused_add_rmsnorm that also writes the new residual into a
+// capture-buffer slot, in the same kernel:
+//   s        = float(input) + float(residual)                      (fp32, per element)
+//   residual = round(s);  buffer[:, slot*H:(slot+1)*H] = round(s)  (the value SGLang captures)
+//   input    = round(s * rsqrt(sum(s*s) / H + eps) * float(weight))
+// Numerics follow SGLang's RMSNorm.forward_native (with residual) and FlashInfer's
+// fused_add_rmsnorm: the norm reads the *unrounded* fp32 sum s, not the residual rounded to its
+// dtype; the residual is stored in its dtype; fp32 sum of squares; mean = sum / H; one rounding of
+// the output. (Only the order of the fp32 sum of squares and rsqrtf's last bit differ from torch.)
+//
+// Bytes per row: reads 2*H (input, residual) + H weight (L2-resident after the first rows),
+// writes 3*H (input, residual, buffer slot): the capture costs exactly one extra write of H
+// elements over fused_add_rmsnorm. Floor = 5*T*H*elem / copy bandwidth.
+//
+// Launch: one block per row, the whole row in registers: thread t holds packs t, t+B, ... (B =
+// threads per block, VPT packs per thread; a pack is one 16-byte vector, or one element when the
+// layout does not allow vectors). Both tensors are loaded once (all loads issued before the first
+// use), the residual and the buffer slot are written, a block reduction gives rsqrt, and the output
+// is written from the registers. Threads per block: <= 1024 while T < 256 rows (spread a row over
+// many threads when few rows fill the GPU), <= 256 from T >= 256 on (more, smaller blocks per SM to
+// overlap one block's reduction with others' loads), capped by the registers the row needs; this
+// holds the whole row for H <= 16384 (every dtype, vector or scalar). Wider rows use a two-pass
+// kernel (pass 1: sum of squares; pass 2: re-read, mostly from L2, and write; nothing is written
+// before pass 2, so the old residual is still there to re-read).
+// The buffer store is streaming (st.global.cs): it is read again only by the draft model, after the
+// whole target forward; input/residual are what the next layer reads, so they keep L2.
+// CUDA-graph safe: no allocation, no host sync, current stream.
+#include <ATen/cuda/CUDAContext.h>
+#include <c10/cuda/CUDAGuard.h>
+
+#include <type_traits>
+
+#include "common.cuh"
+#include "ops.h"
+
+namespace eagle3 {
+namespace {
+
+// VEC elements per access: one 16-byte vector (8 bf16/fp16, 4 fp32) or one element.
+template <typename T, int VEC>
+struct Pack {
+  static_assert(VEC == 1 || VEC * sizeof(T) == 16, "a pack is one element or one 16-byte vector");
+  using Raw = std::conditional_t<VEC == 1, T, uint4>;
+  union {
+    Raw raw;
+    T e[VEC];
+  };
+  __device__ __forceinline__ void load(const T* p) { raw = *reinterpret_cast<const Raw*>(p); }
+  __device__ __forceinline__ void store(T* p) const { *reinterpret_cast<Raw*>(p) = raw; }
+  __device__ __forceinline__ void store_streaming(T* p) const {
+    if constexpr (VEC == 1) {
+      *p = raw;
+    } else {
+      __stcs(reinterpret_cast<uint4*>(p), raw);
+    }
+  }
+};
+
+__device__ __forceinline__ float warp_sum(float v) {
+#pragma unroll
+  for (int offset = 16; offset > 0; offset >>= 1) v += __shfl_xor_sync(0xffffffffu, v, offset);
+  return v;
+}
+
+// Sum over the block (blockDim.x a multiple of 32, <= 1024); every thread gets the total.
+__device__ __forceinline__ float block_sum(float v) {
+  __shared__ float warp_partials[32];
+  v = warp_sum(v);
+  const int lane = threadIdx.x & 31;
+  if (lane == 0) warp_partials[threadIdx.x >> 5] = v;
+  __syncthreads();
+  return warp_sum(lane < static_cast<int>(blockDim.x >> 5) ? warp_partials[lane] : 0.f);
+}
+
+// Most threads per block for VPT packs of VEC fp32 values held per thread (register budget).
+__host__ __device__ constexpr int max_threads_for(int floats_per_thread) {
+  return floats_per_thread <= 8 ? 1024 : (floats_per_thread <= 32 ? 512 : 256);
+}
+
+template <typename T, int VEC, int VPT>
+__global__ void __launch_bounds__(max_threads_for(VEC * VPT))
+    fused_row_kernel(T* __restrict__ input, int64_t input_stride, T* __restrict__ residual, int64_t residual_stride,
+                     const T* __restrict__ weight, T* __restrict__ out, int64_t out_stride, int H, float eps) {
+  using P = Pack<T, VEC>;
+  const int packs = H / VEC;
+  const int64_t row = blockIdx.x;
+  T* in_row = input + row * input_stride;
+  T* res_row = residual + row * residual_stride;
+  T* out_row = out + row * out_stride;
+
+  P a[VPT], b[VPT];
+#pragma unroll
+  for (int i = 0; i < VPT; ++i) {
+    const int p = threadIdx.x + i * blockDim.x;
+    if (p < packs) {
+      a[i].load(in_row + p * VEC);
+      b[i].load(res_row + p * VEC);
+    }
+  }
+  float s[VPT][VEC];
+  float sumsq = 0.f;
+#pragma unroll
+  for (int i = 0; i < VPT; ++i) {
+    const int p = threadIdx.x + i * blockDim.x;
+#pragma unroll
+    for (int j = 0; j < VEC; ++j) s[i][j] = 0.f;
+    if (p < packs) {
+#pragma unroll
+      for (int j = 0; j < VEC; ++j) {
+        const float v = to_float(a[i].e[j]) + to_float(b[i].e[j]);  // unrounded: the norm reads this
+        s[i][j] = v;
+        sumsq += v * v;
+        b[i].e[j] = from_float<T>(v);  // the residual, stored in its dtype
+      }
+      b[i].store(res_row + p * VEC);
+      b[i].store_streaming(out_row + p * VEC);
+    }
+  }
+  P w[VPT];  // issue the weight loads before the reduction so they overlap it
+#pragma unroll
+  for (int i = 0; i < VPT; ++i) {
+    const int p = threadIdx.x + i * blockDim.x;
+    if (p < packs) w[i].load(weight + p * VEC);
+  }
+  const float rstd = rsqrtf(block_sum(sumsq) / static_cast<float>(H) + eps);
+#pragma unroll
+  for (int i = 0; i < VPT; ++i) {
+    const int p = threadIdx.x + i * blockDim.x;
+    if (p < packs) {
+      P o;
+#pragma unroll
+      for (int j = 0; j < VEC; ++j) o.e[j] = from_float<T>(s[i][j] * rstd * to_float(w[i].e[j]));
+      o.store(in_row + p * VEC);
+    }
+  }
+}
+
+constexpr int kTwoPassThreads = 1024;
+
+template <typename T, int VEC>
+__global__ void __launch_bounds__(kTwoPassThreads)
+    fused_two_pass_kernel(T* __restrict__ input, int64_t input_stride, T* __restrict__ residual,
+                          int64_t residual_stride, const T* __restrict__ weight, T* __restrict__ out,
+                          int64_t out_stride, int H, float eps) {
+  using P = Pack<T, VEC>;
+  const int packs = H / VEC;
+  const int64_t row = blockIdx.x;
+  T* in_row = input + row * input_stride;
+  T* res_row = residual + row * residual_stride;
+  T* out_row = out + row * out_stride;
+  float sumsq = 0.f;
+  for (int p = threadIdx.x; p < packs; p += blockDim.x) {
+    P a, b;
+    a.load(in_row + p * VEC);
+    b.load(res_row + p * VEC);
+#pragma unroll
+    for (int j = 0; j < VEC; ++j) {
+      const float v = to_float(a.e[j]) + to_float(b.e[j]);
+      sumsq += v * v;
+    }
+  }
+  // block_sum's barrier also orders every pass-1 read before any pass-2 write.
+  const float rstd = rsqrtf(block_sum(sumsq) / static_cast<float>(H) + eps);
+  for (int p = threadIdx.x; p < packs; p += blockDim.x) {
+    P a, b, w, o;
+    a.load(in_row + p * VEC);
+    b.load(res_row + p * VEC);
+    w.load(weight + p * VEC);
+#pragma unroll
+    for (int j = 0; j < VEC; ++j) {
+      const float v = to_float(a.e[j]) + to_float(b.e[j]);
+      b.e[j] = from_float<T>(v);
+      o.e[j] = from_float<T>(v * rstd * to_float(w.e[j]));
+    }
+    b.store(res_row + p * VEC);
+    b.store_streaming(out_row + p * VEC);
+    o.store(in_row + p * VEC);
+  }
+}
+
+struct FusedArgs {
+  void* input;
+  int64_t input_stride;
+  void* residual;
+  int64_t residual_stride;
+  const void* weight;
+  void* out;
+  int64_t out_stride;
+  int64_t rows;
+  int H;
+  float eps;
+};
+
+template <typename T, int VEC, int VPT>
+void launch_row(const FusedArgs& a, int threads, cudaStream_t stream) {
+  fused_row_kernel<T, VEC, VPT><<<static_cast<unsigned>(a.rows), threads, 0, stream>>>(
+      static_cast<T*>(a.input), a.input_stride, static_cast<T*>(a.residual), a.residual_stride,
+      static_cast<const T*>(a.weight), static_cast<T*>(a.out), a.out_stride, a.H, a.eps);
+}
+
+// Packs per thread tried in order; the scalar path needs more of them to hold H = 16384.
+template <int VEC>
+constexpr int kMaxVpt = VEC == 1 ? 32 : 8;
+
+template <typename T, int VEC>
+void launch_fused(const FusedArgs& a, cudaStream_t stream) {
+  const int packs = a.H / VEC;
+  const int preferred = a.rows >= 256 ? 256 : 1024;
+  int vpt = 0, threads = 0;
+  for (int limit : {preferred, 1024}) {
+    for (int c = 1; c <= kMaxVpt<VEC> && vpt == 0; c *= 2) {
+      const int need = ((packs + c - 1) / c + 31) / 32 * 32;
+      if (need <= limit && need <= max_threads_for(c * VEC)) {
+        vpt = c;
+        threads = need;
+      }
+    }
+    if (vpt != 0) break;
+  }
+  switch (vpt) {
+    case 1: launch_row<T, VEC, 1>(a, threads, stream); break;
+    case 2: launch_row<T, VEC, 2>(a, threads, stream); break;
+    case 4: launch_row<T, VEC, 4>(a, threads, stream); break;
+    case 8: launch_row<T, VEC, 8>(a, threads, stream); break;
+    case 16:
+      if constexpr (kMaxVpt<VEC> >= 16) launch_row<T, VEC, 16>(a, threads, stream);
+      break;
+    case 32:
+      if constexpr (kMaxVpt<VEC> >= 32) launch_row<T, VEC, 32>(a, threads, stream);
+      break;
+    default:
+      fused_two_pass_kernel<T, VEC><<<static_cast<unsigned>(a.rows), kTwoPassThreads, 0, stream>>>(
+          static_cast<T*>(a.input), a.input_stride, static_cast<T*>(a.residual), a.residual_stride,
+          static_cast<const T*>(a.weight), static_cast<T*>(a.out), a.out_stride, a.H, a.eps);
+  }
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+template <typename T>
+void fused_typed(at::Tensor& input, at::Tensor& residual, const at::Tensor& weight, double eps, at::Tensor& buffer,
+                 int64_t slot) {
+  constexpr int VEC = Vec16<T>::kElems;
+  const int H = static_cast<int>(input.size(1));
+  T* out = reinterpret_cast<T*>(buffer.data_ptr()) + slot * H;
+  const FusedArgs args{input.data_ptr(), input.stride(0), residual.data_ptr(), residual.stride(0),
+                       weight.data_ptr(), out, buffer.stride(0), input.size(0), H, static_cast<float>(eps)};
+  // 16-byte packs only when every row of every tensor starts on a 16-byte boundary and holds whole
+  // vectors; any other layout takes the scalar (one element per pack) kernels.
+  const bool vectorizable = H % VEC == 0 && input.stride(0) % VEC == 0 && residual.stride(0) % VEC == 0 &&
+                            buffer.stride(0) % VEC == 0 && is_aligned16(input.data_ptr()) &&
+                            is_aligned16(residual.data_ptr()) && is_aligned16(weight.data_ptr()) && is_aligned16(out);
+  cudaStream_t stream = at::cuda::getCurrentCUDAStream();
+  if (vectorizable) {
+    launch_fused<T, VEC>(args, stream);
+  } else {
+    launch_fused<T, 1>(args, stream);
+  }
+}
+
+}  // namespace
+
+void fused_add_rmsnorm_capture(at::Tensor& input, at::Tensor& residual, const at::Tensor& weight, double eps,
+                               at::Tensor& buffer, int64_t slot) {
+  const char* op = "eagle3::fused_add_rmsnorm_capture (cuda): ";
+  TORCH_CHECK(input.is_cuda() && residual.is_cuda() && weight.is_cuda() && buffer.is_cuda(), op,
+              "tensors must be on CUDA");
+  TORCH_CHECK(input.dim() == 2 && residual.sizes() == input.sizes() && buffer.dim() == 2 && weight.dim() == 1 &&
+                  weight.size(0) == input.size(1),
+              op, "shapes: input/residual [T, H], weight [H], buffer [R, K*H]");
+  const int64_t H = input.size(1);
+  TORCH_CHECK(H > 0 && H <= INT32_MAX / 2, op, "hidden size out of range");
+  TORCH_CHECK(residual.scalar_type() == input.scalar_type() && weight.scalar_type() == input.scalar_type() &&
+                  buffer.scalar_type() == input.scalar_type(),
+              op, "all tensors must have one dtype");
+  TORCH_CHECK((H == 1 || (input.stride(1) == 1 && residual.stride(1) == 1 && weight.stride(0) == 1)) &&
+                  (buffer.size(1) == 1 || buffer.stride(1) == 1),
+              op, "last dim must be contiguous");
+  TORCH_CHECK(buffer.size(0) >= input.size(0) && slot >= 0 && (slot + 1) * H <= buffer.size(1), op,
+              "slot/rows outside the buffer");
+  TORCH_CHECK(input.size(0) <= INT32_MAX, op, "too many rows for one launch");
+  if (input.size(0) == 0) return;
+  const at::cuda::OptionalCUDAGuard guard(input.device());
+  switch (input.scalar_type()) {
+    case at::kBFloat16: fused_typed<c10::BFloat16>(input, residual, weight, eps, buffer, slot); break;
+    case at::kHalf: fused_typed<c10::Half>(input, residual, weight, eps, buffer, slot); break;
+    case at::kFloat: fused_typed<float>(input, residual, weight, eps, buffer, slot); break;
+    default: TORCH_CHECK(false, op, "unsupported dtype ", input.scalar_type());
+  }
+}
+
+}  // namespace eagle3
