@@ -1,0 +1,135 @@
+"""The SGLang part of ``python -m eagle3_ops demo``: a tiny random-weight Llama target and EAGLE-3
+draft built from SGLang 0.5.23's own classes, run on CPU (torch_native attention, gloo group of one)
+stock and then with the eagle3_ops plugin, per path: do the outputs match, and how long it took.
+
+The paths are the ones the plugin changes: the target's EXTEND (prefill) and TARGET_VERIFY forwards
+(aux states captured into one persistent buffer, the captures at layers > 0 written by the fused
+add+RMSNorm), the draft's first step (fc block as one eagle3::draft_fc) and a draft DECODE step
+(fc not involved: must be unchanged).
+"""
+from __future__ import annotations
+
+import time
+from typing import List
+
+import torch
+
+LAYER_IDS = [0, 1, 2]
+
+
+def _alternating_ms(stock_fn, plugin_fn, repeats: int = 5):
+    """Median milliseconds of each, measured alternately after one warm-up call each."""
+    stock_fn(), plugin_fn()
+    times = ([], [])
+    for _ in range(repeats):
+        for fn, out in ((stock_fn, times[0]), (plugin_fn, times[1])):
+            t0 = time.perf_counter()
+            fn()
+            out.append((time.perf_counter() - t0) * 1e3)
+    return tuple(sorted(t)[len(t) // 2] for t in times)
+
+
+def _max_rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    a, b = a.double(), b.double()
+    return ((a - b).abs().max() / b.abs().max().clamp_min(1e-30)).item()
+
+
+def run_sglang_demo(dtype: torch.dtype = torch.bfloat16, hidden_size: int = 128,
+                    prompt_len: int = 32, batch: int = 2, draft_tokens: int = 4) -> List[dict]:
+    """Run the comparison, print a table, return its rows."""
+    from .sglang import cpu_harness as h
+    from .sglang.capture_hooks import capture_state
+    from .sglang.draft_fc_hooks import draft_fc_state
+
+    h.init_distributed()
+    active = h.plugin_install()
+    if not active:
+        print("SGLang demo: the eagle3_ops plugin is off (EAGLE3_OPS_SGLANG=0 or unsupported SGLang); "
+              "nothing to compare")
+        return []
+    from sglang.srt.speculative.eagle_info import EagleDraftExtendInput, EagleDraftInput
+
+    cfg = h.FAMILIES["llama"].make_config(hidden_size=hidden_size, intermediate_size=2 * hidden_size,
+                                          num_attention_heads=8, num_key_value_heads=4, vocab_size=512)
+    dcfg = h.eagle3_draft_config(cfg, layer_ids=LAYER_IDS, fc_norm=True)
+    # Two copies of each model with the same weights: one left stock, one patched by the plugin
+    # (through SGLang's own configure call), timed alternately so both see the same machine.
+    stock_target, plugin_target = (h.sglang_model("llama", cfg, dtype, seed=0) for _ in range(2))
+    stock_draft, plugin_draft = (h.eagle3_draft(dcfg, dtype, seed=1) for _ in range(2))
+    gen = torch.Generator().manual_seed(2)
+    prompts = [torch.randint(0, cfg.vocab_size, (prompt_len,), generator=gen).tolist() for _ in range(batch)]
+    chains = [torch.randint(0, cfg.vocab_size, (draft_tokens,), generator=gen).tolist() for _ in range(batch)]
+
+    def target_paths(model):
+        kv = h.KVCache(cfg, dtype)
+        reqs = [h.Req(kv.new_req()) for _ in prompts]
+        ext_fb = h.extend_batch(kv, reqs, prompts)
+        ext = h.run(model, ext_fb, kv)
+        ext_out = (ext.hidden_states.clone(), ext.next_token_logits.clone())
+        ver_fb = h.extend_batch(kv, reqs, chains, mode="TARGET_VERIFY")
+        ver = h.run(model, ver_fb, kv)
+        ver_out = (ver.hidden_states.clone(), ver.next_token_logits.clone())
+        return (ext_out, ver_out), (lambda: h.run(model, ext_fb, kv), lambda: h.run(model, ver_fb, kv))
+
+    def draft_paths(model, aux):
+        kv = h.KVCache(dcfg, dtype)
+        reqs = [h.Req(kv.new_req()) for _ in prompts]
+        spec = EagleDraftExtendInput(hidden_states=aux, num_tokens_per_req=1, num_tokens_for_logprob_per_req=1)
+        ext_fb = h.extend_batch(kv, reqs, [p[1:] + [c[0]] for p, c in zip(prompts, chains)], capture="LAST",
+                                spec_info=spec)
+        ext = h.run(model, ext_fb, kv)
+        ext_out = (ext.hidden_states.clone(), ext.next_token_logits.clone())
+        step = EagleDraftInput(hidden_states=ext.hidden_states, num_tokens_per_req=1,
+                               num_tokens_for_logprob_per_req=1)
+        dec_fb = h.decode_batch(kv, reqs, ext.next_token_logits.argmax(-1).tolist(), spec_info=step)
+        dec = h.run(model, dec_fb, kv)
+        dec_out = (dec.hidden_states.clone(), dec.next_token_logits.clone())
+        return (ext_out, dec_out), (lambda: h.run(model, ext_fb, kv), lambda: h.run(model, dec_fb, kv))
+
+    with torch._dynamo.config.patch(disable=True):
+        stock_target.set_eagle3_layers_to_capture(LAYER_IDS)  # stock SGLang
+        h.configure_capture(plugin_target, LAYER_IDS)  # SGLang's configure call: the plugin patches here
+        h.configure_capture(plugin_draft, None, eagle=False)
+        s_out, s_fns = target_paths(stock_target)
+        p_out, p_fns = target_paths(plugin_target)
+        s_dout, s_dfns = draft_paths(stock_draft, s_out[0][0])
+        p_dout, p_dfns = draft_paths(plugin_draft, p_out[0][0].clone())
+        timings = [_alternating_ms(sf, pf) for sf, pf in zip(s_fns + s_dfns, p_fns + p_dfns)]
+
+    tol = 2e-2 if dtype in (torch.bfloat16, torch.float16) else 1e-5
+    state, dstate = capture_state(plugin_target), draft_fc_state(plugin_draft)
+    rows = []
+    T_ext, T_ver = batch * prompt_len, batch * draft_tokens
+    how_target, how_draft = "aux -> buffer, fused add+RMSNorm", "fc block -> eagle3::draft_fc"
+    for path, stock, plugin, (ts, tp), how in (
+            (f"target EXTEND (T={T_ext})", s_out[0], p_out[0], timings[0], how_target),
+            (f"target TARGET_VERIFY (T={T_ver})", s_out[1], p_out[1], timings[1], how_target),
+            (f"draft EXTEND (T={T_ext}, fc)", s_dout[0], p_dout[0], timings[2], how_draft),
+            (f"draft DECODE (bs={batch})", s_dout[1], p_dout[1], timings[3], "unchanged (no fc)")):
+        err = max(_max_rel(plugin[0], stock[0]), _max_rel(plugin[1], stock[1]))
+        rows.append({"path": path, "plugin does": how, "outputs match": "yes" if err <= tol else "NO",
+                     "max rel diff": f"{err:.1e}", "stock ms": f"{ts:.2f}", "plugin ms": f"{tp:.2f}"})
+    print(f"SGLang demo (sglang's own LlamaForCausalLM + LlamaForCausalLMEagle3 on CPU, {str(dtype)[6:]}, "
+          f"H={hidden_size}, K={len(LAYER_IDS)}): stock vs eagle3_ops plugin")
+    print(f"capture buffer: {tuple(state.buffer.buffer.shape)} {str(state.buffer.dtype)[6:]}, "
+          f"one storage for every forward; stats {state.stats}; draft fc stats {dstate.stats}")
+    _print_table(rows)
+    print("(CPU milliseconds of whole tiny forwards, reference/interpreted ops: a smoke check, not the GPU "
+          "speed-up; the benchmarks measure that)")
+    return rows
+
+
+def _print_table(rows: List[dict]) -> None:
+    try:
+        from tabulate import tabulate
+
+        print(tabulate(rows, headers="keys", tablefmt="github"))
+    except ImportError:
+        keys = list(rows[0])
+        print(" | ".join(keys))
+        for r in rows:
+            print(" | ".join(str(r[k]) for k in keys))
+
+
+if __name__ == "__main__":
+    run_sglang_demo()
