@@ -31,8 +31,8 @@ from typing import Dict, List, Optional
 
 from .configs import (CONVENTION_TEXT, LAYER_INPUT, LAYER_OUTPUT, DoctorInputError, DraftInfo, TargetInfo,
                       TensorInfo, convention_to_index, load_tensors)
-from .engines import (DEEPSEEK, ENGINE_NAMES, FAMILY_RULE, GPT_OSS, IDS_LOCATION, UNKNOWN, EngineWiring,
-                      default_boundaries, describe_boundary, ids_for_boundaries, resolve_wiring)
+from .engines import (DEEPSEEK, ENGINE_NAMES, FAMILY_RULE, IDS_LOCATION, UNKNOWN, EngineWiring,
+                      default_boundaries, describe_boundary, ids_for_boundaries, resolve_wiring, short_boundary)
 
 SEVERITIES = ("error", "warning", "info")
 
@@ -240,6 +240,9 @@ def run_checks(target: TargetInfo, draft: DraftInfo, weights: Dict[str, TensorIn
                 f"{eng} captures each boundary once, so the draft gets {len(wiring.slots)} slots instead of "
                 f"{len(wiring.config_order)}.")
 
+    if wiring.duplicates or not all(s.captured for s in wiring.slots):
+        explained_k = True  # the slot count the fc sees is off because of the errors above
+
     # ---- ids this engine does not read
     if wiring.ignored_ids is not None:
         loc, ids = wiring.ignored_ids
@@ -313,9 +316,10 @@ def _compare_slots(rep: Report, wiring: EngineWiring, training: Training, opts: 
             "config_id": s.config_id if s else None,
             "capture_index": s.boundary if s else None,
             "rule": wiring.rule,
-            "engine_reads": (describe_boundary(s.boundary, L) if s.captured else f"nothing ({s.why_not})")
-            if s else "nothing (no capture for this slot)",
+            "engine_reads": (describe_boundary(s.boundary, L) if s.captured else "nothing: never captured")
+            if s else "nothing: no capture for this slot",
             "captured": bool(s and s.captured),
+            "not_captured_reason": s.why_not if s and not s.captured else None,
             "trained_index": tb,
             "draft_trained_on": describe_boundary(tb, L) if tb is not None else "no such slot in training",
             "match": bool(s and s.captured and tb is not None and s.boundary == tb),
@@ -335,7 +339,7 @@ def _compare_slots(rep: Report, wiring: EngineWiring, training: Training, opts: 
 
     fix_ids = ids_for_boundaries(opts.engine, wiring.family, trained_b, L)
     if fix_ids is not None:
-        fix = f"Set {IDS_LOCATION[opts.engine]} to {fix_ids} (for {eng}, rule: {wiring.rule.split(' (')[0]})."
+        fix = f"Set {IDS_LOCATION[opts.engine]} to {fix_ids} ({eng}: boundary = {wiring.rule.split(' (')[0]})."
         if opts.engine == "sglang" and wiring.family == DEEPSEEK:
             fix = (f"Set {IDS_LOCATION[opts.engine]} to {fix_ids} (SGLang's deepseek rule adds 1 only when the "
                    f"first id is 1).")
@@ -347,14 +351,14 @@ def _compare_slots(rep: Report, wiring: EngineWiring, training: Training, opts: 
         loc, ids = wiring.ignored_ids
         ignored = f" ({eng} does not read {loc} = {ids}; it uses {wiring.ids_source}.)"
 
-    details = "; ".join(f"slot {k}: {eng} gives boundary {s.boundary} ({describe_boundary(s.boundary, L)}), "
-                        f"trained on boundary {tb} ({describe_boundary(tb, L)})" for k, s, tb in mismatched)
+    details = "; ".join(f"slot {k} gets {short_boundary(s.boundary, L)} but was trained on "
+                        f"{short_boundary(tb, L)}" for k, s, tb in mismatched)
     emb = [(k, s, tb) for k, s, tb in mismatched if s.boundary == 0]
     deltas = {s.boundary - tb for _, s, tb in mismatched}
     if emb:
         rep.add("error", "E_EMBEDDING_CAPTURE",
                 f"Slot {emb[0][0]} receives the token embeddings, but the draft was trained on "
-                f"{describe_boundary(emb[0][2], L)} there. {details}.{ignored} {fix}")
+                f"{short_boundary(emb[0][2], L)} there ({details}).{ignored} {fix}")
     elif len(mismatched) == len(trained_b) and len(deltas) == 1 and deltas <= {1, -1}:
         d = deltas.pop()
         if training.convention == LAYER_OUTPUT and d == -1:

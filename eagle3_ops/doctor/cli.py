@@ -59,6 +59,9 @@ def _doctor_parser() -> argparse.ArgumentParser:
     p.add_argument("--replay", metavar="STATES", help="safetensors file from capture-states: score wirings")
     p.add_argument("--replay-margin", type=float, default=0.02, metavar="F",
                    help="accuracy gain (absolute) another wiring needs to be reported as an error (default 0.02)")
+    p.add_argument("--replay-sweep", action="store_true",
+                   help="also try every boundary in each slot (K x (L+1) more draft runs; finds a slot whose "
+                        "trained layer is far from the configured one)")
     p.add_argument("--replay-max-tokens", type=int, default=4096, metavar="N", help="positions scored (default 4096)")
     p.add_argument("--device", default="cpu", help="device for --replay (default cpu)")
     p.add_argument("--trained-convention", choices=("auto",) + CONVENTIONS, default="auto",
@@ -150,7 +153,7 @@ def build_report(args):
         if args.replay_max_tokens < 1:
             raise _UsageError("--replay-max-tokens must be >= 1")
         run_replay(report, weights, args.replay, margin=args.replay_margin, max_tokens=args.replay_max_tokens,
-                   device=args.device)
+                   device=args.device, sweep=args.replay_sweep)
     return report
 
 
@@ -185,17 +188,19 @@ def format_report(report) -> str:
     t, d, o = report.target, report.draft, report.options
     eng = ENGINE_NAMES[o.engine]
     L = t.num_layers
-    out = ["EAGLE-3 wiring doctor", f"  target : {t.path}  ({t.describe()})", f"  draft  : {d.path}  ({d.describe()})"]
+    out = ["EAGLE-3 wiring doctor", _wrap(f"target : {t.path}  ({t.describe()})", "  "),
+           _wrap(f"draft  : {d.path}  ({d.describe()})", "  ")]
     if report.wiring is not None:
         w = report.wiring
         rule = FAMILY_RULE[w.family] if o.engine == "sglang" else w.rule
-        out.append(f"  engine : {eng}, tp={o.tp}, pp={o.pp}; ids from {w.ids_source}; rule: boundary = {rule}"
-                    + (f" ({w.family_evidence})" if o.engine == "sglang" else ""))
+        out.append(_wrap(f"engine : {eng}, tp={o.tp}, pp={o.pp}; ids from {w.ids_source}; {eng} rule: boundary = "
+                         f"{rule}" + (f" ({w.family_evidence})" if o.engine == "sglang" else ""), "  "))
     if report.training is not None:
         out.append(_wrap(f"trained: {report.training.source}", "  "))
     out.append("")
-    out.append(f"  Boundary i = the residual stream entering layer i = the output of layer i-1 (Hugging Face "
-               f"output_hidden_states[i]); layers count from 0 to {L - 1}; boundary 0 = token embeddings.")
+    out.append(_wrap(f"How to read the table: layers count from 0 to {L - 1}. Boundary i is the residual stream "
+                     f"entering layer i, which is the output of layer i-1 (Hugging Face output_hidden_states[i]); "
+                     f"boundary 0 is the token embeddings, boundary {L} the output of the last layer.", "  "))
     if report.slots:
         rows = []
         for s in report.slots:

@@ -118,6 +118,15 @@ def pp_stage_ranges(num_layers: int, pp: int, partition: Optional[List[int]] = N
     return out
 
 
+def short_boundary(i: int, num_layers: int) -> str:
+    """Short form: 'the embeddings' / 'the output of layer i-1'."""
+    if i == 0:
+        return "the embeddings"
+    if 0 < i <= num_layers:
+        return f"the output of layer {i - 1}"
+    return f"boundary {i} (does not exist)"
+
+
 def describe_boundary(i: int, num_layers: int) -> str:
     """The physical hidden state that boundary ``i`` is, in words."""
     L = num_layers
@@ -192,9 +201,9 @@ def map_ids(engine: str, family: str, ids: Optional[List[int]], num_layers: int)
     if ids is None:
         return default_boundaries(L), "engine default"
     if engine == "vllm":
-        return list(ids), "id (as is)"
+        return list(ids), "id"
     if engine == "trtllm":
-        return [i + 1 for i in ids], "id + 1 (captured after layer id)"
+        return [i + 1 for i in ids], "id + 1"
     if family == DEEPSEEK:
         if ids and ids[0] == 1:
             return [i + 1 for i in ids], "id + 1 (first id is 1)"

@@ -6,7 +6,7 @@ of token ``t+1`` and must predict the target's next token after ``t+1`` (what EA
 during draft-extend). Candidate wirings: the configured one, the one the draft config's training
 convention implies, the engine default, every slot one layer earlier/later, all slots one layer
 earlier/later (the other convention), the embeddings or the last layer's output in place of each
-slot, and slot permutations. An error is reported when another wiring beats the configured one by
+slot, and slot permutations (``--replay-sweep``: also every boundary in each slot). An error is reported when another wiring beats the configured one by
 at least ``margin`` (absolute) and by three standard errors of the paired difference.
 """
 from __future__ import annotations
@@ -26,17 +26,22 @@ from .capture_states import FORMAT
 
 
 class States:
-    def __init__(self, path, num_layers: int, hidden_size: int, prompts: List[dict]):
+    """Recorded prompts, grouped by length so that each group runs as one batch.
+
+    Each group: ``ids`` [B, T], ``hidden`` [L+1, B, T, H], ``last`` [B, T, H] or None (pre-norm output
+    of the last layer), ``next`` [B, T] or None (the target's greedy next tokens)."""
+
+    def __init__(self, path, num_layers: int, hidden_size: int, groups: List[dict]):
         self.path = Path(path)
         self.num_layers = num_layers
         self.hidden_size = hidden_size
-        self.prompts = prompts
+        self.groups = groups
 
-    def boundary(self, p: dict, b: int) -> torch.Tensor:
-        """Boundary ``b`` of a prompt, [T, H]. Boundary L is the pre-final-norm output when recorded."""
-        if b == self.num_layers and p.get("last") is not None:
-            return p["last"]
-        return p["hidden"][b]
+    def boundary(self, g: dict, b: int) -> torch.Tensor:
+        """Boundary ``b`` of a group, [B, T, H]. Boundary L is the pre-final-norm output when recorded."""
+        if b == self.num_layers and g.get("last") is not None:
+            return g["last"]
+        return g["hidden"][b]
 
 
 def load_states(path, target) -> States:
@@ -57,8 +62,8 @@ def load_states(path, target) -> States:
     idx = sorted({int(k.split(".")[1]) for k in keys if k.startswith("prompt.") and k.endswith(".hidden_states")})
     if not idx:
         raise DoctorInputError(f"replay: {p} holds no prompt.N.hidden_states tensors (make it with capture-states)")
-    prompts = []
     L, H = target.num_layers, target.hidden_size
+    by_len: Dict[Tuple[int, bool, bool], List[dict]] = {}
     for i in idx:
         hs = tensors[f"prompt.{i}.hidden_states"].float()
         ids = tensors.get(f"prompt.{i}.input_ids")
@@ -70,9 +75,17 @@ def load_states(path, target) -> States:
                 f"[{L + 1}, T, {H}] with T = {ids.numel()} tokens (states from another model?)")
         last = tensors.get(f"prompt.{i}.last_layer_output")
         nxt = tensors.get(f"prompt.{i}.next_token")
-        prompts.append({"ids": ids.long(), "hidden": hs, "last": last.float() if last is not None else None,
-                        "next": nxt.long() if nxt is not None else None})
-    return States(p, L, H, prompts)
+        key = (ids.numel(), last is not None, nxt is not None)
+        by_len.setdefault(key, []).append({"ids": ids.long(), "hidden": hs,
+                                           "last": last.float() if last is not None else None,
+                                           "next": nxt.long() if nxt is not None else None})
+    groups = []
+    for (_, has_last, has_next), items in sorted(by_len.items()):
+        groups.append({"ids": torch.stack([it["ids"] for it in items]),
+                       "hidden": torch.stack([it["hidden"] for it in items], dim=1),
+                       "last": torch.stack([it["last"] for it in items]) if has_last else None,
+                       "next": torch.stack([it["next"] for it in items]) if has_next else None})
+    return States(p, L, H, groups)
 
 
 def build_draft(report: Report, weights: Dict[str, TensorInfo]) -> Eagle3Draft:
@@ -133,36 +146,39 @@ def build_draft(report: Report, weights: Dict[str, TensorInfo]) -> Eagle3Draft:
 
 @torch.no_grad()
 def score(model: Eagle3Draft, states: States, boundaries: List[int], max_tokens: int) -> torch.Tensor:
-    """Per-position correctness (bool) of the draft's top-1 under ``boundaries``."""
+    """Per-position correctness (bool) of the draft's top-1 under ``boundaries``.
+
+    Position t pairs the captures at t with the embedding of token t+1; the label is the target's next
+    token after t+1 (recorded ``next_token[t+1]``, else the text's token t+2)."""
     out, used = [], 0
-    for p in states.prompts:
-        ids, T = p["ids"], p["ids"].numel()
-        if p["next"] is not None:
-            n = T - 1                      # pairs (t, t+1) for t < T-1; label next[t+1]
-            labels = p["next"][1:]
+    for g in states.groups:
+        ids = g["ids"]
+        T = ids.shape[1]
+        if g["next"] is not None:
+            n, labels = T - 1, g["next"][:, 1:]
         else:
-            n = T - 2                      # no recorded next tokens: use the text's own token t+2
-            labels = ids[2:]
+            n, labels = T - 2, ids[:, 2:]
         if n <= 0:
             continue
-        n = min(n, max_tokens - used)
-        if n <= 0:
+        rows = min(ids.shape[0], max(1, (max_tokens - used + n - 1) // n))
+        if used >= max_tokens:
             break
-        aux = torch.cat([states.boundary(p, b)[:n] for b in boundaries], dim=-1)
+        aux = torch.cat([states.boundary(g, b)[:rows, :n] for b in boundaries], dim=-1)
         if model.uses_target_embeddings:
-            embeds = p["hidden"][0][1:n + 1]
+            embeds = g["hidden"][0][:rows, 1:n + 1]
         else:
-            embeds = model.embed_tokens(ids[1:n + 1])
+            embeds = model.embed_tokens(ids[:rows, 1:n + 1])
         logits = model(aux, embeds)
         pred = model.draft_to_target(logits.argmax(-1))
-        out.append(pred == labels[:n])
-        used += n
+        out.append((pred == labels[:rows, :n]).reshape(-1))
+        used += rows * n
     if not out:
         raise DoctorInputError("replay: the states hold no usable positions (prompts need at least 3 tokens)")
     return torch.cat(out)
 
 
-def candidate_wirings(configured: Optional[List[int]], trained: List[int], L: int) -> List[Tuple[str, List[int]]]:
+def candidate_wirings(configured: Optional[List[int]], trained: List[int], L: int,
+                      sweep: bool = False) -> List[Tuple[str, List[int]]]:
     base = configured if configured is not None else trained
     K = len(base)
     cands: List[Tuple[str, List[int]]] = []
@@ -184,6 +200,12 @@ def candidate_wirings(configured: Optional[List[int]], trained: List[int], L: in
         c = list(base)
         c[k] = L
         cands.append((f"last layer output in slot {k}", c))
+    if sweep:  # every boundary in each slot, the other slots as configured: K * (L + 1) wirings
+        for k in range(K):
+            for b in range(L + 1):
+                c = list(base)
+                c[k] = b
+                cands.append((f"slot {k} = boundary {b}", c))
     if K <= 4:
         for perm in itertools.permutations(range(K)):
             if list(perm) != list(range(K)):
@@ -199,7 +221,7 @@ def candidate_wirings(configured: Optional[List[int]], trained: List[int], L: in
 
 
 def run_replay(report: Report, weights: Dict[str, TensorInfo], states_path, *, margin: float = 0.02,
-               max_tokens: int = 4096, device: str = "cpu") -> None:
+               max_tokens: int = 4096, device: str = "cpu", sweep: bool = False) -> None:
     if report.wiring is None or report.training is None:
         report.add("info", "I_REPLAY_SKIPPED", "Replay skipped: the draft uses no aux hidden states.")
         return
@@ -208,17 +230,17 @@ def run_replay(report: Report, weights: Dict[str, TensorInfo], states_path, *, m
     states = load_states(states_path, target)
     model = build_draft(report, weights).to(device)
     if device != "cpu":
-        for p in states.prompts:
+        for g in states.groups:
             for k in ("ids", "hidden", "last", "next"):
-                if p[k] is not None:
-                    p[k] = p[k].to(device)
+                if g[k] is not None:
+                    g[k] = g[k].to(device)
     K = report.fc_slots
     conf = [s.boundary for s in wiring.slots]
     configured = conf if (len(conf) == K and all(s.captured for s in wiring.slots)) else None
     trained = list(report.training.boundaries)
     if len(trained) != K:
         trained = configured if configured is not None else default_boundaries(L)[:K]
-    cands = candidate_wirings(configured, trained, L)
+    cands = candidate_wirings(configured, trained, L, sweep=sweep)
 
     results = []
     for label, bnds in cands:

@@ -10,9 +10,9 @@
   the same distinctness from training (the residual norm grows by orders of magnitude with depth).
 - ``draft/``: an EAGLE-3 draft *trained* on the target's own hidden states at three boundaries
   to predict the target's next token, saved like a SpecForge checkpoint: ``config.json`` with
-  ``eagle_config.eagle_aux_hidden_state_layer_ids = [1, 3, 5]`` (SpecForge convention: "output of
+  ``eagle_config.eagle_aux_hidden_state_layer_ids = [2, 4, 6]`` (SpecForge convention: "output of
   layer k", i.e. Hugging Face ``output_hidden_states[k + 1]``, so it was trained on boundaries
-  2, 4, 6), ``model.safetensors`` with ``fc.weight``, ``fc_norm.{k}.weight``, ``midlayer.*``,
+  3, 5, 7), ``model.safetensors`` with ``fc.weight``, ``fc_norm.{k}.weight``, ``midlayer.*``,
   ``norm.weight``, ``lm_head.weight``, ``d2t``, ``t2d`` (draft vocab 32 of 64), no embedding
   (SGLang shares the target's).
 - ``prompts.json``: held-out prompts (token-id lists) for ``capture-states``.
@@ -32,13 +32,13 @@ import torch
 
 from .draft import DraftSpec, Eagle3Draft
 
-TRAINED_IDS = [1, 3, 5]  # SpecForge ids -> HF boundaries 2, 4, 6
+TRAINED_IDS = [2, 4, 6]  # SpecForge ids ("output of layer k") -> HF boundaries 3, 5, 7
 NUM_LAYERS = 8
 HIDDEN = 64
 VOCAB = 64
 DRAFT_VOCAB = 32
 LAYER_GAIN = 2.0
-PARAMS_VERSION = 3
+PARAMS_VERSION = 4
 
 
 @dataclasses.dataclass
@@ -166,7 +166,7 @@ def _write_json(path: Path, obj) -> None:
 
 
 def build_tiny_pair(root, *, seed: int = 0, steps: int = 300, num_train: int = 512, seq_len: int = 32,
-                    num_prompts: int = 48) -> TinyPair:
+                    num_prompts: int = 96) -> TinyPair:
     """Build (or reuse, when ``root/DONE`` matches the parameters) the tiny target/draft pair."""
     from safetensors.torch import save_file
 

@@ -1,0 +1,312 @@
+"""Wiring doctor, config + weight-header checks: every fault class gives an error, and a paired
+correct config passes. Hand-written configs; target: 32 layers (Llama-3.1-8B-like numbering)."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from doctor_fixtures import codes, finding, run_doctor, write_draft, write_target
+from eagle3_ops.doctor import engines
+from eagle3_ops.doctor.configs import parse_draft, parse_target
+
+L = 32
+
+
+@pytest.fixture
+def llama(tmp_path):
+    return write_target(tmp_path / "llama", model_type="llama", num_layers=L)
+
+
+def doctor(draft, target, *extra):
+    return run_doctor("--draft", draft, "--target", target, *extra)
+
+
+def assert_clean(rc, rep):
+    assert rc == 0, codes(rep)
+    assert rep["ok"] is True
+    assert codes(rep, "error") == []
+    assert all(s["match"] for s in rep["slots"])
+
+
+# ----------------------------------------------------------------------------- the engine rules
+def test_sglang_rules_from_source():
+    """The id -> boundary rules the doctor applies, per SGLang 0.5.23 model family."""
+    m = engines.map_ids
+    assert m("sglang", engines.PLUS_ONE, [1, 15, 28], 32)[0] == [2, 16, 29]
+    assert m("sglang", engines.PLUS_ONE, None, 32)[0] == [2, 16, 29]          # default [2, L//2, L-3]
+    assert m("sglang", engines.DEEPSEEK, [1, 29, 57], 61)[0] == [2, 30, 58]   # first id is 1: +1
+    assert m("sglang", engines.DEEPSEEK, [2, 30, 58], 61)[0] == [2, 30, 58]   # otherwise as is
+    assert m("sglang", engines.GPT_OSS, [1, 17, 36], 36)[0] == [1, 17, 36]    # max id == L: as is
+    assert m("sglang", engines.GPT_OSS, [1, 17, 33], 36)[0] == [2, 18, 34]
+    assert m("vllm", engines.PLUS_ONE, [2, 16, 29], 32)[0] == [2, 16, 29]
+    assert m("trtllm", engines.PLUS_ONE, [-1, 1, 15], 32)[0] == [0, 2, 16]
+    assert engines.pp_stage_ranges(32, 2) == [(0, 16), (16, 32)]
+    assert engines.pp_stage_ranges(10, 3) == [(0, 3), (3, 6), (6, 10)]  # extra layers go to the last stages
+
+
+def test_sglang_rules_match_installed_sglang():
+    """Cross-check against the installed SGLang's set_eagle3_layers_to_capture, when it imports on this machine."""
+    pytest.importorskip("sglang")
+    import types
+
+    try:
+        from sglang.srt.models.deepseek_v2 import DeepseekV2ForCausalLM
+        from sglang.srt.models.llama import LlamaForCausalLM
+    except Exception as e:  # pragma: no cover - import side effects differ per machine
+        pytest.skip(f"sglang model modules do not import here: {e}")
+
+    def run(cls, ids, n):
+        holder = types.SimpleNamespace(pp_group=types.SimpleNamespace(is_last_rank=True),
+                                       capture_aux_hidden_states=False,
+                                       config=types.SimpleNamespace(num_hidden_layers=n),
+                                       model=types.SimpleNamespace(layers_to_capture=[]))
+        cls.set_eagle3_layers_to_capture(holder, ids)
+        return list(holder.model.layers_to_capture)
+
+    for ids in ([1, 15, 28], [0, 5, 9], None):
+        assert run(LlamaForCausalLM, ids, 32) == engines.map_ids("sglang", engines.PLUS_ONE, ids, 32)[0]
+    for ids in ([1, 29, 57], [2, 30, 58], None):
+        assert run(DeepseekV2ForCausalLM, ids, 61) == engines.map_ids("sglang", engines.DEEPSEEK, ids, 61)[0]
+
+
+# ----------------------------------------------------------------------------- correct configs
+@pytest.mark.parametrize("engine", ["sglang", "vllm", "trtllm"])
+def test_correct_configs_pass_on_every_engine(tmp_path, llama, engine):
+    # SpecForge ids for SGLang/TRT-LLM ("output of layer k"); the same draft carries the vLLM spelling at top level.
+    d = write_draft(tmp_path / "d", ids=[1, 15, 28], top_ids=[2, 16, 29])
+    rc, rep = doctor(d, llama, "--engine", engine)[:2]
+    assert_clean(rc, rep)
+    assert [s["capture_index"] for s in rep["slots"]] == [2, 16, 29]
+
+
+def test_eagle_original_uses_defaults(tmp_path, llama):
+    d = write_draft(tmp_path / "d", dialect="eagle-original")
+    for engine in ("sglang", "vllm", "trtllm"):
+        rc, rep = doctor(d, llama, "--engine", engine)[:2]
+        assert_clean(rc, rep)
+        assert [s["capture_index"] for s in rep["slots"]] == [2, 16, 29]
+        assert "I_ENGINE_DEFAULT" in codes(rep)
+
+
+def test_speculators_dialect_parsed(tmp_path, llama):
+    d = write_draft(tmp_path / "d", dialect="speculators", ids=[2, 16, 29],
+                    extra={"norm_before_fc": True, "fc_norm": False})
+    info = parse_draft(d)
+    assert info.dialect == "speculators" and info.top_ids == [2, 16, 29] and info.norm_before_fc
+    assert info.hidden_size == 16 and info.vocab_size == 128  # from transformer_layer_config
+    rc, rep = doctor(d, llama, "--engine", "vllm")[:2]
+    assert_clean(rc, rep)
+
+
+def test_nested_text_config_target(tmp_path):
+    """Kimi-K2.5 style target: language model under text_config (deepseek_v3 rules in SGLang)."""
+    t = write_target(tmp_path / "kimi", model_type="deepseek_v3", num_layers=61, nested_outer="kimi_k25")
+    info = parse_target(t)
+    assert info.nested_key == "text_config" and info.num_layers == 61 and info.hidden_size == 16
+    assert engines.detect_family(info)[0] == engines.DEEPSEEK
+    rc, rep = doctor(write_draft(tmp_path / "d", ids=[1, 29, 57]), t)[:2]
+    assert_clean(rc, rep)
+    assert [s["capture_index"] for s in rep["slots"]] == [2, 30, 58]
+
+
+# ----------------------------------------------------------------------- fault: embedding capture
+def test_embedding_capture_added_to_layer_output_draft(tmp_path, llama):
+    # The draft was trained on 3 layer outputs (fc = 3 x H); someone added -1 (embeddings) to the ids.
+    bad = write_draft(tmp_path / "bad", ids=[-1, 1, 15, 28], k=3)
+    rc, rep = doctor(bad, llama)[:2]
+    assert rc == 1 and not rep["ok"]
+    msg = finding(rep, "E_EMBEDDING_CAPTURE")["message"]
+    assert "Remove -1" in msg and "[1, 15, 28]" in msg
+    rc, rep = doctor(write_draft(tmp_path / "good", ids=[1, 15, 28]), llama)[:2]
+    assert_clean(rc, rep)
+
+
+def test_embedding_capture_from_vllm_reading_layer_output_id_zero(tmp_path, llama):
+    # SpecForge id 0 = output of layer 0; copied unchanged to the top level, vLLM reads 0 = embeddings.
+    bad = write_draft(tmp_path / "bad", ids=[0, 15, 28], top_ids=[0, 15, 28])
+    rc, rep = doctor(bad, llama, "--engine", "vllm")[:2]
+    assert rc == 1
+    f = finding(rep, "E_EMBEDDING_CAPTURE")
+    assert "token embeddings" in f["message"] and "[1, 16, 29]" in f["message"]  # the fix for vLLM
+    assert rep["slots"][0]["engine_reads"].startswith("token embeddings")
+    rc, rep = doctor(write_draft(tmp_path / "good", ids=[0, 15, 28], top_ids=[1, 16, 29]), llama,
+                     "--engine", "vllm")[:2]
+    assert_clean(rc, rep)
+
+
+# --------------------------------------------------------------- fault: convention mismatch (both ways)
+def test_layer_output_ids_read_as_layer_input_by_vllm(tmp_path, llama):
+    bad = write_draft(tmp_path / "bad", ids=[1, 15, 28], top_ids=[1, 15, 28])
+    rc, rep = doctor(bad, llama, "--engine", "vllm")[:2]
+    assert rc == 1
+    msg = finding(rep, "E_CONVENTION_MISMATCH")["message"]
+    assert "output of layer k" in msg and "entering layer k" in msg and "[2, 16, 29]" in msg
+    assert [s["capture_index"] for s in rep["slots"]] == [1, 15, 28]
+    assert [s["trained_index"] for s in rep["slots"]] == [2, 16, 29]
+
+
+def test_layer_input_ids_read_as_layer_output_by_sglang(tmp_path, llama):
+    # speculators draft (vLLM convention, ids = boundaries) whose ids were copied into eagle_config for SGLang.
+    bad = write_draft(tmp_path / "bad", dialect="speculators", ids=[2, 16, 29], top_ids=[2, 16, 29])
+    rc, rep = doctor(bad, llama, "--engine", "sglang")[:2]
+    assert rc == 1
+    msg = finding(rep, "E_CONVENTION_MISMATCH")["message"]
+    assert "one layer (later)" in msg and "[1, 15, 28]" in msg
+    good = write_draft(tmp_path / "good", dialect="speculators", ids=[2, 16, 29], top_ids=[1, 15, 28])
+    assert_clean(*doctor(good, llama, "--engine", "sglang")[:2])
+
+
+def test_layer_input_ids_on_trtllm(tmp_path, llama):
+    d = write_draft(tmp_path / "d", dialect="speculators", ids=[2, 16, 29])
+    rc, rep = doctor(d, llama, "--engine", "trtllm")[:2]
+    assert rc == 1 and "E_CONVENTION_MISMATCH" in codes(rep)
+    assert_clean(*doctor(d, llama, "--engine", "vllm")[:2])
+
+
+def test_deepseek_first_id_rule(tmp_path):
+    t = write_target(tmp_path / "ds", model_type="deepseek_v3", num_layers=61)
+    # SpecForge ids whose first id is not 1: SGLang's deepseek rule reads them as boundaries (no +1).
+    rc, rep = doctor(write_draft(tmp_path / "bad", ids=[2, 30, 58]), t)[:2]
+    assert rc == 1
+    msg = finding(rep, "E_CONVENTION_MISMATCH")["message"]
+    assert "[3, 31, 59]" in msg  # ids that make SGLang's deepseek rule capture what the draft was trained on
+    assert_clean(*doctor(write_draft(tmp_path / "good", ids=[1, 29, 57]), t)[:2])
+    assert_clean(*doctor(write_draft(tmp_path / "good2", ids=[2, 30, 58]), t, "--trained-convention",
+                         "layer-input")[:2])
+
+
+def test_sglang_ignores_top_level_ids(tmp_path, llama):
+    # Only top-level ids: SGLang reads eagle_config only and falls back to its default [2, 16, 29].
+    d = write_draft(tmp_path / "d", dialect="speculators", ids=[3, 10, 20])
+    rc, rep = doctor(d, llama, "--engine", "sglang")[:2]
+    assert rc == 1
+    assert "does not read top-level eagle_aux_hidden_state_layer_ids" in finding(rep, "E_WIRING_MISMATCH")["message"]
+    same = write_draft(tmp_path / "same", dialect="speculators", ids=[2, 16, 29])
+    rc, rep = doctor(same, llama, "--engine", "sglang")[:2]
+    assert rc == 0 and "W_IDS_IGNORED" in codes(rep, "warning")
+
+
+# ------------------------------------------------------------------- fault: last layer never captured
+def test_last_layer_id_never_captured_by_sglang(tmp_path, llama):
+    bad = write_draft(tmp_path / "bad", ids=[1, 15, L - 1])
+    rc, rep = doctor(bad, llama)[:2]
+    assert rc == 1
+    msg = finding(rep, "E_LAST_LAYER_NOT_CAPTURED")["message"]
+    assert f"boundary {L}" in msg and "never captured" in msg
+    assert rep["slots"][2]["captured"] is False
+    assert "E_FC_WIDTH" not in codes(rep)  # one root cause, one error... plus the slot count it implies
+    assert_clean(*doctor(write_draft(tmp_path / "good", ids=[1, 15, L - 2]), llama)[:2])
+    # TensorRT-LLM captures after the named layer, so the same ids are fine there.
+    assert_clean(*doctor(bad, llama, "--engine", "trtllm")[:2])
+
+
+def test_gpt_oss_captures_the_final_boundary(tmp_path):
+    t = write_target(tmp_path / "oss", model_type="gpt_oss", num_layers=36)
+    assert_clean(*doctor(write_draft(tmp_path / "d", ids=[1, 17, 35]), t)[:2])
+
+
+# ---------------------------------------------------------------------- fault: PP ranks without captures
+def test_pipeline_parallel_stage_without_captures(tmp_path, llama):
+    d = write_draft(tmp_path / "d", ids=[1, 15, 28])
+    rc, rep = doctor(d, llama, "--pp", "2")[:2]
+    assert rc == 1
+    msg = finding(rep, "E_PP_NOT_CAPTURED")["message"]
+    assert "boundary 2" in msg and "layers 16..31" in msg
+    assert [s["captured"] for s in rep["slots"]] == [False, True, True]
+    assert_clean(*doctor(d, llama, "--pp", "1")[:2])
+    # All captured boundaries on the last stage: fine with pp=2 (even split and explicit partition).
+    assert_clean(*doctor(write_draft(tmp_path / "late", ids=[15, 20, 28]), llama, "--pp", "2")[:2])
+    assert_clean(*doctor(d, llama, "--pp", "2", "--pp-partition", "2,30")[:2])
+    rc, rep = doctor(d, llama, "--pp", "2", "--engine", "vllm", "--trained-convention", "layer-output")[:2]
+    assert "W_PP_UNVERIFIED" in codes(rep, "warning")
+
+
+# -------------------------------------------------------------------- fault: partial sums before all-reduce
+def test_tp_partial_sums(tmp_path, llama):
+    d = write_draft(tmp_path / "d", ids=[1, 15, 28])
+    rc, rep = doctor(d, llama, "--tp", "4", "--capture-point", "before-allreduce")[:2]
+    assert rc == 1
+    assert "partial sum" in finding(rep, "E_TP_PARTIAL_SUM")["message"]
+    rc, rep = doctor(d, llama, "--tp", "4")[:2]  # stock SGLang llama path: verified post-all-reduce
+    assert_clean(rc, rep)
+    assert "stream.complete" in finding(rep, "I_TP_CAPTURE_OK")["message"]
+    rc, rep = doctor(d, llama, "--tp", "4", "--engine", "trtllm")[:2]
+    assert rc == 0 and "W_TP_CAPTURE_UNVERIFIED" in codes(rep, "warning")
+
+
+# ------------------------------------------------------------------------------- fault: fc width
+def test_fc_width_not_k_times_hidden(tmp_path, llama):
+    rc, rep = doctor(write_draft(tmp_path / "two", ids=[1, 15, 28], k=2), llama)[:2]
+    assert rc == 1 and "E_FC_WIDTH" in codes(rep, "error")
+    rc, rep = doctor(write_draft(tmp_path / "odd", ids=[1, 15, 28], fc_in=40), llama)[:2]
+    assert rc == 1 and "not a multiple" in finding(rep, "E_FC_WIDTH")["message"]
+    rc, rep = doctor(write_draft(tmp_path / "other", ids=[1, 15, 28], target_hidden=32), llama)[:2]
+    assert rc == 1 and {"E_TARGET_HIDDEN", "E_FC_WIDTH"} <= set(codes(rep, "error"))
+    assert_clean(*doctor(write_draft(tmp_path / "good", ids=[1, 15, 28]), llama)[:2])
+
+
+def test_duplicate_ids(tmp_path, llama):
+    rc, rep = doctor(write_draft(tmp_path / "d", ids=[1, 1, 28]), llama)[:2]
+    assert rc == 1 and "E_DUPLICATE_CAPTURE" in codes(rep, "error")
+
+
+def test_unsorted_ids_warn_about_slot_order(tmp_path, llama):
+    rc, rep = doctor(write_draft(tmp_path / "d", ids=[28, 1, 15]), llama)[:2]
+    assert "W_SLOT_ORDER" in codes(rep, "warning")
+    assert rc == 1  # engines concatenate in layer order: slot 0 gets boundary 2, trained on 29
+
+
+# ------------------------------------------------------------------------------- fault: vocab maps
+def test_vocab_maps(tmp_path, llama):
+    good = write_draft(tmp_path / "good", ids=[1, 15, 28])
+    assert_clean(*doctor(good, llama)[:2])
+    t2d_short = write_draft(tmp_path / "t2d", ids=[1, 15, 28], tensors={"t2d": torch.ones(100, dtype=torch.bool)})
+    rc, rep = doctor(t2d_short, llama)[:2]
+    assert rc == 1 and "t2d has shape [100]" in finding(rep, "E_VOCAB_MAP")["message"]
+    big = write_target(tmp_path / "small_vocab", num_layers=L, vocab=100)  # d2t points up to id 126
+    rc, rep = doctor(good, big)[:2]
+    assert rc == 1 and "outside 0..99" in finding(rep, "E_VOCAB_MAP")["message"]
+    no_map = write_draft(tmp_path / "nomap", ids=[1, 15, 28], drop=("d2t", "t2d"))
+    rc, rep = doctor(no_map, llama)[:2]
+    assert rc == 1 and "no d2t map" in finding(rep, "E_VOCAB_MAP")["message"]
+    full_vocab = write_draft(tmp_path / "full", ids=[1, 15, 28], draft_vocab=128, drop=("d2t", "t2d"))
+    assert_clean(*doctor(full_vocab, llama)[:2])  # draft vocab == target vocab needs no map
+    mism = write_draft(tmp_path / "mism", ids=[1, 15, 28],
+                       tensors={"t2d": torch.roll(torch.arange(128) % 2 == 0, 1)})
+    rc, rep = doctor(mism, llama)[:2]
+    assert rc == 1 and "disagree" in finding(rep, "E_VOCAB_MAP")["message"]
+
+
+def test_norm_before_residual_warns_on_sglang(tmp_path, llama):
+    d = write_draft(tmp_path / "d", dialect="speculators", ids=[2, 16, 29], top_ids=[1, 15, 28],
+                    extra={"norm_before_residual": True})
+    rc, rep = doctor(d, llama, "--engine", "sglang")[:2]
+    assert rc == 0 and "W_NORM_BEFORE_RESIDUAL" in codes(rep, "warning")
+
+
+def test_trained_ids_override(tmp_path, llama):
+    # Config edited after training: --trained-ids tells the doctor what the draft really saw.
+    d = write_draft(tmp_path / "d", ids=[-1, 15, 28])
+    rc, rep = doctor(d, llama, "--trained-ids", "1,15,28")[:2]
+    assert rc == 1 and "E_EMBEDDING_CAPTURE" in codes(rep, "error")
+    assert_clean(*doctor(d, llama)[:2])  # without the override the config is self-consistent
+
+
+def test_sharded_safetensors_headers(tmp_path, llama):
+    d = write_draft(tmp_path / "d", ids=[1, 15, 28])
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    with safe_open(str(d / "model.safetensors"), framework="pt") as f:
+        tensors = {k: f.get_tensor(k) for k in f.keys()}
+    (d / "model.safetensors").unlink()
+    names = sorted(tensors)
+    shards = {"model-00001-of-00002.safetensors": names[::2], "model-00002-of-00002.safetensors": names[1::2]}
+    weight_map = {}
+    for fname, keys in shards.items():
+        save_file({("model." + k if k.startswith("fc") else k): tensors[k] for k in keys}, str(d / fname))
+        weight_map.update({("model." + k if k.startswith("fc") else k): fname for k in keys})
+    (d / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    assert_clean(*doctor(d, llama)[:2])

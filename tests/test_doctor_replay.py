@@ -1,0 +1,129 @@
+"""Wiring doctor, replay: a real tiny Llama target and an EAGLE-3 draft trained on its own hidden states at
+boundaries 3, 5, 7 (SpecForge ids [2, 4, 6]); the replay must pick that wiring, clearly ahead of wrong ones."""
+from __future__ import annotations
+
+import torch
+from safetensors import safe_open
+
+from doctor_fixtures import codes, copy_draft_with_ids, finding, run_doctor, tiny_pair, tiny_states  # noqa: F401
+from eagle3_ops.doctor.draft import DraftSpec, Eagle3Draft
+
+TRAINED = [3, 5, 7]
+
+
+def replay(draft, tiny_pair, states, *extra):
+    return run_doctor("--draft", draft, "--target", tiny_pair.target_dir, "--replay", states, *extra)
+
+
+def test_tiny_pair_is_real(tiny_pair):
+    assert tiny_pair.trained_ids == [2, 4, 6]
+    assert tiny_pair.heldout_accuracy > 0.6  # the draft learned the target's next token on held-out prompts
+
+
+def test_capture_states_file(tiny_pair, tiny_states):
+    from transformers import AutoModelForCausalLM
+
+    with safe_open(str(tiny_states), framework="pt") as f:
+        meta = f.metadata()
+        hs = f.get_tensor("prompt.0.hidden_states")
+        ids = f.get_tensor("prompt.0.input_ids")
+        last = f.get_tensor("prompt.0.last_layer_output")
+        nxt = f.get_tensor("prompt.0.next_token")
+    assert meta["format"] == "eagle3_ops.doctor.states/1" and meta["num_layers"] == "8"
+    assert hs.shape == (9, 32, 64) and ids.shape == (32,) and last.shape == (32, 64) and nxt.shape == (32,)
+    model = AutoModelForCausalLM.from_pretrained(str(tiny_pair.target_dir)).eval()
+    with torch.no_grad():
+        torch.testing.assert_close(model.model.embed_tokens(ids), hs[0])       # boundary 0 = embeddings
+        torch.testing.assert_close(model.model.norm(last), hs[8])              # HF's last entry is after the norm
+        assert torch.equal(model(ids[None]).logits[0].argmax(-1), nxt)
+
+
+def test_replay_picks_the_trained_wiring(tiny_pair, tiny_states):
+    rc, rep, _ = replay(tiny_pair.draft_dir, tiny_pair, tiny_states)
+    assert rc == 0, codes(rep)
+    r = rep["replay"]
+    assert r["tokens"] >= 2000
+    assert r["configured"]["boundaries"] == TRAINED
+    conf = r["configured"]["accuracy"]
+    assert r["best"]["boundaries"] == TRAINED and conf > 0.6
+    by = {tuple(c["boundaries"]): c["accuracy"] for c in r["candidates"]}
+    assert by[(2, 4, 6)] < conf - 0.2   # the other convention (all one layer earlier)
+    assert by[(4, 6, 8)] < conf - 0.1   # all one layer later
+    for c in r["candidates"]:           # every single-slot change costs accuracy
+        if c["boundaries"] != TRAINED:
+            assert c["accuracy"] < conf - 0.02, c
+    assert "I_REPLAY_CONFIGURED_BEST" in codes(rep, "info")
+
+
+def test_replay_catches_a_config_edited_to_the_wrong_convention(tiny_pair, tiny_states, tmp_path):
+    # Ids rewritten one layer early (as if "output of layer k" meant "entering layer k"): the config is
+    # self-consistent, only replay can tell.
+    d = copy_draft_with_ids(tiny_pair, tmp_path / "shifted", nested=[1, 3, 5])
+    rc, rep, _ = run_doctor("--draft", d, "--target", tiny_pair.target_dir)
+    assert rc == 0
+    rc, rep, _ = replay(d, tiny_pair, tiny_states)
+    assert rc == 1
+    r = rep["replay"]
+    assert r["configured"]["boundaries"] == [2, 4, 6]
+    assert r["best"]["boundaries"] == TRAINED and r["best"]["ids"] == [2, 4, 6]
+    assert r["gain"] > 0.1
+    msg = finding(rep, "E_REPLAY_BETTER_WIRING")["message"]
+    assert "[2, 4, 6]" in msg and "eagle_config.eagle_aux_hidden_state_layer_ids" in msg
+
+
+def test_replay_sweep_finds_a_slot_replaced_by_the_embeddings(tiny_pair, tiny_states, tmp_path):
+    # Slot 0's id was replaced by -1 (embeddings): self-consistent config, and the trained boundary (3) is not a
+    # neighbour of the configured one (0), so the default candidates cannot find it; --replay-sweep does.
+    d = copy_draft_with_ids(tiny_pair, tmp_path / "emb", nested=[-1, 4, 6])
+    rc, rep, _ = run_doctor("--draft", d, "--target", tiny_pair.target_dir)
+    assert rc == 0
+    rc, rep, _ = replay(d, tiny_pair, tiny_states, "--replay-sweep")
+    assert rc == 1
+    assert rep["replay"]["configured"]["boundaries"] == [0, 5, 7]
+    assert rep["replay"]["best"]["boundaries"] == TRAINED and rep["replay"]["best"]["ids"] == [2, 4, 6]
+    assert "E_REPLAY_BETTER_WIRING" in codes(rep, "error")
+
+
+def test_replay_with_vllm_convention_error(tiny_pair, tiny_states, tmp_path):
+    # SpecForge ids copied unchanged to the top level: vLLM reads them one layer early. Config check and replay agree.
+    d = copy_draft_with_ids(tiny_pair, tmp_path / "vllm", top=[2, 4, 6])
+    rc, rep, _ = replay(d, tiny_pair, tiny_states, "--engine", "vllm")
+    assert rc == 1
+    assert {"E_CONVENTION_MISMATCH", "E_REPLAY_BETTER_WIRING"} <= set(codes(rep, "error"))
+    assert rep["replay"]["best"]["boundaries"] == TRAINED and rep["replay"]["best"]["ids"] == [3, 5, 7]
+    d = copy_draft_with_ids(tiny_pair, tmp_path / "vllm_ok", top=[3, 5, 7])
+    rc, rep, _ = replay(d, tiny_pair, tiny_states, "--engine", "vllm")
+    assert rc == 0, codes(rep)
+
+
+def test_replay_states_from_another_model(tiny_pair, tiny_states, tmp_path):
+    from doctor_fixtures import write_target
+
+    other = write_target(tmp_path / "t", num_layers=6, hidden=64, vocab=64)
+    rc, rep, err = run_doctor("--draft", tiny_pair.draft_dir, "--target", other, "--replay", tiny_states)
+    assert rc == 2 and "states from another model" in err
+
+
+def test_draft_module_matches_sglang_layer_math():
+    """The replay draft's first layer follows SGLang llama_eagle3: residual = fc output (not normed),
+    q/k/v over [input_layernorm(embeds), hidden_norm(h)], fused residual adds, final norm(h + residual)."""
+    torch.manual_seed(0)
+    spec = DraftSpec(hidden_size=16, target_hidden_size=8, num_aux=3, vocab_size=32, draft_vocab_size=32,
+                     num_heads=2, num_kv_heads=1, intermediate_size=24)
+    m = Eagle3Draft(spec).eval()
+    for p in m.parameters():
+        p.data.normal_(0, 0.3)
+    aux, emb = torch.randn(5, 24), torch.randn(5, 16)
+    lay = m.layers[0]
+
+    def rms(x, w):
+        return w * x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + spec.rms_norm_eps)
+
+    h = m.fc(aux)
+    x = torch.cat([rms(emb, lay.input_layernorm.weight), rms(h, lay.hidden_norm.weight)], -1)
+    a = lay.self_attn(x, torch.arange(5))
+    res = a + h
+    y = lay.mlp(rms(res, lay.post_attention_layernorm.weight))
+    ref = m.lm_head(rms(y + res, m.norm.weight))
+    with torch.no_grad():
+        torch.testing.assert_close(m(aux, emb), ref)
