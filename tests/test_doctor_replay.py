@@ -15,12 +15,12 @@ def replay(draft, tiny_pair, states, *extra):
     return run_doctor("--draft", draft, "--target", tiny_pair.target_dir, "--replay", states, *extra)
 
 
-def test_tiny_pair_is_real(tiny_pair):
+def test_tiny_pair_is_real(tiny_pair):  # noqa: F811
     assert tiny_pair.trained_ids == [2, 4, 6]
     assert tiny_pair.heldout_accuracy > 0.6  # the draft learned the target's next token on held-out prompts
 
 
-def test_capture_states_file(tiny_pair, tiny_states):
+def test_capture_states_file(tiny_pair, tiny_states):  # noqa: F811
     from transformers import AutoModelForCausalLM
 
     with safe_open(str(tiny_states), framework="pt") as f:
@@ -38,7 +38,7 @@ def test_capture_states_file(tiny_pair, tiny_states):
         assert torch.equal(model(ids[None]).logits[0].argmax(-1), nxt)
 
 
-def test_replay_picks_the_trained_wiring(tiny_pair, tiny_states):
+def test_replay_picks_the_trained_wiring(tiny_pair, tiny_states):  # noqa: F811
     rc, rep, _ = replay(tiny_pair.draft_dir, tiny_pair, tiny_states)
     assert rc == 0, codes(rep)
     r = rep["replay"]
@@ -55,7 +55,7 @@ def test_replay_picks_the_trained_wiring(tiny_pair, tiny_states):
     assert "I_REPLAY_CONFIGURED_BEST" in codes(rep, "info")
 
 
-def test_replay_catches_a_config_edited_to_the_wrong_convention(tiny_pair, tiny_states, tmp_path):
+def test_replay_catches_a_config_edited_to_the_wrong_convention(tiny_pair, tiny_states, tmp_path):  # noqa: F811
     # Ids rewritten one layer early (as if "output of layer k" meant "entering layer k"): the config is
     # self-consistent, only replay can tell.
     d = copy_draft_with_ids(tiny_pair, tmp_path / "shifted", nested=[1, 3, 5])
@@ -71,7 +71,7 @@ def test_replay_catches_a_config_edited_to_the_wrong_convention(tiny_pair, tiny_
     assert "[2, 4, 6]" in msg and "eagle_config.eagle_aux_hidden_state_layer_ids" in msg
 
 
-def test_replay_sweep_finds_a_slot_replaced_by_the_embeddings(tiny_pair, tiny_states, tmp_path):
+def test_replay_sweep_finds_a_slot_replaced_by_the_embeddings(tiny_pair, tiny_states, tmp_path):  # noqa: F811
     # Slot 0's id was replaced by -1 (embeddings): self-consistent config, and the trained boundary (3) is not a
     # neighbour of the configured one (0), so the default candidates cannot find it; --replay-sweep does.
     d = copy_draft_with_ids(tiny_pair, tmp_path / "emb", nested=[-1, 4, 6])
@@ -84,7 +84,7 @@ def test_replay_sweep_finds_a_slot_replaced_by_the_embeddings(tiny_pair, tiny_st
     assert "E_REPLAY_BETTER_WIRING" in codes(rep, "error")
 
 
-def test_replay_with_vllm_convention_error(tiny_pair, tiny_states, tmp_path):
+def test_replay_with_vllm_convention_error(tiny_pair, tiny_states, tmp_path):  # noqa: F811
     # SpecForge ids copied unchanged to the top level: vLLM reads them one layer early. Config check and replay agree.
     d = copy_draft_with_ids(tiny_pair, tmp_path / "vllm", top=[2, 4, 6])
     rc, rep, _ = replay(d, tiny_pair, tiny_states, "--engine", "vllm")
@@ -96,7 +96,7 @@ def test_replay_with_vllm_convention_error(tiny_pair, tiny_states, tmp_path):
     assert rc == 0, codes(rep)
 
 
-def test_replay_states_from_another_model(tiny_pair, tiny_states, tmp_path):
+def test_replay_states_from_another_model(tiny_pair, tiny_states, tmp_path):  # noqa: F811
     from doctor_fixtures import write_target
 
     other = write_target(tmp_path / "t", num_layers=6, hidden=64, vocab=64)

@@ -99,6 +99,17 @@ def capture_states(model_dir, prompts, out_path, *, dtype: str = "float32", max_
             raise DoctorInputError(f"capture-states: text prompts need a tokenizer in {model_dir}: {e}") from None
 
     layers = _decoder_layers(model)
+    threads = torch.get_num_threads()
+    if device == "cpu" and model.config.get_text_config().hidden_size < 1024:
+        torch.set_num_threads(1)  # tiny models: a second OpenMP thread only adds waiting on a busy machine
+    try:
+        return _capture(model, layers, tokenizer, prompts, out_path, model_dir, torch_dtype, max_tokens, device,
+                        save_file)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _capture(model, layers, tokenizer, prompts, out_path, model_dir, torch_dtype, max_tokens, device, save_file):
     grabbed = {}
     hook = layers[-1].register_forward_hook(
         lambda _m, _i, out: grabbed.__setitem__("last", out[0] if isinstance(out, tuple) else out))

@@ -31,7 +31,7 @@ from typing import Dict, List, Optional
 
 from .configs import (CONVENTION_TEXT, LAYER_INPUT, LAYER_OUTPUT, DoctorInputError, DraftInfo, TargetInfo,
                       TensorInfo, convention_to_index, load_tensors)
-from .engines import (DEEPSEEK, ENGINE_NAMES, FAMILY_RULE, IDS_LOCATION, UNKNOWN, EngineWiring,
+from .engines import (DEEPSEEK, ENGINE_NAMES, IDS_LOCATION, UNKNOWN, EngineWiring,
                       default_boundaries, describe_boundary, ids_for_boundaries, resolve_wiring, short_boundary)
 
 SEVERITIES = ("error", "warning", "info")
@@ -158,7 +158,6 @@ def run_checks(target: TargetInfo, draft: DraftInfo, weights: Dict[str, TensorIn
     wiring = resolve_wiring(opts.engine, target, draft, pp=opts.pp, pp_partition=opts.pp_partition)
     training = resolve_training(draft, target, opts)
     rep.wiring, rep.training = wiring, training
-    family_note = FAMILY_RULE[wiring.family]
 
     if wiring.family == UNKNOWN and opts.engine == "sglang":
         rep.add("warning", "W_UNKNOWN_MODEL_FAMILY",
@@ -408,7 +407,7 @@ def _check_tp(rep: Report, wiring: EngineWiring, opts: Options) -> None:
 def _check_vocab(rep: Report, target: TargetInfo, draft: DraftInfo, weights: Dict[str, TensorInfo]) -> None:
     V = target.vocab_size
     lm = weights.get("lm_head.weight")
-    d2t_i, t2d_i = weights.get("d2t"), weights.get("t2d")
+    d2t_i = weights.get("d2t")
     emb = weights.get("embed_tokens.weight")
     problems = []
     draft_vocab = lm.shape[0] if lm is not None and len(lm.shape) == 2 else draft.draft_vocab_size

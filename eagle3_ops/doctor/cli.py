@@ -160,11 +160,13 @@ def build_report(args):
 def _doctor(argv) -> int:
     args = _parse(_doctor_parser(), argv)
     report = build_report(args)
-    if args.json:
-        print(json.dumps(report.to_json(), indent=2))
-    else:
-        print(format_report(report))
-    return 0 if report.ok else 1
+    status = 0 if report.ok else 1
+    try:
+        print(json.dumps(report.to_json(), indent=2) if args.json else format_report(report))
+        sys.stdout.flush()
+    except BrokenPipeError:  # `doctor ... | head`
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+    return status
 
 
 def _table(rows: List[List[str]], headers: List[str]) -> str:

@@ -30,9 +30,12 @@ import glob
 import json
 import os
 from pathlib import Path
-from typing import Dict, List, Optional, Tuple
+from typing import TYPE_CHECKING, Dict, List, Optional, Tuple
 
 from .draft import canonical_name
+
+if TYPE_CHECKING:
+    import torch
 
 NESTED_TEXT_KEYS = ("text_config", "language_config", "llm_config")
 
@@ -316,7 +319,7 @@ def _bin_headers(f: str) -> Dict[str, TensorInfo]:
     return out
 
 
-def load_tensors(infos: Dict[str, TensorInfo], names) -> Dict[str, "torch.Tensor"]:  # noqa: F821
+def load_tensors(infos: Dict[str, TensorInfo], names) -> Dict[str, "torch.Tensor"]:
     """Load only the named tensors (canonical names) from their files."""
     import torch
 

@@ -11,6 +11,7 @@ at least ``margin`` (absolute) and by three standard errors of the paired differ
 """
 from __future__ import annotations
 
+import contextlib
 import itertools
 import math
 from pathlib import Path
@@ -225,15 +226,36 @@ def run_replay(report: Report, weights: Dict[str, TensorInfo], states_path, *, m
     if report.wiring is None or report.training is None:
         report.add("info", "I_REPLAY_SKIPPED", "Replay skipped: the draft uses no aux hidden states.")
         return
-    target, wiring, opts = report.target, report.wiring, report.options
-    L = target.num_layers
-    states = load_states(states_path, target)
+    states = load_states(states_path, report.target)
     model = build_draft(report, weights).to(device)
     if device != "cpu":
         for g in states.groups:
             for k in ("ids", "hidden", "last", "next"):
                 if g[k] is not None:
                     g[k] = g[k].to(device)
+    with _cpu_threads(device, model.spec.hidden_size):
+        _replay(report, model, states, margin=margin, max_tokens=max_tokens, sweep=sweep)
+
+
+@contextlib.contextmanager
+def _cpu_threads(device: str, hidden_size: int):
+    """Small drafts on CPU run one thread: their ops are too small for a second thread to pay, and on a busy
+    machine two OpenMP threads that wait for each other are many times slower."""
+    if device != "cpu" or hidden_size >= 1024:
+        yield
+        return
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _replay(report: Report, model: Eagle3Draft, states: States, *, margin: float, max_tokens: int,
+            sweep: bool) -> None:
+    target, wiring, opts = report.target, report.wiring, report.options
+    L = target.num_layers
     K = report.fc_slots
     conf = [s.boundary for s in wiring.slots]
     configured = conf if (len(conf) == K and all(s.captured for s in wiring.slots)) else None

@@ -138,7 +138,6 @@ def train_draft(hidden, nxt, boundaries, *, steps: int = 300, batch: int = 32, l
     opt = torch.optim.AdamW(params, lr=lr, weight_decay=0.0)
     sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, steps)
     gen = torch.Generator().manual_seed(seed)
-    n = x_all.shape[0]
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # tiny matmuls: one thread is several times faster than two on a busy 2-core box
     try:
@@ -179,6 +178,16 @@ def build_tiny_pair(root, *, seed: int = 0, steps: int = 300, num_train: int = 5
         if info.get("params") == params:
             return TinyPair(root, root / "target", root / "draft", root / "prompts.json", list(TRAINED_IDS),
                             info["seconds"], info["heldout_accuracy"])
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # tiny ops: one thread is fastest, and much faster than two on a busy machine
+    try:
+        return _build(root, params, seed, steps, num_train, seq_len, num_prompts, save_file)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _build(root, params, seed, steps, num_train, seq_len, num_prompts, save_file) -> TinyPair:
+    done = root / "DONE"
     t0 = time.time()
     root.mkdir(parents=True, exist_ok=True)
     target = build_target(seed)

@@ -1,0 +1,140 @@
+"""Wiring doctor CLI: ``python -m eagle3_ops doctor`` exit statuses (0 clean, 1 error findings, 2 bad usage or
+unreadable input, with one clear line and no traceback), the JSON shape, and the human report."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from doctor_fixtures import run_doctor, tiny_pair, tiny_states, write_draft, write_target  # noqa: F401
+from eagle3_ops.doctor import cli
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def eagle3_ops(*args, timeout=120):
+    env = dict(os.environ)
+    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
+    env.pop("EAGLE3_OPS_DEBUG", None)
+    return subprocess.run([sys.executable, "-m", "eagle3_ops", *map(str, args)], capture_output=True, text=True,
+                          env=env, timeout=timeout, cwd=str(ROOT))
+
+
+@pytest.fixture
+def pair(tmp_path):
+    t = write_target(tmp_path / "target", num_layers=32)
+    return t, write_draft(tmp_path / "good", ids=[1, 15, 28]), write_draft(tmp_path / "bad", ids=[1, 15, 31])
+
+
+def test_exit_0_when_clean_1_on_errors(pair):
+    t, good, bad = pair
+    r = eagle3_ops("doctor", "--draft", good, "--target", t)
+    assert r.returncode == 0, r.stderr
+    assert "Result: 0 error(s)" in r.stdout
+    r = eagle3_ops("doctor", "--draft", bad, "--target", t, "--json")
+    assert r.returncode == 1, r.stderr
+    rep = json.loads(r.stdout)
+    assert rep["ok"] is False
+    assert set(rep) >= {"slots", "findings", "ok"}
+    assert all(set(f) == {"severity", "code", "message"} for f in rep["findings"])
+    assert any(f["severity"] == "error" and f["code"] == "E_LAST_LAYER_NOT_CAPTURED" for f in rep["findings"])
+
+
+def _assert_usage_error(r, *needles):
+    assert r.returncode == 2, (r.returncode, r.stdout, r.stderr)
+    assert "Traceback" not in r.stderr and "Traceback" not in r.stdout
+    assert r.stderr.strip(), "no message"
+    for n in needles:
+        assert n in r.stderr, r.stderr
+
+
+def test_exit_2_on_bad_inputs_subprocess(pair, tmp_path):
+    t, good, _ = pair
+    _assert_usage_error(eagle3_ops("doctor", "--draft", tmp_path / "missing", "--target", t), "does not exist")
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    (broken / "config.json").write_text('{"eagle_config": {"eagle_aux_hidden_state_layer_ids": [1, 2,]}}')
+    _assert_usage_error(eagle3_ops("doctor", "--draft", broken, "--target", t), "not valid JSON", "line 1")
+    no_fc = write_draft(tmp_path / "nofc", ids=[1, 15, 28], drop=("fc.weight",))
+    _assert_usage_error(eagle3_ops("doctor", "--draft", no_fc, "--target", t), "no fc weight")
+    rc, rep, err = run_doctor("--draft", good, "--target", t, "--tp", "0")
+    assert rc == 2 and "--tp must be >= 1" in err
+    rc, rep, err = run_doctor("--draft", good)
+    assert rc == 2 and "--target" in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize("case", ["no_weights", "corrupt_safetensors", "ids_not_ints", "target_no_layers",
+                                  "pp_too_large", "bad_partition", "bad_engine", "config_is_list", "no_config"])
+def test_exit_2_on_bad_inputs(pair, tmp_path, case):
+    t, good, _ = pair
+    args = ["--draft", good, "--target", t]
+    if case == "no_weights":
+        (good / "model.safetensors").unlink()
+        needle = "no weights"
+    elif case == "corrupt_safetensors":
+        (good / "model.safetensors").write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00not a header")
+        needle = "cannot read safetensors header"
+    elif case == "ids_not_ints":
+        cfg = json.loads((good / "config.json").read_text())
+        cfg["eagle_config"]["eagle_aux_hidden_state_layer_ids"] = "1,15,28"
+        (good / "config.json").write_text(json.dumps(cfg))
+        needle = "must be a list of integers"
+    elif case == "target_no_layers":
+        (t / "config.json").write_text(json.dumps({"model_type": "llama", "hidden_size": 16}))
+        needle = "no 'num_hidden_layers'"
+    elif case == "pp_too_large":
+        args += ["--pp", "33"]
+        needle = "exceeds the target's 32 layers"
+    elif case == "bad_partition":
+        args += ["--pp", "2", "--pp-partition", "10,10"]
+        needle = "summing to 32"
+    elif case == "bad_engine":
+        args += ["--engine", "tgi"]
+        needle = "invalid choice"
+    elif case == "config_is_list":
+        (good / "config.json").write_text("[1, 2]")
+        needle = "must hold a JSON object"
+    else:
+        (good / "config.json").unlink()
+        needle = "no config.json"
+    rc, rep, err = run_doctor(*args)
+    assert rc == 2 and rep is None
+    assert needle in err and "Traceback" not in err
+
+
+def test_help_exits_0(capsys):
+    assert cli.main(["--help"]) == 0
+    assert "--replay" in capsys.readouterr().out
+    assert cli.capture_states_main(["--help"]) == 0
+
+
+def test_human_report_readable_without_knowing_the_offset(tiny_pair, tiny_states):  # noqa: F811
+    r = eagle3_ops("doctor", "--draft", tiny_pair.draft_dir, "--target", tiny_pair.target_dir, "--replay", tiny_states)
+    assert r.returncode == 0, r.stdout + r.stderr
+    out = " ".join(r.stdout.split())  # the report wraps long lines
+    for text in ("How to read the table", "residual stream entering layer 3 = output of layer 2",
+                 "SGLang rule: boundary = id + 1", "what the draft was trained on", "Replay:", "Findings:",
+                 "I_REPLAY_CONFIGURED_BEST", "Result: 0 error(s)"):
+        assert text in out, text
+
+
+def test_capture_states_cli(tiny_pair, tmp_path):  # noqa: F811
+    out = tmp_path / "s.safetensors"
+    prompts = tmp_path / "p.json"
+    prompts.write_text(json.dumps([[5, 6, 7, 8, 9], [10, 11, 12]]))
+    r = eagle3_ops("capture-states", "--model", tiny_pair.target_dir, "--prompts", prompts, "--out", out)
+    assert r.returncode == 0, r.stderr
+    assert "2 prompts, 8 tokens, 9 boundaries x hidden 64" in r.stdout and out.exists()
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps([[1, 2], "text", [3, "x"]]))
+    rc = cli.capture_states_main(["--model", str(tiny_pair.target_dir), "--prompts", str(bad), "--out",
+                                  str(tmp_path / "x.safetensors")])
+    assert rc == 2
+    big = tmp_path / "big.json"
+    big.write_text(json.dumps([[1, 2, 999]]))
+    assert cli.capture_states_main(["--model", str(tiny_pair.target_dir), "--prompts", str(big), "--out",
+                                    str(tmp_path / "y.safetensors")]) == 2
