@@ -32,7 +32,8 @@ from typing import Dict, List, Optional
 from .configs import (CONVENTION_TEXT, LAYER_INPUT, LAYER_OUTPUT, DoctorInputError, DraftInfo, TargetInfo,
                       TensorInfo, convention_to_index, load_tensors)
 from .engines import (DEEPSEEK, ENGINE_NAMES, IDS_LOCATION, UNKNOWN, EngineWiring,
-                      default_boundaries, describe_boundary, ids_for_boundaries, resolve_wiring, short_boundary)
+                      default_boundaries, describe_boundary, ids_for_boundaries, map_ids, resolve_wiring,
+                      short_boundary)
 
 SEVERITIES = ("error", "warning", "info")
 
@@ -166,8 +167,9 @@ def run_checks(target: TargetInfo, draft: DraftInfo, weights: Dict[str, TensorIn
                 f"model file.")
     if wiring.ids is None:
         rep.add("info", "I_ENGINE_DEFAULT",
-                f"{eng} uses its default boundaries {default_boundaries(L)} "
-                f"({', '.join(describe_boundary(b, L) for b in default_boundaries(L))}): {wiring.ids_source}.")
+                f"{eng} uses its default boundaries {default_boundaries(L)} = "
+                f"{', '.join(short_boundary(b, L) for b in default_boundaries(L))}, since "
+                f"{wiring.ids_source.split('(', 1)[1].rstrip(')')}.")
 
     # ---- the config's own consistency with the fc weight (K)
     t_ids = training.ids
@@ -338,7 +340,8 @@ def _compare_slots(rep: Report, wiring: EngineWiring, training: Training, opts: 
 
     fix_ids = ids_for_boundaries(opts.engine, wiring.family, trained_b, L)
     if fix_ids is not None:
-        fix = f"Set {IDS_LOCATION[opts.engine]} to {fix_ids} ({eng}: boundary = {wiring.rule.split(' (')[0]})."
+        fix_rule = map_ids(opts.engine, wiring.family, fix_ids, L)[1]
+        fix = f"Set {IDS_LOCATION[opts.engine]} to {fix_ids} ({eng}: boundary = {fix_rule})."
         if opts.engine == "sglang" and wiring.family == DEEPSEEK:
             fix = (f"Set {IDS_LOCATION[opts.engine]} to {fix_ids} (SGLang's deepseek rule adds 1 only when the "
                    f"first id is 1).")
@@ -348,7 +351,7 @@ def _compare_slots(rep: Report, wiring: EngineWiring, training: Training, opts: 
     ignored = ""
     if wiring.ignored_ids is not None:
         loc, ids = wiring.ignored_ids
-        ignored = f" ({eng} does not read {loc} = {ids}; it uses {wiring.ids_source}.)"
+        ignored = f" ({eng} does not read {loc} = {ids}, so it falls back to its default boundaries.)"
 
     details = "; ".join(f"slot {k} gets {short_boundary(s.boundary, L)} but was trained on "
                         f"{short_boundary(tb, L)}" for k, s, tb in mismatched)

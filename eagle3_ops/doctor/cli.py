@@ -185,7 +185,7 @@ def _wrap(text: str, indent: str) -> str:
 
 
 def format_report(report) -> str:
-    from .engines import ENGINE_NAMES, FAMILY_RULE
+    from .engines import ENGINE_NAMES, rule_text
 
     t, d, o = report.target, report.draft, report.options
     eng = ENGINE_NAMES[o.engine]
@@ -194,9 +194,10 @@ def format_report(report) -> str:
            _wrap(f"draft  : {d.path}  ({d.describe()})", "  ")]
     if report.wiring is not None:
         w = report.wiring
-        rule = FAMILY_RULE[w.family] if o.engine == "sglang" else w.rule
-        out.append(_wrap(f"engine : {eng}, tp={o.tp}, pp={o.pp}; ids from {w.ids_source}; {eng} rule: boundary = "
-                         f"{rule}" + (f" ({w.family_evidence})" if o.engine == "sglang" else ""), "  "))
+        rule = rule_text(o.engine, w.family) + (f" ({w.family_evidence})" if o.engine == "sglang" else "")
+        ids = f"ids {w.ids} from {w.ids_source}" if w.ids is not None else \
+            f"no ids: {w.ids_source} = boundaries {w.config_order}"
+        out.append(_wrap(f"engine : {eng}, tp={o.tp}, pp={o.pp}; {eng} rule: boundary = {rule}; {ids}", "  "))
     if report.training is not None:
         out.append(_wrap(f"trained: {report.training.source}", "  "))
     out.append("")

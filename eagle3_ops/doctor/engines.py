@@ -61,6 +61,11 @@ _PLUS_ONE_TYPES = {"llama", "llama4_text", "mistral", "qwen2", "qwen3", "qwen2_m
                    "gemma4_text", "bailing_moe", "exaone_moe", "apertus", "longcat_flash", "phi3", "internlm3",
                    "glm5_next"}
 
+ENGINE_RULE = {
+    "vllm": "id (0 = embeddings)",
+    "trtllm": "id + 1 (captured after layer id; -1 = embeddings)",
+}
+
 FAMILY_RULE = {
     PLUS_ONE: "id + 1",
     DEEPSEEK: "id + 1 if the first id is 1, else id",
@@ -180,19 +185,19 @@ def _engine_ids(engine: str, draft: DraftInfo) -> Tuple[Optional[List[int]], str
     if engine == "sglang":
         if draft.nested_ids is not None:
             return draft.nested_ids, nested_loc, None
-        return None, "SGLang's default (no eagle_config.eagle_aux_hidden_state_layer_ids)", \
+        return None, "SGLang's default (the draft config has no eagle_config.eagle_aux_hidden_state_layer_ids)", \
             ((top_loc, draft.top_ids) if draft.top_ids is not None else None)
     if engine == "vllm":
         if draft.top_ids is not None:
             return draft.top_ids, top_loc, None
-        return None, "vLLM's default (no top-level eagle_aux_hidden_state_layer_ids)", \
+        return None, "vLLM's default (the draft config has no top-level eagle_aux_hidden_state_layer_ids)", \
             ((nested_loc, draft.nested_ids) if draft.nested_ids is not None else None)
     # trtllm: the user passes eagle3_layers_to_capture; assume the draft's ids
     if draft.nested_ids is not None:
         return draft.nested_ids, f"eagle3_layers_to_capture (assumed = the draft's {nested_loc})", None
     if draft.top_ids is not None:
         return draft.top_ids, f"eagle3_layers_to_capture (assumed = the draft's {top_loc})", None
-    return None, "TensorRT-LLM's default (eagle3_layers_to_capture unset)", None
+    return None, "TensorRT-LLM's default (the draft config has no ids to pass as eagle3_layers_to_capture)", None
 
 
 def map_ids(engine: str, family: str, ids: Optional[List[int]], num_layers: int) -> Tuple[List[int], str]:
@@ -299,3 +304,10 @@ def ids_for_boundaries(engine: str, family: str, boundaries: List[int], num_laye
         if all(0 <= b <= last_cap for b in mapped):
             return ids
     return None
+
+
+def rule_text(engine: str, family: str) -> str:
+    """The id -> boundary rule of ``engine`` for this model family, in words."""
+    if engine == "sglang":
+        return FAMILY_RULE[family]
+    return ENGINE_RULE[engine]
