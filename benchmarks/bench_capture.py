@@ -1,0 +1,173 @@
+"""Capture benchmarks: stock SGLang capture paths vs eagle3_ops, bf16, one row per (shape, backend).
+
+* ``capture3_llama``: three captures of ``hidden + residual`` into a [T, 3H] draft input.
+  stock = SGLang's list path as issue 3 states it: per capture an add (new tensor) and a clone into
+  the list, then ``torch.cat`` of the three; ours = three ``eagle3_ops.capture(h, r, buffer, k)``.
+  Bytes that must move: 3 x (read h, r; write slot) = 9*T*H*2.
+* ``capture3_packer``: three captures of a ready value (``AuxHiddenStatePacker``: copy into the
+  slot). stock = ``buffer[:, kH:(k+1)H].copy_(h)``; ours = ``eagle3_ops.capture(h, None, buffer, k)``.
+  Bytes: 3 x (read h; write slot) = 6*T*H*2.
+* ``fused_add_rmsnorm_capture``: one layer boundary. stock = ``fused_add_rmsnorm`` then a copy of
+  the new residual into the slot; ours = ``eagle3_ops.fused_add_rmsnorm_capture``. Bytes: read input,
+  residual (+ weight), write input, residual, slot = (5*T*H + H)*2. The stock kernel is SGLang's
+  ``sgl_kernel.fused_add_rmsnorm`` or FlashInfer's when installed; otherwise torch eager with SGLang's
+  ``forward_native`` math, and the row's ``stock`` names which one ran.
+
+Shapes: H in {4096, 7168, 8192}, T in {1, 16, 64, 256, 2048, 8192} on a GPU; on the CPU only
+T=1, H=4096 runs (smoke test of this file, reference backend, rows marked smoke).
+"""
+import functools
+
+import pytest
+import torch
+
+import eagle3_ops
+
+SMOKE = not torch.cuda.is_available()
+DTYPE = torch.bfloat16
+K = 3
+EPS = 1e-6
+H_VALUES = (4096,) if SMOKE else (4096, 7168, 8192)
+T_VALUES = (1,) if SMOKE else (1, 16, 64, 256, 2048, 8192)
+OURS_BACKENDS = ("reference",) if SMOKE else ("cuda", "triton")
+SHAPES = [(T, H) for H in H_VALUES for T in T_VALUES]
+ELEM = torch.finfo(DTYPE).bits // 8
+
+# Stock times do not depend on our backend: measure once per (bench, shape), reuse for every row.
+_stock_us_cache = {}
+
+
+def _shape_id(T, H):
+    return f"T={T},H={H}"
+
+
+def _rand(T, H, device, gen):
+    return torch.randn(T, H, generator=gen, device=device, dtype=torch.float32).to(DTYPE)
+
+
+@pytest.fixture
+def ours_backend(request, monkeypatch, bench_device):
+    """Force one eagle3_ops backend; a forced backend that cannot serve fails the benchmark."""
+    name = request.param
+    monkeypatch.setenv("EAGLE3_OPS_BACKEND", name)
+    return name
+
+
+@functools.lru_cache(maxsize=None)
+def stock_fused_add_rmsnorm(device_type: str):
+    """(name, fn(x, r, w, eps) -> (out, new_residual)) of the best stock fused add-RMSNorm here
+    (the CUDA kernels only on a GPU; their packages import on the CPU but cannot run there)."""
+    if device_type != "cuda":
+        return _native_stock()
+    try:
+        from sgl_kernel import fused_add_rmsnorm as sgl_fused
+
+        def run(x, r, w, eps):
+            sgl_fused(x, r, w, eps)
+            return x, r
+        return "sgl_kernel.fused_add_rmsnorm", run
+    except ImportError:
+        pass
+    try:
+        from flashinfer.norm import fused_add_rmsnorm as fi_fused
+
+        def run(x, r, w, eps):
+            fi_fused(x, r, w, eps)
+            return x, r
+        return "flashinfer.norm.fused_add_rmsnorm", run
+    except ImportError:
+        pass
+    return _native_stock()
+
+
+def _native_stock():
+    def native(x, r, w, eps):  # SGLang RMSNorm.forward_native(x, residual), op for op
+        s = x.float() + r.float()
+        new_r = s.to(x.dtype)
+        out = (s * torch.rsqrt(s.pow(2).mean(-1, keepdim=True) + eps) * w).to(x.dtype)
+        return out, new_r
+    return "torch eager forward_native (no sgl_kernel/flashinfer kernel here)", native
+
+
+def _stock_time(key, fn, gpu_time_us):
+    if key not in _stock_us_cache:
+        _stock_us_cache[key] = gpu_time_us(fn)
+    return _stock_us_cache[key]
+
+
+@pytest.mark.parametrize("ours_backend", OURS_BACKENDS, indirect=True)
+@pytest.mark.parametrize("T,H", SHAPES, ids=[_shape_id(*s) for s in SHAPES])
+def test_capture3_llama(T, H, ours_backend, bench_device, bench_record, gpu_time_us):
+    gen = torch.Generator(device=bench_device).manual_seed(T + H)
+    hs = [_rand(T, H, bench_device, gen) for _ in range(K)]
+    rs = [_rand(T, H, bench_device, gen) for _ in range(K)]
+    buffer = torch.empty(T, K * H, dtype=DTYPE, device=bench_device)
+
+    def stock():
+        captured = []
+        for h, r in zip(hs, rs):
+            captured.append((h + r).clone())
+        return torch.cat(captured, dim=-1)
+
+    def ours():
+        for k in range(K):
+            eagle3_ops.capture(hs[k], rs[k], buffer, k)
+
+    ours()
+    assert torch.equal(buffer, stock()), "ours and stock disagree: not benchmarking the same thing"
+    stock_us = _stock_time(("capture3_llama", T, H), stock, gpu_time_us)
+    bench_record("capture3_llama", _shape_id(T, H), K * 3 * T * H * ELEM, ours_backend, ours,
+                 stock_name="add+clone+cat", stock_us=stock_us, dtype="bf16",
+                 stock_bytes=K * (3 + 2 + 2) * T * H * ELEM)
+
+
+@pytest.mark.parametrize("ours_backend", OURS_BACKENDS, indirect=True)
+@pytest.mark.parametrize("T,H", SHAPES, ids=[_shape_id(*s) for s in SHAPES])
+def test_capture3_packer(T, H, ours_backend, bench_device, bench_record, gpu_time_us):
+    gen = torch.Generator(device=bench_device).manual_seed(T + H + 1)
+    hs = [_rand(T, H, bench_device, gen) for _ in range(K)]
+    stock_buffer = torch.empty(T, K * H, dtype=DTYPE, device=bench_device)
+    buffer = torch.empty(T, K * H, dtype=DTYPE, device=bench_device)
+
+    def stock():
+        for k, h in enumerate(hs):
+            stock_buffer[:, k * H:(k + 1) * H].copy_(h)
+
+    def ours():
+        for k in range(K):
+            eagle3_ops.capture(hs[k], None, buffer, k)
+
+    stock()
+    ours()
+    assert torch.equal(buffer, stock_buffer), "ours and stock disagree: not benchmarking the same thing"
+    stock_us = _stock_time(("capture3_packer", T, H), stock, gpu_time_us)
+    bench_record("capture3_packer", _shape_id(T, H), K * 2 * T * H * ELEM, ours_backend, ours,
+                 stock_name="slot.copy_", stock_us=stock_us, dtype="bf16", stock_bytes=K * 2 * T * H * ELEM)
+
+
+@pytest.mark.parametrize("ours_backend", OURS_BACKENDS, indirect=True)
+@pytest.mark.parametrize("T,H", SHAPES, ids=[_shape_id(*s) for s in SHAPES])
+def test_fused_add_rmsnorm_capture(T, H, ours_backend, bench_device, bench_record, gpu_time_us):
+    gen = torch.Generator(device=bench_device).manual_seed(T + H + 2)
+    x, r = _rand(T, H, bench_device, gen), _rand(T, H, bench_device, gen)
+    w = (torch.rand(H, generator=gen, device=bench_device) + 0.5).to(DTYPE)
+    stock_x, stock_r = x.clone(), r.clone()
+    stock_buffer = torch.empty(T, K * H, dtype=DTYPE, device=bench_device)
+    buffer = torch.empty(T, K * H, dtype=DTYPE, device=bench_device)
+    stock_name, stock_fused = stock_fused_add_rmsnorm(bench_device.type)
+
+    def stock():
+        _, new_r = stock_fused(stock_x, stock_r, w, EPS)
+        stock_buffer[:, H:2 * H].copy_(new_r)
+
+    def ours():
+        eagle3_ops.fused_add_rmsnorm_capture(x, r, w, EPS, buffer, 1)
+
+    # Same math on the first call (the ops update their inputs in place, so only the first compares).
+    stock()
+    ours()
+    assert torch.equal(buffer[:, H:2 * H], stock_buffer[:, H:2 * H]), "captured residuals differ"
+    stock_us = _stock_time(("fused_add_rmsnorm_capture", T, H), stock, gpu_time_us)
+    bench_record("fused_add_rmsnorm_capture", _shape_id(T, H), (5 * T * H + H) * ELEM, ours_backend, ours,
+                 stock_name=f"{stock_name} + slot.copy_", stock_us=stock_us, dtype="bf16",
+                 stock_bytes=(4 * T * H + H + 2 * T * H) * ELEM)
