@@ -336,13 +336,11 @@ def _default_max_tokens() -> int:
 
 
 def _activation_dtype(inner, norms) -> torch.dtype:
-    for norm in norms:
-        w = getattr(norm, "weight", None)
-        if isinstance(w, torch.Tensor) and w.is_floating_point():
-            return w.dtype
+    """The residual stream's dtype: the embedding output's (the model dtype), else the norms'."""
     embed = getattr(getattr(inner, "embed_tokens", None), "weight", None)
-    if isinstance(embed, torch.Tensor) and embed.is_floating_point():
-        return embed.dtype
+    for w in [embed] + [getattr(n, "weight", None) for n in norms]:
+        if isinstance(w, torch.Tensor) and w.dtype in (torch.bfloat16, torch.float16, torch.float32):
+            return w.dtype
     return torch.get_default_dtype()
 
 

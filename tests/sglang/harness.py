@@ -2,7 +2,7 @@
 ``eagle3_ops.sglang.cpu_harness`` (shared with the demo); here are the Hugging Face references."""
 from __future__ import annotations
 
-from typing import List, Optional, Sequence
+from typing import List, Sequence
 
 import torch
 
@@ -44,7 +44,7 @@ def checkpoint_weights(hf) -> List[tuple]:
     return out
 
 
-def hf_hidden_states(hf, sequences: List[List[int]], last: Optional[List[int]] = None):
+def hf_hidden_states(hf, sequences: List[List[int]]):
     """HF ``output_hidden_states`` per sequence (a tuple of [L, H] per index), and last-token logits."""
     outs = []
     with torch.no_grad():

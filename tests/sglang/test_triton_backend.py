@@ -1,0 +1,50 @@
+"""The same SGLang integration with the ops served by the Triton kernels (the Triton interpreter
+on CPU): target EXTEND + TARGET_VERIFY and the draft's fc step, plugin vs stock."""
+import pytest
+import torch
+
+LAYER_IDS = [0, 1, 2]
+PROMPTS = [[5, 17, 3, 99, 42], [7, 1, 64, 23, 88, 120, 11]]
+DRAFTS = [[9, 31, 2], [54, 6, 101]]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_plugin_on_triton_kernels_matches_stock(sglang_cpu, monkeypatch, dtype):
+    h = sglang_cpu
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    monkeypatch.setenv("EAGLE3_OPS_BACKEND", "triton")
+    from eagle3_ops import backends
+
+    assert set(backends(torch.device("cpu")).values()) == {"triton"}
+    from sglang.srt.speculative.eagle_info import EagleDraftExtendInput
+
+    tol = h.tolerances(dtype)
+    cfg = h.FAMILIES["llama"].make_config()
+    hf = h.hf_model("llama", cfg, dtype)
+    stock, plugin = h.sglang_from_hf("llama", cfg, dtype, hf), h.sglang_from_hf("llama", cfg, dtype, hf)
+    stock.set_eagle3_layers_to_capture(LAYER_IDS)
+    h.configure_capture(plugin, LAYER_IDS)
+    dcfg = h.eagle3_draft_config(cfg, layer_ids=LAYER_IDS, fc_norm=True, norm_before_fc=True)
+    s_draft, p_draft = h.eagle3_draft(dcfg, dtype), h.eagle3_draft(dcfg, dtype)
+    h.configure_capture(p_draft, None, eagle=False)
+
+    outs = {}
+    for name, target, draft in (("stock", stock, s_draft), ("plugin", plugin, p_draft)):
+        kv = h.KVCache(cfg, dtype)
+        reqs = [h.Req(kv.new_req()) for _ in PROMPTS]
+        ext = h.run(target, h.extend_batch(kv, reqs, PROMPTS), kv)
+        aux = ext.hidden_states.clone()
+        ver = h.run(target, h.extend_batch(kv, reqs, DRAFTS, mode="TARGET_VERIFY"), kv)
+        dkv = h.KVCache(dcfg, dtype)
+        spec = EagleDraftExtendInput(hidden_states=aux, num_tokens_per_req=1, num_tokens_for_logprob_per_req=1)
+        dext = h.run(draft, h.extend_batch(dkv, [h.Req(dkv.new_req()) for _ in PROMPTS],
+                                           [p[1:] + [0] for p in PROMPTS], capture="LAST", spec_info=spec), dkv)
+        outs[name] = [aux, ext.next_token_logits, ver.hidden_states.clone(), ver.next_token_logits,
+                      dext.next_token_logits, dext.hidden_states]
+    for s, p in zip(outs["stock"], outs["plugin"]):
+        torch.testing.assert_close(p, s, **tol)
+    from eagle3_ops.sglang.capture_hooks import capture_state
+    from eagle3_ops.sglang.draft_fc_hooks import draft_fc_state
+
+    assert capture_state(plugin).stats["fused_captures"] == 2 * len(LAYER_IDS)
+    assert draft_fc_state(p_draft).stats["fused_calls"] == 1
