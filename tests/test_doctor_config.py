@@ -47,15 +47,13 @@ def test_sglang_rules_from_source():
 
 
 def test_sglang_rules_match_installed_sglang():
-    """Cross-check against the installed SGLang's set_eagle3_layers_to_capture, when it imports on this machine."""
-    pytest.importorskip("sglang")
+    """Cross-check against the installed SGLang's (0.5.23, a test dependency) set_eagle3_layers_to_capture."""
     import types
 
-    try:
-        from sglang.srt.models.deepseek_v2 import DeepseekV2ForCausalLM
-        from sglang.srt.models.llama import LlamaForCausalLM
-    except Exception as e:  # pragma: no cover - import side effects differ per machine
-        pytest.skip(f"sglang model modules do not import here: {e}")
+    from sglang.srt.models.deepseek_v2 import DeepseekV2ForCausalLM
+    from sglang.srt.models.gpt_oss import GptOssForCausalLM
+    from sglang.srt.models.llama import LlamaForCausalLM
+    from sglang.srt.models.qwen3 import Qwen3ForCausalLM
 
     def run(cls, ids, n):
         holder = types.SimpleNamespace(pp_group=types.SimpleNamespace(is_last_rank=True),
@@ -65,10 +63,13 @@ def test_sglang_rules_match_installed_sglang():
         cls.set_eagle3_layers_to_capture(holder, ids)
         return list(holder.model.layers_to_capture)
 
-    for ids in ([1, 15, 28], [0, 5, 9], None):
-        assert run(LlamaForCausalLM, ids, 32) == engines.map_ids("sglang", engines.PLUS_ONE, ids, 32)[0]
+    for cls in (LlamaForCausalLM, Qwen3ForCausalLM):
+        for ids in ([1, 15, 28], [0, 5, 9], [-1, 3, 31], None):
+            assert run(cls, ids, 32) == engines.map_ids("sglang", engines.PLUS_ONE, ids, 32)[0]
     for ids in ([1, 29, 57], [2, 30, 58], None):
         assert run(DeepseekV2ForCausalLM, ids, 61) == engines.map_ids("sglang", engines.DEEPSEEK, ids, 61)[0]
+    for ids in ([1, 17, 36], [1, 17, 33], None):
+        assert run(GptOssForCausalLM, ids, 36) == engines.map_ids("sglang", engines.GPT_OSS, ids, 36)[0]
 
 
 # ----------------------------------------------------------------------------- correct configs
@@ -310,3 +311,40 @@ def test_sharded_safetensors_headers(tmp_path, llama):
         weight_map.update({("model." + k if k.startswith("fc") else k): fname for k in keys})
     (d / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
     assert_clean(*doctor(d, llama)[:2])
+
+
+def test_doctor_agrees_with_sglang_execution(tmp_path):
+    """Run SGLang 0.5.23's own llama on CPU with ids [-1, 1, L-1]: slot 0 is the embeddings, slot 1 is
+    boundary 2 (= HF output_hidden_states[2]), and id L-1 (boundary L) is never captured. The doctor
+    predicts exactly this."""
+    import torch._dynamo
+    import transformers
+
+    from eagle3_ops.sglang import cpu_harness as h
+
+    h.init_distributed()
+    cfg = h.FAMILIES["llama"].make_config()
+    n = cfg.num_hidden_layers
+    torch.manual_seed(0)
+    hf = transformers.LlamaForCausalLM(cfg).eval()
+    model = h.sglang_model("llama", cfg, torch.float32, weights=hf.state_dict().items())
+    ids = [-1, 1, n - 1]
+    model.set_eagle3_layers_to_capture(ids)
+    prompt = [5, 17, 3, 99, 42]
+    with torch._dynamo.config.patch(disable=True):
+        kv = h.KVCache(cfg, torch.float32)
+        out = h.run(model, h.extend_batch(kv, [h.Req(kv.new_req())], [prompt]), kv)
+    aux = out.hidden_states
+    H = cfg.hidden_size
+
+    t = write_target(tmp_path / "t", num_layers=n, hidden=H, vocab=cfg.vocab_size)
+    d = write_draft(tmp_path / "d", ids=ids, hidden=H, target_hidden=H, vocab=cfg.vocab_size)
+    wiring = engines.resolve_wiring("sglang", parse_target(t), parse_draft(d))
+    captured = wiring.captured_boundaries
+    assert captured == [0, 2] and aux.shape == (len(prompt), len(captured) * H)
+    with torch.no_grad():
+        hs = hf(torch.tensor([prompt]), output_hidden_states=True).hidden_states
+    for k, b in enumerate(captured):
+        torch.testing.assert_close(aux[:, k * H:(k + 1) * H], hs[b][0], rtol=1e-4, atol=1e-4)
+    rc, rep, _ = doctor(d, t)
+    assert rc == 1 and "E_LAST_LAYER_NOT_CAPTURED" in codes(rep, "error")

@@ -86,7 +86,11 @@ def capture_states(model_dir, prompts, out_path, *, dtype: str = "float32", max_
     transformers.utils.logging.disable_progress_bar()
     torch_dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[dtype]
     try:
-        model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch_dtype).to(device).eval()
+        try:
+            model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch_dtype)
+        except TypeError:  # transformers < 4.56 spells it torch_dtype
+            model = AutoModelForCausalLM.from_pretrained(str(model_dir), torch_dtype=torch_dtype)
+        model = model.to(device).eval()
     except Exception as e:
         raise DoctorInputError(f"capture-states: cannot load {model_dir} with transformers: {e}") from None
     tokenizer = None
