@@ -7,6 +7,8 @@ reference on the same inputs: capture, the stored residual and the captured slot
 equal (one fp32 add, one rounding); the normed output may differ only by the order of the fp32
 sum of squares (at most one unit in the last place of the dtype).
 """
+import textwrap
+
 import pytest
 import torch
 
@@ -159,3 +161,67 @@ def test_interpreter_bf16_shim_is_needed_and_only_on_the_interpreter():
     triton_capture._capture_kernel[(1, 1)](h, 1, h, 1, out, 1, 1, HAS_RESIDUAL=False, BLOCK=2,
                                            INTERPRETER_BF16_SHIM=True)
     assert out.item() == 1.0 + 2 ** -7 == h.to(torch.bfloat16).item()
+
+
+# ---- the GPU kernels compile for sm_90 and sm_120 (no GPU needed) ----------------------------------
+_COMPILE_CHECK = textwrap.dedent('''
+    import json, re
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+    from eagle3_ops.triton import capture as c
+
+    def compile_kernel(kernel, cc, consts, num_warps, aligned):
+        sig = {n: "constexpr" if n in consts else ("*bf16" if n.endswith("_ptr") else ("fp32" if n == "eps" else "i32"))
+               for n in kernel.arg_names}
+        # what the JIT infers for 16-byte aligned pointers and strides/H divisible by 16
+        div = [n for n in kernel.arg_names if n not in consts and
+               (n.endswith("_ptr") or (aligned and (n.endswith("_stride") or n == "H")))]
+        attrs = {(kernel.arg_names.index(n),): [["tt.divisibility", 16]] for n in div}
+        src = ASTSource(fn=kernel, signature=sig, attrs=attrs,
+                        constexprs={(kernel.arg_names.index(n),): v for n, v in consts.items()})
+        ptx = triton.compile(src, target=GPUTarget("cuda", cc, 32), options=dict(num_warps=num_warps)).asm["ptx"]
+        return dict(ld_v4=len(re.findall(r"ld\\.global\\S*\\.v4\\.b32", ptx)),
+                    st_v4=len(re.findall(r"st\\.global\\S*\\.v4\\.b32", ptx)),
+                    st=len(re.findall(r"st\\.global", ptx)),
+                    cvt_rn_bf16=bool(re.search(r"cvt\\.rn\\.bf16(x2)?\\.f32", ptx)),
+                    shim_bits=bool(re.search(r"\\b(32767|0x7FFF|0x00007FFF)\\b", ptx)))
+
+    off = dict(INTERPRETER_BF16_SHIM=False)
+    report = {}
+    for cc in (90, 120):
+        for aligned in (True, False):
+            report[f"capture_sm{cc}_aligned{aligned}"] = compile_kernel(
+                c._capture_kernel, cc, dict(off, HAS_RESIDUAL=True, BLOCK=2048), 8, aligned)
+        report[f"row_sm{cc}"] = compile_kernel(c._fused_row_kernel, cc, dict(off, BLOCK=8192), 16, True)
+        report[f"twopass_sm{cc}"] = compile_kernel(c._fused_two_pass_kernel, cc, dict(off, BLOCK=4096), 8, True)
+    print(json.dumps(report))
+''')
+
+
+def test_gpu_kernels_compile_for_sm90_and_sm120_with_16_byte_accesses():
+    """The compiled kernels (not the interpreter's), bf16: aligned rows move 16-byte vectors (loads
+    of input and residual, stores of every output), unaligned ones still compile (scalar), outputs
+    are rounded to nearest even (cvt.rn), and the interpreter shim is compiled out."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
+    proc = subprocess.run([sys.executable, "-c", _COMPILE_CHECK], capture_output=True, text=True, env=env, cwd=root,
+                          timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = json.loads(proc.stdout.strip().splitlines()[-1])
+    for cc in (90, 120):
+        aligned, odd = report[f"capture_sm{cc}_alignedTrue"], report[f"capture_sm{cc}_alignedFalse"]
+        assert aligned["ld_v4"] >= 2 and aligned["st_v4"] >= 1 and aligned["st"] == aligned["st_v4"], aligned
+        assert odd["ld_v4"] == 0 and odd["st"] > 0, odd
+        for name in (f"row_sm{cc}", f"twopass_sm{cc}"):
+            r = report[name]
+            assert r["ld_v4"] >= 2 and r["st_v4"] >= 3 and r["st"] == r["st_v4"], (name, r)
+            assert r["cvt_rn_bf16"], (name, r)
+        for name, r in report.items():
+            assert not r["shim_bits"], (name, "interpreter shim constant in GPU code")
