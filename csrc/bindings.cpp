@@ -19,4 +19,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("fused_add_rmsnorm_capture", &eagle3::fused_add_rmsnorm_capture,
         "fused_add_rmsnorm(input, residual, weight, eps) + buffer[:T, slot] = new residual", py::arg("input"),
         py::arg("residual"), py::arg("weight"), py::arg("eps"), py::arg("buffer"), py::arg("slot"));
+  m.def("draft_fc_out", &eagle3::draft_fc_out, "out = linear(norm(x[rows]), weight, bias)", py::arg("x"),
+        py::arg("weight"), py::arg("bias"), py::arg("rows"), py::arg("chunk_norm_weight"),
+        py::arg("input_norm_weight"), py::arg("eps"), py::arg("out"));
 }

@@ -17,4 +17,10 @@ void capture(const at::Tensor& hidden, const std::optional<at::Tensor>& residual
 void fused_add_rmsnorm_capture(at::Tensor& input, at::Tensor& residual, const at::Tensor& weight,
                                double eps, at::Tensor& buffer, int64_t slot);
 
+// out[M, N] = linear(norm(x[rows]), weight, bias): input norm over the K*H row, then one RMSNorm
+// per H-wide chunk, fp32 accumulation, one rounding; rows outside [0, R) give NaN rows.
+void draft_fc_out(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
+                  const std::optional<at::Tensor>& rows, const std::optional<at::Tensor>& chunk_norm_weight,
+                  const std::optional<at::Tensor>& input_norm_weight, double eps, at::Tensor& out);
+
 }  // namespace eagle3

@@ -67,5 +67,5 @@ def test_extension_is_built_for_sm90a_and_sm120a():
     archs = set(re.findall(r"\.(sm_\d+a?)\.cubin", listing))
     assert {"sm_90a", "sm_120a"} <= archs, listing
     # every compiled kernel family has both cubins
-    for family in ("capture", "fused_add_rmsnorm_capture"):
+    for family in ("capture", "fused_add_rmsnorm_capture", "draft_fc"):
         assert f"{family}.sm_90a.cubin" in listing and f"{family}.sm_120a.cubin" in listing
