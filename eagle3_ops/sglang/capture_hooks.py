@@ -138,8 +138,6 @@ class ForwardCapture:
     def decide(self, value: torch.Tensor) -> str:
         if self.mode is None:
             why = self.state.fits(value)
-            if why is None and self.count >= self.state.num_captures:
-                why = "more captures than configured layers"
             if why is None:
                 self.mode, self.num_tokens = "buffer", value.shape[0]
             else:
@@ -165,11 +163,8 @@ class ForwardCapture:
         return self.state.buffer.slot(k, self.num_tokens)
 
     def packed(self) -> torch.Tensor:
-        """``buffer[:T, :count*H]`` (= ``buffer[:T]`` once all K slots are written)."""
-        view = self.state.buffer.view(self.num_tokens)
-        if self.count == self.state.num_captures:
-            return view
-        return view[:, : self.count * self.state.hidden_size]
+        """``buffer[:T]``: the K slots of this forward's T tokens, contiguous."""
+        return self.state.buffer.view(self.num_tokens)
 
 
 # ---- hooks on SGLang's accumulators (class level, registered through HookRegistry) ----------------
@@ -201,9 +196,9 @@ def packer_append_hook(original, self, hidden):
         self._buffer = cap.state.buffer.view(cap.num_tokens)
     if self._buffer.data_ptr() != cap.state.buffer.buffer.data_ptr():
         return original(self, hidden)
-    self.slot(hidden)  # SGLang's own shape/dtype check and slot bookkeeping
+    view = self.slot(hidden)  # SGLang's own shape/dtype check and slot bookkeeping
     if cap.write(hidden) is None:
-        raise RuntimeError("eagle3_ops: capture rows changed within one forward")
+        view.copy_(hidden)  # a value the op cannot take: what SGLang's packer does, same slot
     return None
 
 
@@ -224,8 +219,9 @@ def _model_forward_wrapper(inner, state: TargetCaptureState):
         if cap.mode == "buffer":
             state.stats["buffer_forwards"] += 1
             if (isinstance(out, tuple) and len(out) == 2 and out[1] is cap.owner
-                    and isinstance(cap.owner, list)):
+                    and isinstance(cap.owner, list) and cap.count == state.num_captures):
                 # the list holds slot views; hand over the packed view instead of cat-ing them
+                # (with fewer captures than slots the list goes on as is: views, cat-ed as stock)
                 out = (out[0], cap.packed())
         elif cap.mode == "stock":
             state.stats["stock_forwards"] += 1
