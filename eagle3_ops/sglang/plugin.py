@@ -103,14 +103,3 @@ def install() -> bool:
 
 def is_registered() -> bool:
     return _registered
-
-
-def hooked_functions() -> dict:
-    """The three hooked SGLang functions as they are now (to check whether the hooks are applied)."""
-    import pkgutil
-
-    out = {}
-    for target in (CONFIGURE_TARGET, LIST_CAPTURE_TARGET, PACKER_APPEND_TARGET):
-        obj_path, attr = target.rsplit(".", 1)
-        out[target] = getattr(pkgutil.resolve_name(obj_path), attr)
-    return out

@@ -102,3 +102,27 @@ def test_draft_fc_matches_stock(sglang_cpu, fc_norm, norm_before_fc, draft_hidde
     for stock, plugin in ((s_ext, p_ext), (s_dec, p_dec)):
         torch.testing.assert_close(plugin.next_token_logits, stock.next_token_logits, **tol)
         torch.testing.assert_close(plugin.hidden_states, stock.hidden_states, **tol)
+
+
+@pytest.mark.parametrize("variant", ["linear-subclass", "mixed-eps"])
+def test_unsupported_draft_variants_stay_stock(sglang_cpu, variant, caplog):
+    """A draft whose fc block is not what eagle3::draft_fc computes keeps SGLang's own fc, with
+    one warning: a non-nn.Linear fc (e.g. a quantized or parallel linear), or norms whose eps differ
+    (the op folds them with one eps)."""
+    h = sglang_cpu
+    cfg = h.FAMILIES["llama"].make_config()
+    dcfg = h.eagle3_draft_config(cfg, layer_ids=LAYER_IDS, fc_norm=True, norm_before_fc=True)
+    draft = h.eagle3_draft(dcfg, torch.float32)
+    if variant == "linear-subclass":
+        class OtherLinear(torch.nn.Linear):
+            pass
+
+        draft.model.fc.__class__ = OtherLinear
+    else:
+        draft.model.fc_norm[1].variance_epsilon = 1e-5
+    with caplog.at_level("WARNING", logger="eagle3_ops.sglang"):
+        h.configure_capture(draft, None, eagle=False)
+    from eagle3_ops.sglang.draft_fc_hooks import draft_fc_state
+
+    assert draft_fc_state(draft) is None and "forward" not in vars(draft.model)
+    assert any("runs stock" in r.getMessage() for r in caplog.records)
