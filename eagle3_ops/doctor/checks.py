@@ -225,12 +225,14 @@ def run_checks(target: TargetInfo, draft: DraftInfo, weights: Dict[str, TensorIn
                     f"Slot {s.slot}: {idtxt} -> boundary {s.boundary} ({describe_boundary(s.boundary, L)}). With "
                     f"--pp {opts.pp}, {s.why_not}, so it is never captured"
                     f"{'' if sev == 'error' else ' (vLLM versions checked; newer ones may forward captures)'}. "
-                    f"Serve with a smaller --pp, or set SGLANG_PP_LAYER_PARTITION so that the last stage starts at "
-                    f"layer {min(b.boundary for b in wiring.slots if b.boundary >= 0)} or earlier.")
+                    f"Serve with a smaller --pp"
+                    + (f", or set SGLANG_PP_LAYER_PARTITION so that the last stage starts at layer "
+                       f"{min(b.boundary for b in wiring.slots if b.boundary >= 0)} or earlier."
+                       if opts.engine == "sglang" else "."))
         else:
             rep.add("error", "E_ID_OUT_OF_RANGE",
-                    f"Slot {s.slot}: {idtxt} -> boundary {s.boundary}: {s.why_not}. Valid ids for {eng} with this "
-                    f"target: see the rule '{wiring.rule}' and boundaries 0..{L - 1}.")
+                    f"Slot {s.slot}: {idtxt} -> boundary {s.boundary}: {s.why_not}. {eng} maps ids to boundaries "
+                    f"by '{wiring.rule}'; write ids that land on the boundaries the draft was trained on.")
     if opts.pp > 1 and opts.engine == "trtllm":
         rep.add("warning", "W_PP_UNVERIFIED",
                 f"--pp {opts.pp}: the doctor has not verified how TensorRT-LLM forwards EAGLE-3 captures across "
@@ -330,10 +332,14 @@ def _compare_slots(rep: Report, wiring: EngineWiring, training: Training, opts: 
             mismatched.append((k, s, tb))
 
     if wiring.reordered:
+        if opts.engine == "trtllm" and wiring.ids == sorted(wiring.ids):
+            why = (f"TensorRT-LLM sorts the ids and moves -1 (the embeddings) to the last slot, so with ids "
+                   f"{wiring.ids} slot k is not the k-th id")
+        else:
+            why = (f"the ids {wiring.ids} are not in layer order and {eng} concatenates captures in layer order"
+                   f"{' (embeddings last)' if opts.engine == 'trtllm' else ''}, so slot k is not the k-th id")
         rep.add("warning", "W_SLOT_ORDER",
-                f"The ids {wiring.ids} are not in layer order; {eng} concatenates captures in "
-                f"{'layer order with the embeddings last' if opts.engine == 'trtllm' else 'layer order'}, so slot "
-                f"k is not the k-th id. If the draft was trained with the ids' order, the slots are permuted; "
+                f"{why[0].upper() + why[1:]}. If the draft was trained with the ids' order, its slots are permuted; "
                 f"check with --replay.")
     if not mismatched or len(engine_b) != len(trained_b):
         return

@@ -190,7 +190,8 @@ class DraftInfo:
                 s += f"; also top-level eagle_aux_hidden_state_layer_ids = {self.top_ids}"
             return s
         if self.dialect == "speculators":
-            s = f"speculators config: eagle_aux_hidden_state_layer_ids = {self.top_ids}"
+            s = "speculators config: " + (f"eagle_aux_hidden_state_layer_ids = {self.top_ids}" if self.top_ids
+                                          else "no eagle_aux_hidden_state_layer_ids (engine defaults)")
             if self.nested_ids is not None:
                 s += f"; also eagle_config.eagle_aux_hidden_state_layer_ids = {self.nested_ids}"
             return s
