@@ -1,0 +1,218 @@
+"""GPU checks of draft_fc, both accelerated backends (cuda, triton) against the float64 reference.
+
+Marker ``gpu``: skipped without CUDA (CI), run by ``benchmarks/device_check.sh`` on a GPU machine.
+A forced backend that cannot serve makes the test fail, not skip (the check must prove the CUDA
+path, not quietly test Triton twice); only a GPU arch the extension was not built for is skipped.
+
+What is checked:
+* the grid M in {1, 2, 7, 16, 64, 256, 1000, 4096} x H in {4096, 7168, 8192}, K = 3, bf16:
+  every variant (plain, bias, rows, chunk norm, input norm, all) at H = 7168; plain and all at the
+  other H. The output is written into a view of a poisoned base: nothing around it may change.
+* every Triton path (skinny, tiled, cuBLAS on the prepared input) directly, whatever the crossover
+  table picks on this GPU; fp16 / fp32; a chunk width that is not a multiple of 8 (the CUDA
+  backend's fallback); out-of-range device row indices give NaN rows.
+* determinism: the same inputs twice give bitwise-equal outputs (fixed-order split-K reduction).
+* a CUDA graph of draft_fc_out replayed with new x and new rows equals the reference on the new
+  data, and replaying does not allocate.
+"""
+import functools
+import zlib
+
+import pytest
+import torch
+
+import eagle3_ops
+from eagle3_ops import dispatch, reference
+from helpers import MATMUL_TOL, matmul_rel_err, same_bits
+
+pytestmark = pytest.mark.gpu
+
+DEVICE = "cuda"
+GPU_BACKENDS = ("cuda", "triton")
+K = 3
+EPS = 1e-6
+M_VALUES = (1, 2, 7, 16, 64, 256, 1000, 4096)
+H_VALUES = (4096, 7168, 8192)
+VARIANTS = {
+    "plain": dict(),
+    "bias": dict(bias=True),
+    "rows": dict(rows=True),
+    "chunk_norm": dict(chunk=True),
+    "input_norm": dict(inorm=True),
+    "all": dict(bias=True, rows=True, chunk=True, inorm=True),
+}
+EXTRA_ROWS = 13  # x has more rows than are gathered
+
+
+@pytest.fixture
+def use_backend(monkeypatch):
+    def use(name):
+        if name == "cuda":
+            dev = torch.device(DEVICE, torch.cuda.current_device())
+            if dispatch.cuda_extension() is not None and dispatch.implementation("cuda", "draft_fc", dev) is None:
+                major, minor = torch.cuda.get_device_capability(dev)
+                if not any(a.rstrip("a") == f"sm_{major}{minor}" for a in dispatch.compiled_archs()):
+                    pytest.skip(f"extension not built for sm_{major}{minor} (built: {dispatch.compiled_archs()})")
+        monkeypatch.setenv("EAGLE3_OPS_BACKEND", name)
+    return use
+
+
+def gen_for(*key):
+    return torch.Generator(device=DEVICE).manual_seed(zlib.crc32(repr(key).encode()))
+
+
+@functools.lru_cache(maxsize=4)
+def weight(H, N, dtype):
+    """(weight, weight in float64): one per shape, shared by the tests (400 MB at H=8192)."""
+    gen = gen_for("weight", H, N, str(dtype))
+    w = (torch.randn(N, K * H, generator=gen, device=DEVICE) * (K * H) ** -0.5).to(dtype)
+    return w, w.double()
+
+
+def problem(M, H, dtype, key, bias=False, rows=False, chunk=False, inorm=False, N=None, rows_dtype=torch.int64):
+    N = N or H
+    gen = gen_for(*key)
+    R = M + EXTRA_ROWS if rows else M
+    x = (torch.randn(R, K * H, generator=gen, device=DEVICE) * 3.0).to(dtype)
+    w, _ = weight(H, N, dtype)
+    b = torch.randn(N, generator=gen, device=DEVICE).to(dtype) if bias else None
+    r = torch.randint(0, R, (M,), generator=gen, device=DEVICE).to(rows_dtype) if rows else None
+    cn = (torch.rand(K, H, generator=gen, device=DEVICE) + 0.5).to(dtype) if chunk else None
+    inw = (torch.rand(K * H, generator=gen, device=DEVICE) + 0.5).to(dtype) if inorm else None
+    return x, w, b, r, cn, inw
+
+
+def truth(x, w, b, rows, cn, inw):
+    """float64 reference, reusing the cached float64 weight."""
+    xs = reference.draft_fc_input_ref(x, rows, cn, inw, EPS, acc_dtype=torch.float64)
+    y = xs @ weight(x.shape[1] // K, w.shape[0], w.dtype)[1].t()
+    return y + b.double() if b is not None else y
+
+
+def run_canaried(fn, M, N, dtype):
+    """Runs fn(out) into an [M, N] view of a poisoned base; asserts nothing else was written."""
+    base = torch.full((M + 2, N + 8), 1234.0, dtype=dtype, device=DEVICE)
+    base[::5, ::3] = float("nan")
+    out = base[1:M + 1, :N]
+    out.fill_(float("nan"))
+    before = base.clone()
+    fn(out)
+    torch.cuda.synchronize()
+    mask = torch.ones_like(base, dtype=torch.bool)
+    mask[1:M + 1, :N] = False
+    assert same_bits(base[mask], before[mask]), "a write landed outside out"
+    return out
+
+
+def check(x, w, b, rows, cn, inw, fn=None):
+    M, N = (rows.numel() if rows is not None else x.shape[0]), w.shape[0]
+    fn = fn or (lambda out: eagle3_ops.draft_fc_out(x, w, b, rows, cn, inw, EPS, out))
+    out = run_canaried(fn, M, N, x.dtype)
+    want = truth(x, w, b, rows, cn, inw)
+    assert not torch.isnan(out).any(), "NaN in the output (unwritten element?)"
+    err = matmul_rel_err(out, want)
+    assert err <= MATMUL_TOL[x.dtype], f"max |err| / max |want| = {err:.3g}"
+    return out
+
+
+def _grid():
+    for H in H_VALUES:
+        for variant in (VARIANTS if H == 7168 else ("plain", "all")):
+            for M in M_VALUES:
+                for backend in GPU_BACKENDS:
+                    yield pytest.param(backend, M, H, variant, id=f"{backend}-M{M}-H{H}-{variant}")
+
+
+@pytest.mark.parametrize("backend,M,H,variant", list(_grid()))
+def test_draft_fc_matches_fp64_over_the_grid(backend, M, H, variant, use_backend):
+    use_backend(backend)
+    check(*problem(M, H, torch.bfloat16, ("grid", M, H, variant), **VARIANTS[variant]))
+
+
+@pytest.mark.parametrize("variant", ["plain", "all"])
+@pytest.mark.parametrize("M", [1, 64, 256, 1000])
+@pytest.mark.parametrize("path", ["skinny", "tiled", "cublas"])
+def test_every_triton_path_matches_fp64(path, M, variant):
+    from eagle3_ops.triton import draft_fc as tdf
+
+    x, w, b, rows, cn, inw = problem(M, 7168, torch.bfloat16, ("path", path, M, variant), **VARIANTS[variant])
+    check(x, w, b, rows, cn, inw, fn=lambda out: tdf.PATHS[path](x, w, b, rows, cn, inw, EPS, out))
+
+
+@pytest.mark.parametrize("backend", GPU_BACKENDS)
+@pytest.mark.parametrize("M", [7, 300])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32], ids=str)
+def test_fp16_and_fp32(dtype, M, backend, use_backend):
+    use_backend(backend)
+    check(*problem(M, 4096, dtype, ("dtype", str(dtype), M), **VARIANTS["all"]))
+
+
+@pytest.mark.parametrize("backend", GPU_BACKENDS)
+@pytest.mark.parametrize("M", [7, 300])
+def test_chunk_width_not_a_multiple_of_8(M, backend, use_backend):
+    """H = 1002: the CUDA skinny kernel's 16-byte fragments do not fit; its fallback serves."""
+    use_backend(backend)
+    check(*problem(M, 1002, torch.bfloat16, ("odd", M), N=1000, **VARIANTS["all"]))
+
+
+@pytest.mark.parametrize("backend", GPU_BACKENDS)
+@pytest.mark.parametrize("M", [7, 300])
+@pytest.mark.parametrize("rows_dtype", [torch.int32, torch.int64], ids=str)
+def test_out_of_range_device_rows_give_nan_rows(rows_dtype, M, backend, use_backend):
+    use_backend(backend)
+    x, w, b, rows, cn, inw = problem(M, 4096, torch.bfloat16, ("oob", M, str(rows_dtype)), rows_dtype=rows_dtype,
+                                     **VARIANTS["all"])
+    R = x.shape[0]
+    big = 2 ** 40 if rows_dtype == torch.int64 else 2 ** 30
+    rows[1], rows[-1] = R, -1
+    if M > 2:
+        rows[2] = big
+    bad = (rows < 0) | (rows >= R)
+    out = torch.empty(M, w.shape[0], dtype=x.dtype, device=DEVICE)
+    eagle3_ops.draft_fc_out(x, w, b, rows, cn, inw, EPS, out)
+    torch.cuda.synchronize()
+    assert torch.isnan(out[bad]).all()
+    assert not torch.isnan(out[~bad]).any()
+    want = truth(x, w, b, rows, cn, inw)
+    assert matmul_rel_err(out[~bad], want[~bad]) <= MATMUL_TOL[x.dtype]
+
+
+@pytest.mark.parametrize("backend", GPU_BACKENDS)
+@pytest.mark.parametrize("M", [1, 7, 64, 1000])
+def test_same_inputs_twice_give_bitwise_equal_outputs(M, backend, use_backend):
+    use_backend(backend)
+    x, w, b, rows, cn, inw = problem(M, 7168, torch.bfloat16, ("det", M), **VARIANTS["all"])
+    outs = []
+    for _ in range(2):
+        out = torch.full((M, w.shape[0]), float("nan"), dtype=x.dtype, device=DEVICE)
+        eagle3_ops.draft_fc_out(x, w, b, rows, cn, inw, EPS, out)
+        outs.append(out)
+    torch.cuda.synchronize()
+    assert same_bits(outs[0], outs[1])
+
+
+@pytest.mark.parametrize("backend", GPU_BACKENDS)
+@pytest.mark.parametrize("M", [7, 64, 1000])
+def test_cuda_graph_replay_with_new_x_and_rows(M, backend, use_backend):
+    use_backend(backend)
+    H = 4096
+    x, w, b, rows, cn, inw = problem(M, H, torch.bfloat16, ("graph", M), **VARIANTS["all"])
+    out = torch.full((M, w.shape[0]), float("nan"), dtype=x.dtype, device=DEVICE)
+    eagle3_ops.draft_fc_out(x, w, b, rows, cn, inw, EPS, out)  # eager warm-up: verification, compilation
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        eagle3_ops.draft_fc_out(x, w, b, rows, cn, inw, EPS, out)
+    x2, _, _, rows2, _, _ = problem(M, H, torch.bfloat16, ("graph-new", M), rows=True)
+    rows2[0] = x.shape[0]  # out of range on the replay: NaN row, no fault
+    x.copy_(x2)
+    rows.copy_(rows2)
+    out.fill_(float("nan"))
+    torch.cuda.synchronize()
+    allocations = torch.cuda.memory_stats().get("allocation.all.allocated", 0)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.cuda.memory_stats().get("allocation.all.allocated", 0) == allocations, "replay allocated"
+    want = truth(x, w, b, rows, cn, inw)
+    assert torch.isnan(out[0]).all() and not torch.isnan(out[1:]).any()
+    assert matmul_rel_err(out[1:], want[1:]) <= MATMUL_TOL[x.dtype]
