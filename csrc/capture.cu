@@ -8,8 +8,9 @@
 //   one block per (row, row chunk); every thread moves exactly one 16-byte vector (8 bf16/fp16 or
 //   4 fp32). A row of V vectors is cut into ceil(V/256) equal chunks of <= 256 threads (a whole
 //   number of warps), so H = 4096/5120/7168/8192 bf16 waste <= 32 threads per chunk. Blocks =
-//   T * chunks: from T ~ 32 on this is several waves on 132-SM Hopper and 188-SM Blackwell; below
-//   that the op is launch-latency bound (a few KB per row), not bandwidth bound.
+//   T * chunks (2-4 chunks per row at H = 4096-8192 bf16): the grid covers the 132 SMs of Hopper
+//   and the 188 of Blackwell from T ~ 64-100 rows on and is many waves at prefill sizes; below that
+//   the op moves < 2 MB and is bound by launch latency, not bandwidth.
 // * any other layout (H not a multiple of the vector width, odd row strides, unaligned views): one
 //   block per row; each row gets a scalar head up to the first 16-byte boundary of its buffer row,
 //   a vector body, and a scalar tail, when hidden/residual/buffer rows share the same misalignment;
