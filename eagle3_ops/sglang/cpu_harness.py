@@ -12,7 +12,9 @@ What it takes (established on CPU-only machines):
   ``MLATokenToKVPool``), called inside ``forward_context(ForwardContext(attn_backend=...))`` after
   ``init_forward_metadata``; ``ForwardBatch`` built by hand (EXTEND, TARGET_VERIFY with the prefix
   already in the KV cache, DECODE); only chain verification (topk=1) is faithful under torch_native;
-* ``TORCHDYNAMO_DISABLE=1`` (an inductor compile of the vocab-parallel embedding costs ~18 s).
+* dynamo off: SGLang torch.compiles a few helpers (the vocab-parallel embedding at TP>1, MoE top-k)
+  and each new shape costs seconds of compile on 2 cores. Worker processes call
+  ``disable_dynamo()``; in a shared process scope it with ``torch._dynamo.config.patch(disable=True)``.
 
 Model parameters are created uninitialised: load weights with ``load_weights`` (the tests load a
 random Hugging Face model's, so HF ``output_hidden_states`` is the reference) or fill them from a

@@ -20,6 +20,7 @@ SGLang: every failure is logged and leaves SGLang stock.
 from __future__ import annotations
 
 import logging
+
 from .version import check_sglang_version, plugin_enabled
 
 log = logging.getLogger("eagle3_ops.sglang")
