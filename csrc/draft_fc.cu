@@ -37,6 +37,7 @@
 #include <cuda_fp16.h>
 
 #include <algorithm>
+#include <cstdlib>
 #include <type_traits>
 
 #include "common.cuh"
@@ -63,7 +64,10 @@ constexpr FcCrossover kCrossover[] = {
 };
 constexpr int kDefaultSkinnyMaxM = 64;  // other GPUs: short skinny range, cuBLAS above (a guess)
 
+// EAGLE3_OPS_CUDA_FC_SKINNY_MAX_M=<int> overrides the table (a tuning knob: benchmarks/bench_draft_fc.py
+// forces each path with it to measure the crossover; read per call, it costs a getenv).
 int skinny_max_m(int sm_major) {
+  if (const char* forced = std::getenv("EAGLE3_OPS_CUDA_FC_SKINNY_MAX_M")) return std::atoi(forced);
   for (const auto& entry : kCrossover) {
     if (entry.sm_major == sm_major) return entry.skinny_max_m;
   }
