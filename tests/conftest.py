@@ -20,11 +20,7 @@ def pytest_collection_modifyitems(config, items):
 
 @pytest.fixture(autouse=True)
 def _clean_backend_env(monkeypatch):
-    """Every test starts with automatic backend choice and fresh verification state."""
+    """Every test starts with automatic backend choice. (Verification results are a per-process
+    cache and stay: tests that plant broken backends reset them, see test_dispatch.py.)"""
     monkeypatch.delenv("EAGLE3_OPS_BACKEND", raising=False)
     monkeypatch.delenv("EAGLE3_OPS_DEBUG", raising=False)
-    from eagle3_ops import dispatch
-
-    dispatch.reset_verification()
-    yield
-    dispatch.reset_verification()

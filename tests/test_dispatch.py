@@ -11,6 +11,14 @@ from eagle3_ops import dispatch, reference
 CPU = torch.device("cpu")
 
 
+@pytest.fixture(autouse=True)
+def _fresh_verification():
+    """These tests plant broken backends: forget every verification result before and after."""
+    dispatch.reset_verification()
+    yield
+    dispatch.reset_verification()
+
+
 def test_cpu_uses_reference_by_default():
     assert eagle3_ops.backends("cpu") == {"capture": "reference", "fused_add_rmsnorm_capture": "reference",
                                           "draft_fc": "reference"}
