@@ -633,15 +633,22 @@ void draft_fc_out(const at::Tensor& x, const at::Tensor& weight, const std::opti
               "eagle3::draft_fc (cuda): sizes must fit int32");
   if (out.size(0) == 0 || out.size(1) == 0) return;
   const at::cuda::OptionalCUDAGuard guard(x.device());
+  // The kernels index the 1-D tensors with stride 1; validation allows strided views of them.
+  const auto unit_stride = [](const std::optional<at::Tensor>& t) -> std::optional<at::Tensor> {
+    if (!t.has_value() || t->is_contiguous()) return t;
+    return t->contiguous();
+  };
+  const std::optional<at::Tensor> bias_c = unit_stride(bias), rows_c = unit_stride(rows),
+                                  input_norm_c = unit_stride(input_norm_weight);
   switch (x.scalar_type()) {
     case at::kBFloat16:
-      draft_fc_typed<c10::BFloat16>(x, weight, bias, rows, chunk_norm_weight, input_norm_weight, eps, out);
+      draft_fc_typed<c10::BFloat16>(x, weight, bias_c, rows_c, chunk_norm_weight, input_norm_c, eps, out);
       break;
     case at::kHalf:
-      draft_fc_typed<c10::Half>(x, weight, bias, rows, chunk_norm_weight, input_norm_weight, eps, out);
+      draft_fc_typed<c10::Half>(x, weight, bias_c, rows_c, chunk_norm_weight, input_norm_c, eps, out);
       break;
     case at::kFloat:
-      draft_fc_typed<float>(x, weight, bias, rows, chunk_norm_weight, input_norm_weight, eps, out);
+      draft_fc_typed<float>(x, weight, bias_c, rows_c, chunk_norm_weight, input_norm_c, eps, out);
       break;
     default:
       TORCH_CHECK(false, "eagle3::draft_fc (cuda): unsupported dtype ", x.scalar_type());

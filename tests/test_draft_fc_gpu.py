@@ -10,7 +10,8 @@ What is checked:
   other H. The output is written into a view of a poisoned base: nothing around it may change.
 * every Triton path (skinny, tiled, cuBLAS on the prepared input) directly, whatever the crossover
   table picks on this GPU; fp16 / fp32; a chunk width that is not a multiple of 8 (the CUDA
-  backend's fallback); out-of-range device row indices give NaN rows.
+  backend's fallback); strided rows / bias views; out-of-range device row indices give
+  NaN rows.
 * determinism: the same inputs twice give bitwise-equal outputs (fixed-order split-K reduction).
 * a CUDA graph of draft_fc_out replayed with new x and new rows equals the reference on the new
   data, and replaying does not allocate.
@@ -153,6 +154,18 @@ def test_chunk_width_not_a_multiple_of_8(M, backend, use_backend):
     """H = 1002: the CUDA skinny kernel's 16-byte fragments do not fit; its fallback serves."""
     use_backend(backend)
     check(*problem(M, 1002, torch.bfloat16, ("odd", M), N=1000, **VARIANTS["all"]))
+
+
+@pytest.mark.parametrize("backend", GPU_BACKENDS)
+@pytest.mark.parametrize("M", [7, 300])
+def test_strided_rows_and_bias_views(M, backend, use_backend):
+    """Validation accepts any stride for rows and bias; the backends must not assume stride 1."""
+    use_backend(backend)
+    x, w, b, rows, cn, inw = problem(M, 4096, torch.bfloat16, ("strided", M), **VARIANTS["all"])
+    b2 = torch.stack([b, -b], dim=1).reshape(-1)[::2]
+    rows2 = torch.stack([rows, rows.flip(0)], dim=1).reshape(-1)[::2]
+    assert not (b2.is_contiguous() or rows2.is_contiguous())
+    check(x, w, b2, rows2, cn, inw)
 
 
 @pytest.mark.parametrize("backend", GPU_BACKENDS)

@@ -1,19 +1,21 @@
-"""Work-around for one Triton interpreter bug, and nothing else (DESIGN.md §6).
+"""Work-arounds for two bf16 bugs of the Triton interpreter, and nothing else (DESIGN.md §6).
 
-Under ``TRITON_INTERPRET=1``, Triton 3.8 stores bfloat16 tensors as numpy ``uint16`` and its
-``tl.dot`` multiplies those raw bit patterns as integers, so a bf16 ``tl.dot`` returns garbage on
-the CPU. (fp16 and fp32 are real numpy floats there and come out right.) Kernels therefore call
-:func:`dot` below with ``UPCAST_BF16=upcast_bf16_dot(kernel, dtype)``: it is True only when the
-kernel object is an interpreted one *and* the operands are bf16, and then both operands are
-converted to fp32 before the product (exact: every bf16 value is an fp32 value). On a GPU the flag
-is False, the branch is removed at compile time and the kernel is exactly ``tl.dot(a, b, acc)``.
+Under ``TRITON_INTERPRET=1``, Triton 3.8 stores bfloat16 tensors as numpy ``uint16``, and
 
-Not shimmed, so that results stay honest about it: the interpreter also *truncates* fp32 -> bf16
-conversions (a GPU rounds to nearest), so interpreted bf16 outputs are within one bf16 ulp of the
-exact value instead of half an ulp; the CPU tests' bf16 tolerances allow for that.
+1. its ``tl.dot`` multiplies those raw bit patterns as integers, so a bf16 ``tl.dot`` returns
+   garbage on the CPU (fp16 and fp32 are real numpy floats there and come out right);
+2. its fp32 -> bf16 conversion *truncates*, where a GPU rounds to nearest even, so an interpreted
+   kernel would be up to one bf16 ulp off instead of half an ulp, and CPU tests would check
+   different numerics than the GPU runs.
 
-``tests/test_draft_fc_triton.py`` proves both halves: a raw bf16 ``tl.dot`` under the interpreter
-is wrong, and the shim is inactive for a compiled (non-interpreted) kernel.
+Kernels take one constexpr, ``INTERPRETER_BF16 = interpreter_bf16(kernel, dtype)``: True only when
+the kernel object is an interpreted one *and* the data are bf16. With it, :func:`dot` converts both
+operands to fp32 first (exact: every bf16 value is an fp32 value) and :func:`cast` rounds to
+nearest even by hand. On a GPU the flag is False, the branches are removed at compile time and the
+kernels are exactly ``tl.dot(a, b, acc)`` and ``v.to(dtype)``.
+
+``tests/test_draft_fc_triton.py`` proves each half: the raw interpreter results are wrong, the
+shimmed ones are right, and the shim is inactive for a compiled (non-interpreted) kernel.
 """
 from __future__ import annotations
 
@@ -35,14 +37,26 @@ def interpreted(kernel) -> bool:
     return isinstance(kernel, InterpretedFunction)
 
 
-def upcast_bf16_dot(kernel, dtype: torch.dtype) -> bool:
-    """The ``UPCAST_BF16`` constexpr for ``kernel`` multiplying ``dtype`` operands."""
+def interpreter_bf16(kernel, dtype: torch.dtype) -> bool:
+    """The ``INTERPRETER_BF16`` constexpr for ``kernel`` working on ``dtype`` data."""
     return dtype == torch.bfloat16 and interpreted(kernel)
 
 
 @triton.jit
-def dot(a, b, acc, UPCAST_BF16: tl.constexpr, INPUT_PRECISION: tl.constexpr):
-    """``acc + a @ b``; the bf16 upcast happens only under the interpreter (see module doc)."""
-    if UPCAST_BF16:
+def dot(a, b, acc, INTERPRETER_BF16: tl.constexpr, INPUT_PRECISION: tl.constexpr):
+    """``acc + a @ b``; bf16 operands are upcast only under the interpreter (see module doc)."""
+    if INTERPRETER_BF16:
         return tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
     return tl.dot(a, b, acc, input_precision=INPUT_PRECISION)
+
+
+@triton.jit
+def cast(v, dtype: tl.constexpr, INTERPRETER_BF16: tl.constexpr):
+    """fp32 ``v`` -> ``dtype``, rounded to nearest even. Under the interpreter (bf16 only) the
+    rounding is done on the bits, since the interpreter truncates; NaN stays a (quiet) NaN."""
+    if INTERPRETER_BF16:
+        bits = v.to(tl.uint32, bitcast=True)
+        rounded = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
+        rounded = tl.where(v != v, (bits >> 16) | 0x40, rounded)
+        return rounded.to(tl.uint16).to(tl.bfloat16, bitcast=True)
+    return v.to(dtype)

@@ -29,8 +29,9 @@ computes one fp32 scale per (row, chunk) first, ``a[m, c] = s_m * rsqrt(s_m^2 * 
 weights ``g = input_norm_weight * chunk_norm_weight`` multiply x on the fly. Row indices outside
 ``[0, R)`` are never dereferenced: those rows load as zeros and their outputs are NaN.
 
-Under ``TRITON_INTERPRET=1`` (CPU tests) bf16 ``tl.dot`` operands are upcast by
-``_interpreter_shim``; the compiled GPU kernels never see that shim.
+Under ``TRITON_INTERPRET=1`` (CPU tests) ``_interpreter_shim`` upcasts bf16 ``tl.dot`` operands and
+rounds bf16 conversions to nearest even (the interpreter gets both wrong); the compiled GPU kernels
+never see that shim (its constexpr flag is False there).
 """
 from __future__ import annotations
 
@@ -42,7 +43,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._interpreter_shim import dot, interpreted, upcast_bf16_dot
+from ._interpreter_shim import cast, dot, interpreted, interpreter_bf16
 
 
 # ---- the crossover table -------------------------------------------------------------------------
@@ -138,6 +139,12 @@ def _problem(x, weight, rows, chunk_norm_weight, input_norm_weight, out) -> _Pro
     return _Problem(out.shape[0], weight.shape[0], R, KH, NC, CH, has_scale)
 
 
+def _unit_stride(t: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+    """The kernels index bias / rows / norm weights with stride 1; validation allows any stride for
+    1-D tensors, so a strided view is copied (a no-op for the usual contiguous tensors)."""
+    return t if t is None or t.is_contiguous() else t.contiguous()
+
+
 def _dummy(t: Optional[torch.Tensor], like: torch.Tensor) -> torch.Tensor:
     """Kernels take a pointer for every optional tensor; absent ones are never read (constexpr off)."""
     return t if t is not None else like
@@ -148,7 +155,7 @@ def _dummy(t: Optional[torch.Tensor], like: torch.Tensor) -> torch.Tensor:
 def _row_scales_kernel(x_ptr, stride_x, rows_ptr, in_w_ptr, chunk_w_ptr, scale_ptr, prep_ptr, stride_prep,
                        R, KH, CH, NC, eps,
                        HAS_ROWS: tl.constexpr, HAS_IN_NORM: tl.constexpr, HAS_CHUNK_NORM: tl.constexpr,
-                       WRITE_PREPARED: tl.constexpr, BLOCK: tl.constexpr):
+                       WRITE_PREPARED: tl.constexpr, BLOCK: tl.constexpr, INTERPRETER_BF16: tl.constexpr):
     """One program per output row m. Computes a[m, c] (the fp32 RMS scale of chunk c, see module
     doc) into scale_ptr[m*NC + c], or, with WRITE_PREPARED, writes the whole normalized row
     ``norm(x[rows[m]])`` in the dtype into prep_ptr (NaN row when rows[m] is out of range)."""
@@ -193,14 +200,15 @@ def _row_scales_kernel(x_ptr, stride_x, rows_ptr, in_w_ptr, chunk_w_ptr, scale_p
                 if HAS_CHUNK_NORM:
                     v = v * tl.load(chunk_w_ptr + kk, mask=k_in, other=0.0).to(tl.float32)
                 v = tl.where(valid, v, float("nan"))
-                tl.store(prep_ptr + m * stride_prep + kk, v.to(prep_ptr.dtype.element_ty), mask=k_in)
+                tl.store(prep_ptr + m * stride_prep + kk, cast(v, prep_ptr.dtype.element_ty, INTERPRETER_BF16), mask=k_in)
         else:
             tl.store(scale_ptr + m * NC + c, tl.where(valid, a, float("nan")))
 
 
 @triton.jit
 def _apply_norm_weights(xv, kk, k_in, in_w_ptr, chunk_w_ptr, row_scale, AXIS: tl.constexpr,
-                        HAS_IN_NORM: tl.constexpr, HAS_CHUNK_NORM: tl.constexpr, HAS_ROW_SCALE: tl.constexpr):
+                        HAS_IN_NORM: tl.constexpr, HAS_CHUNK_NORM: tl.constexpr, HAS_ROW_SCALE: tl.constexpr,
+                        INTERPRETER_BF16: tl.constexpr):
     """x tile (k along axis AXIS) times g = input_norm_weight * chunk_norm_weight, and times the
     per-row scale when HAS_ROW_SCALE, rounded back to the dtype for the matrix product (the stock
     path rounds its normalized input the same way)."""
@@ -218,7 +226,7 @@ def _apply_norm_weights(xv, kk, k_in, in_w_ptr, chunk_w_ptr, row_scale, AXIS: tl
             v = xv.to(tl.float32) * g[None, :]
             if HAS_ROW_SCALE:
                 v = v * row_scale[:, None]
-        xv = v.to(xv.dtype)
+        xv = cast(v, xv.dtype, INTERPRETER_BF16)
     return xv
 
 
@@ -229,7 +237,7 @@ def _skinny_kernel(x_ptr, stride_x, w_ptr, stride_w, rows_ptr, in_w_ptr, chunk_w
                    HAS_ROWS: tl.constexpr, HAS_IN_NORM: tl.constexpr, HAS_CHUNK_NORM: tl.constexpr,
                    HAS_SCALE: tl.constexpr, HAS_BIAS: tl.constexpr, WRITE_PARTIAL: tl.constexpr,
                    BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
-                   UPCAST_BF16: tl.constexpr, INPUT_PRECISION: tl.constexpr):
+                   INTERPRETER_BF16: tl.constexpr, INPUT_PRECISION: tl.constexpr):
     # Token tile is the fastest grid axis: programs that share a weight tile run side by side, so
     # for M > BLOCK_M the weight still comes from DRAM about once.
     pid_m = tl.program_id(0)
@@ -260,25 +268,27 @@ def _skinny_kernel(x_ptr, stride_x, w_ptr, stride_w, rows_ptr, in_w_ptr, chunk_w
                     eviction_policy="evict_first")
         xt = tl.load(x_tile + kk[:, None], mask=k_in[:, None] & valid[None, :], other=0.0,
                      eviction_policy="evict_last")
-        xt = _apply_norm_weights(xt, kk, k_in, in_w_ptr, chunk_w_ptr, 1.0, 0, HAS_IN_NORM, HAS_CHUNK_NORM, False)
-        acc = dot(w, xt, acc, UPCAST_BF16, INPUT_PRECISION)
+        xt = _apply_norm_weights(xt, kk, k_in, in_w_ptr, chunk_w_ptr, 1.0, 0, HAS_IN_NORM, HAS_CHUNK_NORM, False,
+                                 INTERPRETER_BF16)
+        acc = dot(w, xt, acc, INTERPRETER_BF16, INPUT_PRECISION)
     if HAS_SCALE:
         a = tl.load(scale_ptr + offs_m * NC + c, mask=m_in, other=0.0)
         acc = acc * a[None, :]
     if WRITE_PARTIAL:
-        ws = ws_ptr + (pid_s * M + offs_m)[None, :] * N + offs_n[:, None]
+        ws = ws_ptr + (pid_s * M + offs_m).to(tl.int64)[None, :] * N + offs_n[:, None]
         tl.store(ws, acc, mask=n_in[:, None] & m_in[None, :])
     else:
         if HAS_BIAS:
             acc = acc + tl.load(bias_ptr + offs_n, mask=n_in, other=0.0).to(tl.float32)[:, None]
         acc = tl.where(valid[None, :], acc, float("nan"))
         dst = out_ptr + offs_m[None, :] * stride_out + offs_n[:, None]
-        tl.store(dst, acc.to(out_ptr.dtype.element_ty), mask=n_in[:, None] & m_in[None, :])
+        tl.store(dst, cast(acc, out_ptr.dtype.element_ty, INTERPRETER_BF16), mask=n_in[:, None] & m_in[None, :])
 
 
 @triton.jit
 def _splitk_reduce_kernel(ws_ptr, bias_ptr, rows_ptr, out_ptr, stride_out, M, N, R, S,
-                          HAS_ROWS: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr):
+                          HAS_ROWS: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr,
+                          INTERPRETER_BF16: tl.constexpr):
     """out[m, n] = sum over splits s = 0, 1, ... S-1 (always this order) + bias; NaN rows for
     out-of-range indices."""
     m = tl.program_id(0)
@@ -286,13 +296,13 @@ def _splitk_reduce_kernel(ws_ptr, bias_ptr, rows_ptr, out_ptr, stride_out, M, N,
     n_in = offs < N
     acc = tl.zeros([BLOCK], dtype=tl.float32)
     for s in range(0, S):
-        acc += tl.load(ws_ptr + (s * M + m) * N + offs, mask=n_in, other=0.0)
+        acc += tl.load(ws_ptr + (s * M + m).to(tl.int64) * N + offs, mask=n_in, other=0.0)
     if HAS_BIAS:
         acc += tl.load(bias_ptr + offs, mask=n_in, other=0.0).to(tl.float32)
     if HAS_ROWS:
         row = tl.load(rows_ptr + m)
         acc = tl.where((row >= 0) & (row < R), acc, float("nan"))
-    tl.store(out_ptr + m * stride_out + offs, acc.to(out_ptr.dtype.element_ty), mask=n_in)
+    tl.store(out_ptr + m * stride_out + offs, cast(acc, out_ptr.dtype.element_ty, INTERPRETER_BF16), mask=n_in)
 
 
 @triton.jit
@@ -301,7 +311,7 @@ def _tiled_kernel(x_ptr, stride_x, w_ptr, stride_w, rows_ptr, in_w_ptr, chunk_w_
                   HAS_ROWS: tl.constexpr, HAS_IN_NORM: tl.constexpr, HAS_CHUNK_NORM: tl.constexpr,
                   HAS_SCALE: tl.constexpr, HAS_BIAS: tl.constexpr,
                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-                  UPCAST_BF16: tl.constexpr, INPUT_PRECISION: tl.constexpr):
+                  INTERPRETER_BF16: tl.constexpr, INPUT_PRECISION: tl.constexpr):
     # Grouped tile order: GROUP_M token tiles share each weight tile while it is in L2.
     pid = tl.program_id(0)
     tiles_m = tl.cdiv(M, BLOCK_M)
@@ -337,14 +347,14 @@ def _tiled_kernel(x_ptr, stride_x, w_ptr, stride_w, rows_ptr, in_w_ptr, chunk_w_
             k_in = kk < (c + 1) * CH
             xv = tl.load(x_tile + kk[None, :], mask=valid[:, None] & k_in[None, :], other=0.0)
             xv = _apply_norm_weights(xv, kk, k_in, in_w_ptr, chunk_w_ptr, row_scale, 1, HAS_IN_NORM,
-                                     HAS_CHUNK_NORM, HAS_SCALE)
+                                     HAS_CHUNK_NORM, HAS_SCALE, INTERPRETER_BF16)
             wt = tl.load(w_tile + kk[:, None], mask=k_in[:, None] & n_in[None, :], other=0.0)
-            acc = dot(xv, wt, acc, UPCAST_BF16, INPUT_PRECISION)
+            acc = dot(xv, wt, acc, INTERPRETER_BF16, INPUT_PRECISION)
     if HAS_BIAS:
         acc += tl.load(bias_ptr + offs_n, mask=n_in, other=0.0).to(tl.float32)[None, :]
     acc = tl.where(valid[:, None], acc, float("nan"))
     dst = out_ptr + offs_m[:, None] * stride_out + offs_n[None, :]
-    tl.store(dst, acc.to(out_ptr.dtype.element_ty), mask=m_in[:, None] & n_in[None, :])
+    tl.store(dst, cast(acc, out_ptr.dtype.element_ty, INTERPRETER_BF16), mask=m_in[:, None] & n_in[None, :])
 
 
 # ---- host side -------------------------------------------------------------------------------------
@@ -356,7 +366,8 @@ def _row_scales(x, rows, chunk_norm_weight, input_norm_weight, eps, p: _Problem)
         x, x.stride(0), _dummy(rows, x), _dummy(input_norm_weight, x), _dummy(chunk_norm_weight, x), scales, x, 0,
         p.R, p.KH, p.CH, p.NC, float(eps),
         HAS_ROWS=rows is not None, HAS_IN_NORM=input_norm_weight is not None,
-        HAS_CHUNK_NORM=chunk_norm_weight is not None, WRITE_PREPARED=False, BLOCK=block, num_warps=4)
+        HAS_CHUNK_NORM=chunk_norm_weight is not None, WRITE_PREPARED=False, BLOCK=block,
+        INTERPRETER_BF16=interpreter_bf16(_row_scales_kernel, x.dtype), num_warps=4)
     return scales
 
 
@@ -386,6 +397,7 @@ def skinny_fc_out(x, weight, bias, rows, chunk_norm_weight, input_norm_weight, e
                   split_len: Optional[int] = None) -> None:
     """The skinny split-K path (any M; chosen for small M). ``split_len`` overrides the split
     length (tests use it to force several splits per chunk)."""
+    bias, rows, input_norm_weight = _unit_stride(bias), _unit_stride(rows), _unit_stride(input_norm_weight)
     p = _problem(x, weight, rows, chunk_norm_weight, input_norm_weight, out)
     device = x.device
     scales = _row_scales(x, rows, chunk_norm_weight, input_norm_weight, eps, p) if p.has_scale else None
@@ -400,13 +412,14 @@ def skinny_fc_out(x, weight, bias, rows, chunk_norm_weight, input_norm_weight, e
         p.M, p.N, p.R, p.CH, p.NC, per_chunk, split_len,
         HAS_ROWS=rows is not None, HAS_IN_NORM=input_norm_weight is not None,
         HAS_CHUNK_NORM=chunk_norm_weight is not None, HAS_SCALE=p.has_scale, HAS_BIAS=bias is not None,
-        WRITE_PARTIAL=S > 1, UPCAST_BF16=upcast_bf16_dot(_skinny_kernel, x.dtype),
+        WRITE_PARTIAL=S > 1, INTERPRETER_BF16=interpreter_bf16(_skinny_kernel, x.dtype),
         INPUT_PRECISION=_input_precision(x.dtype), **cfg)
     if S > 1:
         block = 1024 if device.type == "cuda" else 256
         _splitk_reduce_kernel[(p.M, triton.cdiv(p.N, block))](
             ws, _dummy(bias, x), _dummy(rows, x), out, out.stride(0), p.M, p.N, p.R, S,
-            HAS_ROWS=rows is not None, HAS_BIAS=bias is not None, BLOCK=block, num_warps=4)
+            HAS_ROWS=rows is not None, HAS_BIAS=bias is not None, BLOCK=block,
+            INTERPRETER_BF16=interpreter_bf16(_splitk_reduce_kernel, x.dtype), num_warps=4)
 
 
 def tiled_config(arch: int, itemsize: int) -> dict:
@@ -419,6 +432,7 @@ def tiled_config(arch: int, itemsize: int) -> dict:
 
 def tiled_fc_out(x, weight, bias, rows, chunk_norm_weight, input_norm_weight, eps, out) -> None:
     """The tiled GEMM path with the fused prologue (any M; chosen for mid M)."""
+    bias, rows, input_norm_weight = _unit_stride(bias), _unit_stride(rows), _unit_stride(input_norm_weight)
     p = _problem(x, weight, rows, chunk_norm_weight, input_norm_weight, out)
     scales = _row_scales(x, rows, chunk_norm_weight, input_norm_weight, eps, p) if p.has_scale else None
     cfg = tiled_config(arch_major(x.device), x.element_size())
@@ -429,7 +443,7 @@ def tiled_fc_out(x, weight, bias, rows, chunk_norm_weight, input_norm_weight, ep
         p.M, p.N, p.R, p.CH, p.NC,
         HAS_ROWS=rows is not None, HAS_IN_NORM=input_norm_weight is not None,
         HAS_CHUNK_NORM=chunk_norm_weight is not None, HAS_SCALE=p.has_scale, HAS_BIAS=bias is not None,
-        UPCAST_BF16=upcast_bf16_dot(_tiled_kernel, x.dtype), INPUT_PRECISION=_input_precision(x.dtype), **cfg)
+        INTERPRETER_BF16=interpreter_bf16(_tiled_kernel, x.dtype), INPUT_PRECISION=_input_precision(x.dtype), **cfg)
 
 
 def prepare_input(x, rows, chunk_norm_weight, input_norm_weight, eps, M: int) -> torch.Tensor:
@@ -442,12 +456,14 @@ def prepare_input(x, rows, chunk_norm_weight, input_norm_weight, eps, M: int) ->
         x, x.stride(0), _dummy(rows, x), _dummy(input_norm_weight, x), _dummy(chunk_norm_weight, x), x, prep,
         prep.stride(0), R, KH, CH, NC, float(eps),
         HAS_ROWS=rows is not None, HAS_IN_NORM=input_norm_weight is not None,
-        HAS_CHUNK_NORM=chunk_norm_weight is not None, WRITE_PREPARED=True, BLOCK=block, num_warps=4)
+        HAS_CHUNK_NORM=chunk_norm_weight is not None, WRITE_PREPARED=True, BLOCK=block,
+        INTERPRETER_BF16=interpreter_bf16(_row_scales_kernel, x.dtype), num_warps=4)
     return prep
 
 
 def cublas_fc_out(x, weight, bias, rows, chunk_norm_weight, input_norm_weight, eps, out) -> None:
     """``F.linear`` (cuBLAS on a GPU) on the prepared input; x itself when nothing is to prepare."""
+    bias, rows, input_norm_weight = _unit_stride(bias), _unit_stride(rows), _unit_stride(input_norm_weight)
     if rows is None and chunk_norm_weight is None and input_norm_weight is None:
         inp = x
     else:
@@ -468,6 +484,7 @@ def choose_path(M: int, device: torch.device) -> str:
 def draft_fc_out(x, weight, bias, rows, chunk_norm_weight, input_norm_weight, eps, out) -> None:
     """Backend entry point (arguments already validated, M > 0): the path from :data:`CROSSOVER`."""
     PATHS[choose_path(out.shape[0], x.device)](x, weight, bias, rows, chunk_norm_weight, input_norm_weight, eps, out)
+
 
 
 __all__ = ["CROSSOVER", "Crossover", "choose_path", "crossover_for", "cublas_fc_out", "draft_fc_out",
