@@ -529,7 +529,7 @@ void run_skinny(FcArgs a, const at::Tensor& x, int num_sms, cudaStream_t stream)
   a.split_len = ceil_div(ceil_div(a.CH, per_chunk), step) * step;
   a.splits_per_chunk = ceil_div(a.CH, a.split_len);
   a.S = a.NC * a.splits_per_chunk;
-  TORCH_CHECK(a.S <= kMaxSplits, "eagle3::draft_fc (cuda): too many chunks (", a.NC, ") for the skinny kernel");
+  TORCH_CHECK(a.S <= kMaxSplits, "eagle3::draft_fc (cuda): ", a.S, " splits exceed the reducer's ", kMaxSplits);
 
   at::Tensor workspace;
   if (a.S > 1 || norm) {
@@ -604,7 +604,7 @@ void draft_fc_typed(const at::Tensor& x, const at::Tensor& weight, const std::op
     const bool aligned = a.CH % 8 == 0 && a.stride_x % 8 == 0 && a.stride_w % 8 == 0 && is_aligned16(a.x) &&
                          is_aligned16(a.w) && aligned16(chunk_norm_weight) && aligned16(input_norm_weight) &&
                          (!input_norm_weight.has_value() || input_norm_weight->stride(0) == 1);
-    if (aligned && a.M <= skinny_max_m(props->major)) {
+    if (aligned && a.KH > 0 && a.NC <= kMaxSplits && a.M <= skinny_max_m(props->major)) {
       run_skinny<T>(a, x, props->multiProcessorCount, stream);
       return;
     }

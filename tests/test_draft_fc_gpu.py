@@ -10,7 +10,7 @@ What is checked:
   other H. The output is written into a view of a poisoned base: nothing around it may change.
 * every Triton path (skinny, tiled, cuBLAS on the prepared input) directly, whatever the crossover
   table picks on this GPU; fp16 / fp32; a chunk width that is not a multiple of 8 (the CUDA
-  backend's fallback); strided rows / bias views; out-of-range device row indices give
+  backend's fallback), many narrow chunks, K*H = 0; strided rows / bias views; out-of-range device row indices give
   NaN rows.
 * determinism: the same inputs twice give bitwise-equal outputs (fixed-order split-K reduction).
 * a CUDA graph of draft_fc_out replayed with new x and new rows equals the reference on the new
@@ -154,6 +154,32 @@ def test_chunk_width_not_a_multiple_of_8(M, backend, use_backend):
     """H = 1002: the CUDA skinny kernel's 16-byte fragments do not fit; its fallback serves."""
     use_backend(backend)
     check(*problem(M, 1002, torch.bfloat16, ("odd", M), N=1000, **VARIANTS["all"]))
+
+
+@pytest.mark.parametrize("backend", GPU_BACKENDS)
+@pytest.mark.parametrize("M", [7, 300])
+def test_many_narrow_chunks(M, backend, use_backend):
+    """chunk_norm_weight [96, 8]: more chunks than the CUDA reducer's split limit (its fallback serves)."""
+    use_backend(backend)
+    gen = gen_for("narrow", M)
+    x = torch.randn(M, 768, generator=gen, device=DEVICE).to(torch.bfloat16)
+    w = (torch.randn(256, 768, generator=gen, device=DEVICE) / 768 ** 0.5).to(torch.bfloat16)
+    cn = (torch.rand(96, 8, generator=gen, device=DEVICE) + 0.5).to(torch.bfloat16)
+    out = torch.empty(M, 256, dtype=torch.bfloat16, device=DEVICE)
+    eagle3_ops.draft_fc_out(x, w, None, None, cn, None, EPS, out)
+    want = reference.draft_fc_ref(x, w, None, None, cn, None, EPS, acc_dtype=torch.float64)
+    assert matmul_rel_err(out, want) <= MATMUL_TOL[torch.bfloat16]
+
+
+@pytest.mark.parametrize("backend", GPU_BACKENDS)
+def test_empty_inner_dimension_gives_bias(backend, use_backend):
+    use_backend(backend)
+    x = torch.randn(5, 0, device=DEVICE, dtype=torch.bfloat16)
+    w = torch.randn(7, 0, device=DEVICE, dtype=torch.bfloat16)
+    b = torch.randn(7, device=DEVICE, dtype=torch.bfloat16)
+    out = torch.full((5, 7), float("nan"), device=DEVICE, dtype=torch.bfloat16)
+    eagle3_ops.draft_fc_out(x, w, b, None, None, None, EPS, out)
+    assert torch.equal(out, b.expand(5, 7))
 
 
 @pytest.mark.parametrize("backend", GPU_BACKENDS)

@@ -202,6 +202,14 @@ def test_strided_rows_bias_and_norm_weight_views_are_read_correctly(path):
     assert matmul_rel_err(out, want) <= MATMUL_TOL[torch.float32]
 
 
+@pytest.mark.parametrize("path", ["skinny", "tiled", "cublas"])
+def test_empty_inner_dimension_gives_bias(path):
+    """K*H = 0 is a valid (degenerate) problem: the product is empty, out = bias."""
+    x, w, b = torch.randn(5, 0), torch.randn(7, 0), torch.randn(7)
+    out = run_into_canaried_out(draft_fc.PATHS[path], (x, w, b, None, None, None), 5, 7, torch.float32)
+    assert torch.equal(out, b.expand(5, 7))
+
+
 @pytest.mark.parametrize("path", ["skinny", "tiled"])
 def test_same_inputs_twice_give_bitwise_equal_results(path):
     R, H, K, N = SHAPE

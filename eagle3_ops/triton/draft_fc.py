@@ -390,7 +390,7 @@ def split_plan(CH: int, NC: int, programs_per_split: int, block_k: int, num_sms:
         want = min(want, 16, max(1, CH // (4 * block_k)))
         split_len = math.ceil(CH / want)
     split_len = max(block_k, math.ceil(split_len / block_k) * block_k)
-    return math.ceil(CH / split_len), split_len
+    return max(1, math.ceil(CH / split_len)), split_len  # one (empty) split when K*H = 0
 
 
 def skinny_fc_out(x, weight, bias, rows, chunk_norm_weight, input_norm_weight, eps, out,
