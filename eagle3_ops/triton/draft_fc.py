@@ -11,17 +11,17 @@ Three paths, chosen per call by :data:`CROSSOVER` (the one table of crossover po
 
 * ``skinny`` (decode/verify, small M): swap-AB split-K. Program (token tile, weight tile, split)
   computes ``W[n tile, k range] @ x[rows][token tile, k range]^T`` with the weight on the MMA's
-  wide side, so the weight streams once in 16-byte loads (evict-first) while the few gathered x
-  rows stay cached (evict-last). Each split lies inside one H-wide chunk, so a chunk's RMS scale
+  wide side, so the weight streams once in 16-byte loads (cp.async pipeline on sm_90/sm_120;
+  evict-first / evict-last hints where plain loads are used) while the few gathered x rows stay
+  in cache. Each split lies inside one H-wide chunk, so a chunk's RMS scale
   multiplies the fp32 partial (linearity) instead of every program re-reading the whole row. fp32
   partials go to a workspace; a second kernel sums the splits in fixed order (deterministic), adds
   bias and writes ``out``. With one split the first kernel writes ``out`` directly.
 * ``tiled`` (mid M): a tiled GEMM with the same prologue (row gather; norm weights and the chunk's
   RMS scale multiply the x tile on the fly); no split, no workspace.
 * ``cublas`` (large M): cuBLAS (``torch.addmm``/``torch.mm`` with ``out=``, the GEMM ``F.linear``
-  runs) on the prepared input ``norm(x[rows])`` rounded to
-  the dtype (what stock SGLang feeds it); x is passed straight through when there is no gather and
-  no norm.
+  runs) on the prepared input ``norm(x[rows])`` rounded to the dtype (what stock SGLang feeds it);
+  x is passed straight through when there is no gather and no norm.
 
 Pre-fc norms without a K-wide pre-pass inside every program (KERNELS.md fact 6): a tiny kernel
 computes one fp32 scale per (row, chunk) first, ``a[m, c] = s_m * rsqrt(s_m^2 * mean_c((x*g_in)^2)
