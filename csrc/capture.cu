@@ -57,6 +57,10 @@ __global__ void __launch_bounds__(kMaxChunkThreads)
 
 template <typename T, bool kHasResidual>
 __device__ __forceinline__ void capture_scalar(const T* h, const T* r, T* o, int i) {
+  if constexpr (!kHasResidual) {  // a pure copy: the same bits as the vector path (NaN payloads too)
+    o[i] = h[i];
+    return;
+  }
   float v = to_float(h[i]);
   if constexpr (kHasResidual) v += to_float(r[i]);
   o[i] = from_float<T>(v);

@@ -1,6 +1,9 @@
 // draft_fc: out[M, N] = linear(norm(x[rows]), weight, bias)  (DESIGN.md §4 op 3; the exact math is
 // eagle3_ops/reference.py draft_fc_ref: input norm over the K*H row, then one RMSNorm per H-wide
-// chunk, fp32 accumulation, one rounding). x [R, KH], weight [N, KH], KH = K*H.
+// chunk). x [R, KH], weight [N, KH], KH = K*H. Rounding: the skinny path accumulates in fp32 and
+// rounds once at the end; the cuBLAS path (larger M, or layouts the skinny kernel cannot take) rounds
+// the prepared input norm(x[rows]) to the dtype once, then follows torch.backends.cuda.matmul's
+// flags (reduced-precision reductions / TF32 if the application enables them).
 //
 // Bytes / FLOPs: the weight (N*KH elements: 308 MB in bf16 at H=7168, K=3) is read once, x rows
 // M*KH, out M*N; FLOPs = 2*M*N*KH. Up to M ~ 130-280 (device dependent, DESIGN.md §2) the weight
@@ -604,7 +607,11 @@ void draft_fc_typed(const at::Tensor& x, const at::Tensor& weight, const std::op
     const bool aligned = a.CH % 8 == 0 && a.stride_x % 8 == 0 && a.stride_w % 8 == 0 && is_aligned16(a.x) &&
                          is_aligned16(a.w) && aligned16(chunk_norm_weight) && aligned16(input_norm_weight) &&
                          (!input_norm_weight.has_value() || input_norm_weight->stride(0) == 1);
-    if (aligned && a.KH > 0 && a.NC <= kMaxSplits && a.M <= skinny_max_m(props->major)) {
+    // fp16: the skinny kernel rounds the *unnormalized* x * input_norm_weight * chunk_norm_weight to the
+    // dtype before the MMA (the RMS scale is applied in the reducer); that product can exceed 65504
+    // where norm(x) cannot. bf16 has the range; fp16 with norms takes the prepare + cuBLAS path.
+    const bool fp16_norm = std::is_same_v<T, c10::Half> && (a.in_w != nullptr || a.chunk_w != nullptr);
+    if (aligned && !fp16_norm && a.KH > 0 && a.NC <= kMaxSplits && a.M <= skinny_max_m(props->major)) {
       run_skinny<T>(a, x, props->multiProcessorCount, stream);
       return;
     }
@@ -625,7 +632,31 @@ void draft_fc_out(const at::Tensor& x, const at::Tensor& weight, const std::opti
                   const std::optional<at::Tensor>& rows, const std::optional<at::Tensor>& chunk_norm_weight,
                   const std::optional<at::Tensor>& input_norm_weight, double eps, at::Tensor& out) {
   TORCH_CHECK(x.is_cuda() && weight.is_cuda() && out.is_cuda(), "eagle3::draft_fc (cuda): tensors must be on CUDA");
-  TORCH_CHECK(x.stride(1) == 1 && weight.stride(1) == 1 && (out.size(1) <= 1 || out.stride(1) == 1),
+  // eagle3_ops/validation.py checks all of this with clear messages first; these guard direct callers
+  // of eagle3_ops._C against out-of-bounds reads.
+  TORCH_CHECK(x.dim() == 2 && weight.dim() == 2 && out.dim() == 2 && weight.size(1) == x.size(1) &&
+                  out.size(1) == weight.size(0) && (rows.has_value() || out.size(0) == x.size(0)),
+              "eagle3::draft_fc (cuda): shapes: x [R, KH], weight [N, KH], out [M, N] (M = R without rows)");
+  TORCH_CHECK(weight.scalar_type() == x.scalar_type() && out.scalar_type() == x.scalar_type() &&
+                  weight.device() == x.device() && out.device() == x.device(),
+              "eagle3::draft_fc (cuda): one dtype, one device");
+  TORCH_CHECK(!rows.has_value() || (rows->device() == x.device() && rows->dim() == 1 && rows->numel() == out.size(0) &&
+                                    (rows->scalar_type() == at::kInt || rows->scalar_type() == at::kLong)),
+              "eagle3::draft_fc (cuda): rows must be int32/int64 [M] on x's device");
+  TORCH_CHECK(!bias.has_value() || (bias->numel() == weight.size(0) && bias->scalar_type() == x.scalar_type() &&
+                                    bias->device() == x.device()),
+              "eagle3::draft_fc (cuda): bias must be [N]");
+  TORCH_CHECK(!input_norm_weight.has_value() ||
+                  (input_norm_weight->numel() == x.size(1) && input_norm_weight->scalar_type() == x.scalar_type() &&
+                   input_norm_weight->device() == x.device()),
+              "eagle3::draft_fc (cuda): input_norm_weight must be [KH]");
+  TORCH_CHECK(!chunk_norm_weight.has_value() ||
+                  (chunk_norm_weight->dim() == 2 && chunk_norm_weight->numel() == x.size(1) &&
+                   chunk_norm_weight->size(1) > 0 && chunk_norm_weight->scalar_type() == x.scalar_type() &&
+                   chunk_norm_weight->device() == x.device()),
+              "eagle3::draft_fc (cuda): chunk_norm_weight must be [K, H], K*H = KH");
+  TORCH_CHECK((x.size(1) <= 1 || x.stride(1) == 1) && (weight.size(1) <= 1 || weight.stride(1) == 1) &&
+                  (out.size(1) <= 1 || out.stride(1) == 1),
               "eagle3::draft_fc (cuda): last dims must be contiguous");
   TORCH_CHECK(!chunk_norm_weight.has_value() || chunk_norm_weight->is_contiguous(),
               "eagle3::draft_fc (cuda): chunk_norm_weight must be contiguous");

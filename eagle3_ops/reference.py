@@ -17,9 +17,10 @@ def capture_ref(hidden: torch.Tensor, residual: Optional[torch.Tensor], buffer: 
     T, H = hidden.shape
     if T == 0:
         return
-    value = hidden.to(acc_dtype)
-    if residual is not None:
-        value = value + residual.to(acc_dtype)
+    if residual is None:  # a pure copy (bit-exact, NaN payloads included)
+        buffer[:T, slot * H:(slot + 1) * H].copy_(hidden)
+        return
+    value = hidden.to(acc_dtype) + residual.to(acc_dtype)
     buffer[:T, slot * H:(slot + 1) * H].copy_(value.to(buffer.dtype))
 
 

@@ -28,30 +28,44 @@ def _close(a: torch.Tensor, b: torch.Tensor) -> Tuple[bool, str]:
     return err <= ATOL_RTOL, f"max rel err {err:.3g}"
 
 
+PAD = 8  # canary rows/columns around every output view; the view starts at row PAD // 2
+
+
+def _poisoned(rows: int, cols: int, device):
+    """(base, view): a NaN-filled base with canary rows above/below and columns right of a
+    [rows, cols] view. Comparing whole bases checks the canaries as well as the written region."""
+    base = torch.full((rows + PAD, cols + PAD), float("nan"), device=device, dtype=DTYPE)
+    return base, _view(base, rows, cols)
+
+
+def _view(base: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
+    return base[PAD // 2:PAD // 2 + rows, :cols]
+
+
 def _capture_problem(device, gen, with_norm: bool):
     T, H, K, slot = 37, 1000 + 24, 3, 1  # H a multiple of 8 (vector path) but not of the block width
     h = torch.randn(T, H, generator=gen).to(device, DTYPE)
     r = torch.randn(T, H, generator=gen).to(device, DTYPE)
-    buf = torch.full((T + 3, K * H + 8), float("nan"), device=device, dtype=DTYPE)[:, : K * H]
+    base, buf = _poisoned(T + 3, K * H, device)
     w = (torch.rand(H, generator=gen) + 0.5).to(device, DTYPE) if with_norm else None
-    return h, r, buf, slot, w
+    return h, r, base, buf, slot, w
 
 
 def verify_backend(op: str, fn: Callable, device: torch.device) -> Tuple[bool, str]:
     gen = torch.Generator().manual_seed(1234)
     try:
         if op == "capture":
-            h, r, buf, slot, _ = _capture_problem(device, gen, with_norm=False)
-            ref = buf.clone()
+            h, r, base, buf, slot, _ = _capture_problem(device, gen, with_norm=False)
+            ref_base = base.clone()
             fn(h, r, buf, slot)
-            reference.capture_ref(h, r, ref, slot)
-            return _close(buf, ref)
+            reference.capture_ref(h, r, _view(ref_base, *buf.shape), slot)
+            return _close(base, ref_base)
         if op == "fused_add_rmsnorm_capture":
-            h, r, buf, slot, w = _capture_problem(device, gen, with_norm=True)
-            h2, r2, ref = h.clone(), r.clone(), buf.clone()
+            h, r, base, buf, slot, w = _capture_problem(device, gen, with_norm=True)
+            h2, r2, ref_base = h.clone(), r.clone(), base.clone()
             fn(h, r, w, 1e-6, buf, slot)
-            reference.fused_add_rmsnorm_capture_ref(h2, r2, w, 1e-6, ref, slot)
-            for got, want in ((h, h2), (r, r2), (buf, ref)):
+            reference.fused_add_rmsnorm_capture_ref(h2, r2, w, 1e-6, _view(ref_base, *buf.shape), slot)
+            for got, want in ((h, h2), (r, r2), (base, ref_base)):
                 ok, detail = _close(got, want)
                 if not ok:
                     return ok, detail
@@ -66,10 +80,11 @@ def verify_backend(op: str, fn: Callable, device: torch.device) -> Tuple[bool, s
             inw = (torch.rand(K * H, generator=gen) + 0.5).to(device, DTYPE)
             for args in ((b, rows, cn, inw), (None, None, None, None)):
                 M = R if args[1] is None else args[1].numel()
-                out = torch.full((M, N), float("nan"), device=device, dtype=DTYPE)
+                base, out = _poisoned(M, N, device)
+                want = base.clone()
                 fn(x, w, *args, 1e-6, out)
-                want = reference.draft_fc_ref(x, w, *args, 1e-6).to(DTYPE)
-                ok, detail = _close(out, want)
+                _view(want, M, N).copy_(reference.draft_fc_ref(x, w, *args, 1e-6).to(DTYPE))
+                ok, detail = _close(base, want)
                 if not ok:
                     return ok, detail
             return True, detail

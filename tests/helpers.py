@@ -62,7 +62,7 @@ def assert_rounded_close(got: torch.Tensor, want64: torch.Tensor, dtype) -> None
     """got (dtype) equals the float64 truth up to one rounding, elementwise."""
     assert not torch.isnan(got).any(), "output has NaN (unwritten/poisoned element)"
     err = (got.double() - want64).abs()
-    bound = ROUNDING_TOL[dtype] * want64.abs() + 1e-30 + (1e-6 if dtype == torch.float32 else 0.0) * 0
+    bound = ROUNDING_TOL[dtype] * want64.abs()
     bad = err > bound + torch.finfo(dtype).tiny
     assert not bad.any(), f"max rel err {(err / want64.abs().clamp_min(1e-30)).max().item():.3g} > {ROUNDING_TOL[dtype]}"
 

@@ -255,3 +255,31 @@ def test_cuda_graph_replay_with_new_x_and_rows(M, backend, use_backend):
     want = truth(x, w, b, rows, cn, inw)
     assert torch.isnan(out[0]).all() and not torch.isnan(out[1:]).any()
     assert matmul_rel_err(out[1:], want[1:]) <= MATMUL_TOL[x.dtype]
+
+
+@pytest.mark.parametrize("backend", GPU_BACKENDS)
+def test_fp16_large_activations_with_norm_weights_stay_finite(backend, use_backend):
+    """x * norm weights = 80000 > fp16 max before normalization: no path may round that to inf."""
+    use_backend(backend)
+    x, w, b, rows, cn, inw = problem(7, 4096, torch.float16, ("fp16-big",), **VARIANTS["all"])
+    x[:, ::97] = 20000.0
+    cn.fill_(2.0)
+    inw.fill_(2.0)
+    check(x, w, b, rows, cn, inw)
+
+
+@pytest.mark.parametrize("variant", ["plain", "bias", "rows"])
+def test_cuda_skinny_direct_output_path(variant, monkeypatch, use_backend):
+    """Enough tiles for one split (S == 1): the skinny kernel writes out directly (no reducer)."""
+    use_backend("cuda")
+    monkeypatch.setenv("EAGLE3_OPS_CUDA_FC_SKINNY_MAX_M", "4096")
+    check(*problem(1000, 4096, torch.bfloat16, ("direct", variant), **VARIANTS[variant]))
+
+
+@pytest.mark.parametrize("backend", GPU_BACKENDS)
+@pytest.mark.parametrize("M", [7, 100])
+@pytest.mark.parametrize("N", [1000, 1001])
+def test_skinny_tails(N, M, backend, use_backend):
+    """N % 64 != 0 (weight-row tail), N % 4 != 0 (scalar reducer), chunk width % 128 != 0 (k tail)."""
+    use_backend(backend)
+    check(*problem(M, 1000, torch.bfloat16, ("tails", M, N), N=N, **VARIANTS["all"]))

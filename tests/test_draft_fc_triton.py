@@ -13,6 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
+import eagle3_ops
 from eagle3_ops import reference
 from eagle3_ops.triton import _interpreter_shim as shim
 from eagle3_ops.triton import draft_fc
@@ -343,3 +344,19 @@ def test_gpu_kernels_compile_for_sm90_and_sm120_with_bf16_mma_and_fitting_shared
             want = "wgmma.mma_async" if "sm90" in name else "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32"
             assert want in mma and ".bf16.bf16" in mma and "tf32" not in mma, (name, r)
             assert r["cp_async_16"], (name, r)
+
+
+def test_fp16_large_activations_with_norm_weights_stay_finite(monkeypatch):
+    """fp16: x * norm weights can exceed 65504 before the RMS scale brings it back; the dispatched
+    Triton path must normalize before rounding for the dot (the skinny kernel would overflow)."""
+    monkeypatch.setenv("EAGLE3_OPS_BACKEND", "triton")
+    R, H, K, N = 5, 64, 3, 24
+    x, w, b, rows, cn, inw = make_problem(R, H, K, N, torch.float16, seed=11, bias=True, chunk=True, inorm=True)
+    x[:, ::7] = 20000.0  # representable in fp16; x * 2 * 2 = 80000 is not
+    cn.fill_(2.0)
+    inw.fill_(2.0)
+    assert draft_fc.choose_path(R, x.device) == "skinny"  # what the table alone would pick
+    got = eagle3_ops.draft_fc(x, w, b, rows, cn, inw, 1e-6)
+    want = reference.draft_fc_ref(x, w, b, rows, cn, inw, 1e-6, acc_dtype=torch.float64)
+    assert torch.isfinite(got).all()
+    assert matmul_rel_err(got, want) <= MATMUL_TOL[torch.float16]

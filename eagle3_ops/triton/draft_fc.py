@@ -483,7 +483,13 @@ def choose_path(M: int, device: torch.device) -> str:
 
 def draft_fc_out(x, weight, bias, rows, chunk_norm_weight, input_norm_weight, eps, out) -> None:
     """Backend entry point (arguments already validated, M > 0): the path from :data:`CROSSOVER`."""
-    PATHS[choose_path(out.shape[0], x.device)](x, weight, bias, rows, chunk_norm_weight, input_norm_weight, eps, out)
+    path = choose_path(out.shape[0], x.device)
+    if path == "skinny" and x.dtype == torch.float16 and (chunk_norm_weight is not None or input_norm_weight is not None):
+        # The skinny kernel feeds the dot x * norm weights *before* the RMS scale (applied to the fp32
+        # partials); in fp16 that product can overflow 65504 where norm(x) cannot. The tiled kernel
+        # scales x on the fly, so it is safe.
+        path = "tiled"
+    PATHS[path](x, weight, bias, rows, chunk_norm_weight, input_norm_weight, eps, out)
 
 
 
