@@ -19,6 +19,7 @@ import importlib
 import logging
 import os
 import threading
+from pathlib import Path
 from typing import Callable, Dict, Optional
 
 import torch
@@ -59,10 +60,16 @@ def cuda_extension():
     try:
         return importlib.import_module("eagle3_ops._C")
     except ImportError as e:
-        log.debug("eagle3_ops._C not importable: %s", e)
+        built = list(Path(__file__).parent.glob("_C*.so")) + list(Path(__file__).parent.glob("_C*.pyd"))
+        if built:  # built but not loadable (e.g. compiled against another torch): say so
+            log.warning("eagle3_ops: the CUDA extension %s exists but does not import (%s); the triton/reference "
+                        "backends serve. Rebuild with `pip install --no-build-isolation -e .`.", built[0].name, e)
+        else:
+            log.debug("eagle3_ops._C not built: %s", e)
         return None
 
 
+@functools.lru_cache(maxsize=None)
 def compiled_archs() -> tuple:
     ext = cuda_extension()
     if ext is None:
@@ -129,35 +136,50 @@ def implementation(backend: str, op: str, device: torch.device) -> Optional[Call
     raise ValueError(f"unknown backend {backend!r}")
 
 
-# (op, backend, device str) -> True (verified) / False (failed, disabled for the process)
+# (op, backend, device str, dtype) -> True (verified) / False (failed, disabled for the process)
 _verified: Dict[tuple, bool] = {}
+# Keys first used inside CUDA-graph capture, before any eager call could verify them.
+_used_unverified_in_graph: set = set()
 _lock = threading.Lock()
 
 
-def _passes_verification(op: str, backend: str, device: torch.device, fn: Callable) -> bool:
+def _passes_verification(op: str, backend: str, device: torch.device, fn: Callable,
+                         dtype: torch.dtype = torch.bfloat16) -> bool:
     if backend == "reference" or not verification_enabled():
         return True
-    key = (op, backend, str(device))
+    key = (op, backend, str(device), dtype)
     state = _verified.get(key)
     if state is not None:
         return state
     if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
         # A check allocates and syncs, which graph capture forbids; SGLang runs eager warm-up
         # batches before capturing, so this only happens when a graph is the very first use.
-        log.warning("eagle3_ops: %s/%s first used inside CUDA-graph capture on %s: not verified", op, backend, device)
+        # The first eager call verifies it; if it fails then, that call raises (see below).
+        if key not in _used_unverified_in_graph:
+            _used_unverified_in_graph.add(key)
+            log.warning("eagle3_ops: %s/%s (%s) first used inside CUDA-graph capture on %s: not verified yet",
+                        op, backend, dtype, device)
         return True
     from .verify import verify_backend
 
     with _lock:
         if key not in _verified:
-            ok, detail = verify_backend(op, fn, device)
+            ok, detail = verify_backend(op, fn, device, dtype)
             _verified[key] = ok
             if ok:
-                log.info("eagle3_ops: %s backend %s verified on %s (%s)", op, backend, device, detail)
+                log.info("eagle3_ops: %s backend %s verified on %s for %s (%s)", op, backend, device, dtype, detail)
             else:
                 name = torch.cuda.get_device_name(device) if device.type == "cuda" else str(device)
-                log.error("eagle3_ops: %s backend %s FAILED verification on %s (%s): %s. It is disabled "
-                          "for this process; the next backend serves this op.", op, backend, device, name, detail)
+                log.error("eagle3_ops: %s backend %s FAILED verification on %s (%s) for %s: %s. It is disabled "
+                          "for this process; the next backend serves this op.", op, backend, device, name, dtype,
+                          detail)
+                if key in _used_unverified_in_graph:
+                    # Graphs captured earlier replay this backend: switching eager calls to another
+                    # backend would make graph and eager results differ silently.
+                    raise BackendUnavailableError(
+                        f"eagle3::{op}: backend {backend} failed verification on {device} ({detail}) after CUDA "
+                        f"graphs were captured with it. Run one eager call before capturing graphs, or set "
+                        f"EAGLE3_OPS_BACKEND to a backend that passes.")
     return _verified[key]
 
 
@@ -167,8 +189,8 @@ def candidate_backends(device: torch.device) -> tuple:
     return BACKENDS if device.type == "cuda" else ("reference",)
 
 
-def select(op: str, device: torch.device) -> tuple:
-    """(backend name, function) serving ``op`` on ``device``."""
+def select(op: str, device: torch.device, dtype: torch.dtype = torch.bfloat16) -> tuple:
+    """(backend name, function) serving ``op`` on ``device`` for inputs of ``dtype``."""
     forced = forced_backend()
     if forced is not None:
         fn = implementation(forced, op, device)
@@ -177,26 +199,29 @@ def select(op: str, device: torch.device) -> tuple:
                 f"eagle3::{op}: EAGLE3_OPS_BACKEND={forced} cannot serve device {device} "
                 f"(compiled archs: {','.join(compiled_archs()) or 'none'}; TRITON_INTERPRET="
                 f"{os.environ.get('TRITON_INTERPRET', '0')}). Unset it to choose automatically.")
-        if not _passes_verification(op, forced, device, fn):
+        if not _passes_verification(op, forced, device, fn, dtype):
             raise BackendUnavailableError(f"eagle3::{op}: forced backend {forced} failed verification on {device}")
         return forced, fn
     for backend in candidate_backends(device):
         fn = implementation(backend, op, device)
-        if fn is not None and _passes_verification(op, backend, device, fn):
+        if fn is not None and _passes_verification(op, backend, device, fn, dtype):
             return backend, fn
     raise AssertionError("unreachable: the reference backend serves every op")
 
 
-def backends(device=None) -> Dict[str, str]:
-    """Which backend serves each op on ``device`` (default: the current CUDA device, else CPU)."""
+def backends(device=None, dtype: torch.dtype = torch.bfloat16) -> Dict[str, str]:
+    """Which backend serves each op on ``device`` (default: the current CUDA device, else CPU) for
+    inputs of ``dtype`` (verification is per dtype)."""
     if device is None:
         device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
     device = torch.device(device)
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
-    return {op: select(op, device)[0] for op in OPS}
+    return {op: select(op, device, dtype)[0] for op in OPS}
 
 
 def reset_verification() -> None:
     """Forget verification results (tests)."""
-    _verified.clear()
+    with _lock:
+        _verified.clear()
+        _used_unverified_in_graph.clear()

@@ -39,7 +39,7 @@ def _capture_impl(hidden, residual, buffer, slot):
     validation.check_capture(hidden, residual, buffer, slot)
     if hidden.shape[0] == 0:
         return
-    _, fn = dispatch.select("capture", hidden.device)
+    _, fn = dispatch.select("capture", hidden.device, hidden.dtype)
     fn(hidden, residual, buffer, slot)
 
 
@@ -53,7 +53,7 @@ def _fused_impl(input, residual, weight, eps, buffer, slot):
     validation.check_fused_add_rmsnorm_capture(input, residual, weight, eps, buffer, slot)
     if input.shape[0] == 0:
         return
-    _, fn = dispatch.select("fused_add_rmsnorm_capture", input.device)
+    _, fn = dispatch.select("fused_add_rmsnorm_capture", input.device, input.dtype)
     fn(input, residual, weight, eps, buffer, slot)
 
 
@@ -63,30 +63,33 @@ def _fused_fake(input, residual, weight, eps, buffer, slot):
 
 
 # ---- draft_fc / draft_fc_out ---------------------------------------------------------------------
-def _run_draft_fc(x, weight, bias, rows, chunk_norm_weight, input_norm_weight, eps, out):
+def _run_draft_fc(x, weight, bias, rows, chunk_norm_weight, input_norm_weight, eps, out, op):
     """After validation: range-check host rows, run the selected backend, debug-check device rows."""
-    validation.check_host_rows_in_range(x, rows)
+    validation.check_host_rows_in_range(x, rows, op=op)
     if out.numel() == 0:
         return
-    _, fn = dispatch.select("draft_fc", x.device)
+    _, fn = dispatch.select("draft_fc", x.device, x.dtype)
     fn(x, weight, bias, rows, chunk_norm_weight, input_norm_weight, eps, out)
     if _debug() and rows is not None and rows.device.type != "cpu":
-        # Device-side indices give NaN rows when out of range; debug mode makes that an error.
+        # Device-side indices give NaN rows when out of range; debug mode makes that an error:
+        # an async device assert inside CUDA-graph capture (no sync allowed), else a host check.
         bad = (rows < 0) | (rows >= x.shape[0])
-        if bool(bad.any()):
-            raise IndexError(f"eagle3::draft_fc: rows out of range at positions "
+        if torch.cuda.is_current_stream_capturing():
+            torch._assert_async(~bad.any(), f"eagle3::{op}: rows out of range (EAGLE3_OPS_DEBUG=1)")
+        elif bool(bad.any()):
+            raise IndexError(f"eagle3::{op}: rows out of range at positions "
                              f"{bad.nonzero().flatten().tolist()[:16]} (x has {x.shape[0]} rows)")
 
 
 def _draft_fc_out_impl(x, weight, bias, rows, chunk_norm_weight, input_norm_weight, eps, out):
     validation.check_draft_fc(x, weight, bias, rows, chunk_norm_weight, input_norm_weight, eps, out, op="draft_fc_out")
-    _run_draft_fc(x, weight, bias, rows, chunk_norm_weight, input_norm_weight, eps, out)
+    _run_draft_fc(x, weight, bias, rows, chunk_norm_weight, input_norm_weight, eps, out, "draft_fc_out")
 
 
 def _draft_fc_impl(x, weight, bias, rows, chunk_norm_weight, input_norm_weight, eps):
     M = validation.check_draft_fc(x, weight, bias, rows, chunk_norm_weight, input_norm_weight, eps)
     out = torch.empty((M, weight.shape[0]), dtype=x.dtype, device=x.device)
-    _run_draft_fc(x, weight, bias, rows, chunk_norm_weight, input_norm_weight, eps, out)
+    _run_draft_fc(x, weight, bias, rows, chunk_norm_weight, input_norm_weight, eps, out, "draft_fc")
     return out
 
 

@@ -1,7 +1,7 @@
 """One-time check of an accelerated backend against the reference on a small random problem.
 
 It protects users on GPUs we have never run on (e.g. a new sm_120 board): the first time a backend
-serves an op on a device, it runs a small bf16 problem with odd sizes (vector tail, row gather,
+serves an op on a device for a dtype, it runs a small problem in that dtype with odd sizes (vector tail, row gather,
 both norms, bias) and compares with the reference. Outputs are poisoned with NaN first and the
 canary columns/rows around every write must come back unchanged.
 """
@@ -13,8 +13,8 @@ import torch
 
 from . import reference
 
-DTYPE = torch.bfloat16
-ATOL_RTOL = 2e-2  # bf16 output: one rounding (2^-8) plus fp32 summation-order differences
+ATOL_RTOL = 2e-2  # bf16 output: one rounding (2^-8) plus fp32 summation-order differences; generous for
+                  # fp16/fp32 too: this check catches broken kernels, the test suite measures accuracy
 
 
 def _close(a: torch.Tensor, b: torch.Tensor) -> Tuple[bool, str]:
@@ -31,10 +31,10 @@ def _close(a: torch.Tensor, b: torch.Tensor) -> Tuple[bool, str]:
 PAD = 8  # canary rows/columns around every output view; the view starts at row PAD // 2
 
 
-def _poisoned(rows: int, cols: int, device):
+def _poisoned(rows: int, cols: int, device, dtype):
     """(base, view): a NaN-filled base with canary rows above/below and columns right of a
     [rows, cols] view. Comparing whole bases checks the canaries as well as the written region."""
-    base = torch.full((rows + PAD, cols + PAD), float("nan"), device=device, dtype=DTYPE)
+    base = torch.full((rows + PAD, cols + PAD), float("nan"), device=device, dtype=dtype)
     return base, _view(base, rows, cols)
 
 
@@ -42,26 +42,27 @@ def _view(base: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
     return base[PAD // 2:PAD // 2 + rows, :cols]
 
 
-def _capture_problem(device, gen, with_norm: bool):
+def _capture_problem(device, dtype, gen, with_norm: bool):
     T, H, K, slot = 37, 1000 + 24, 3, 1  # H a multiple of 8 (vector path) but not of the block width
-    h = torch.randn(T, H, generator=gen).to(device, DTYPE)
-    r = torch.randn(T, H, generator=gen).to(device, DTYPE)
-    base, buf = _poisoned(T + 3, K * H, device)
-    w = (torch.rand(H, generator=gen) + 0.5).to(device, DTYPE) if with_norm else None
+    h = torch.randn(T, H, generator=gen).to(device, dtype)
+    r = torch.randn(T, H, generator=gen).to(device, dtype)
+    base, buf = _poisoned(T + 3, K * H, device, dtype)
+    w = (torch.rand(H, generator=gen) + 0.5).to(device, dtype) if with_norm else None
     return h, r, base, buf, slot, w
 
 
-def verify_backend(op: str, fn: Callable, device: torch.device) -> Tuple[bool, str]:
+def verify_backend(op: str, fn: Callable, device: torch.device,
+                   dtype: torch.dtype = torch.bfloat16) -> Tuple[bool, str]:
     gen = torch.Generator().manual_seed(1234)
     try:
         if op == "capture":
-            h, r, base, buf, slot, _ = _capture_problem(device, gen, with_norm=False)
+            h, r, base, buf, slot, _ = _capture_problem(device, dtype, gen, with_norm=False)
             ref_base = base.clone()
             fn(h, r, buf, slot)
             reference.capture_ref(h, r, _view(ref_base, *buf.shape), slot)
             return _close(base, ref_base)
         if op == "fused_add_rmsnorm_capture":
-            h, r, base, buf, slot, w = _capture_problem(device, gen, with_norm=True)
+            h, r, base, buf, slot, w = _capture_problem(device, dtype, gen, with_norm=True)
             h2, r2, ref_base = h.clone(), r.clone(), base.clone()
             fn(h, r, w, 1e-6, buf, slot)
             reference.fused_add_rmsnorm_capture_ref(h2, r2, w, 1e-6, _view(ref_base, *buf.shape), slot)
@@ -72,18 +73,18 @@ def verify_backend(op: str, fn: Callable, device: torch.device) -> Tuple[bool, s
             return True, detail
         if op == "draft_fc":
             R, K, H, N = 19, 3, 136, 200
-            x = torch.randn(R, K * H, generator=gen).to(device, DTYPE)
-            w = (torch.randn(N, K * H, generator=gen) / (K * H) ** 0.5).to(device, DTYPE)
-            b = torch.randn(N, generator=gen).to(device, DTYPE)
+            x = torch.randn(R, K * H, generator=gen).to(device, dtype)
+            w = (torch.randn(N, K * H, generator=gen) / (K * H) ** 0.5).to(device, dtype)
+            b = torch.randn(N, generator=gen).to(device, dtype)
             rows = torch.tensor([18, 0, 5, 5, 11, 2, 17], device=device, dtype=torch.int32)
-            cn = (torch.rand(K, H, generator=gen) + 0.5).to(device, DTYPE)
-            inw = (torch.rand(K * H, generator=gen) + 0.5).to(device, DTYPE)
+            cn = (torch.rand(K, H, generator=gen) + 0.5).to(device, dtype)
+            inw = (torch.rand(K * H, generator=gen) + 0.5).to(device, dtype)
             for args in ((b, rows, cn, inw), (None, None, None, None)):
                 M = R if args[1] is None else args[1].numel()
-                base, out = _poisoned(M, N, device)
+                base, out = _poisoned(M, N, device, dtype)
                 want = base.clone()
                 fn(x, w, *args, 1e-6, out)
-                _view(want, M, N).copy_(reference.draft_fc_ref(x, w, *args, 1e-6).to(DTYPE))
+                _view(want, M, N).copy_(reference.draft_fc_ref(x, w, *args, 1e-6).to(dtype))
                 ok, detail = _close(base, want)
                 if not ok:
                     return ok, detail

@@ -95,3 +95,29 @@ def test_forced_backend_failing_verification_raises(monkeypatch):
 def test_verification_can_be_turned_off(monkeypatch):
     monkeypatch.setenv("EAGLE3_OPS_VERIFY", "0")
     assert dispatch._passes_verification("capture", "triton", CPU, _broken_capture)
+
+
+def test_verification_is_per_dtype(monkeypatch):
+    """A kernel that is wrong only for fp16 passes in bf16 and is caught at its first fp16 use."""
+    def wrong_in_fp16(hidden, residual, buffer, slot):
+        reference.capture_ref(hidden, residual, buffer, slot)
+        if hidden.dtype == torch.float16:
+            buffer[0, slot * hidden.shape[1]] += 1.0
+    assert dispatch._passes_verification("capture", "triton", CPU, wrong_in_fp16, torch.bfloat16)
+    assert dispatch._passes_verification("capture", "triton", CPU, wrong_in_fp16, torch.float32)
+    assert not dispatch._passes_verification("capture", "triton", CPU, wrong_in_fp16, torch.float16)
+
+
+def test_backend_first_used_in_graph_capture_that_later_fails_raises(monkeypatch):
+    """Graphs captured with an unverified backend keep replaying it: if the first eager check then
+    fails, switching eager calls to another backend would differ silently, so it raises."""
+    import eagle3_ops.verify as verify
+
+    gpu = torch.device("cuda", 0)  # never touched: capture state and the check are stubbed
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda d=None: "stub GPU")
+    assert dispatch._passes_verification("capture", "cuda", gpu, _broken_capture)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    monkeypatch.setattr(verify, "verify_backend", lambda op, fn, device, dtype: (False, "max rel err 1"))
+    with pytest.raises(dispatch.BackendUnavailableError, match="after CUDA graphs were captured"):
+        dispatch._passes_verification("capture", "cuda", gpu, _broken_capture)

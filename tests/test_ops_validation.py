@@ -136,3 +136,8 @@ def test_unknown_backend_name_raises(monkeypatch):
     monkeypatch.setenv("EAGLE3_OPS_BACKEND", "cublas")
     with pytest.raises(ValueError, match="EAGLE3_OPS_BACKEND='cublas' is not one of"):
         eagle3_ops.capture(torch.randn(T, H), None, torch.zeros(T, K * H), 0)
+
+
+def test_draft_fc_rejects_input_norm_on_empty_width():
+    with pytest.raises(ValueError, match="nothing to normalize"):
+        eagle3_ops.draft_fc(torch.randn(3, 0), torch.randn(4, 0), None, None, None, torch.randn(0), 1e-6)
