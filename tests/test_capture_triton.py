@@ -11,9 +11,11 @@ import textwrap
 
 import pytest
 import torch
+import triton
 
 import eagle3_ops
 from eagle3_ops import reference
+from eagle3_ops.triton import _interpreter_shim as shim
 from eagle3_ops.triton import capture as triton_capture
 from helpers import DTYPES, assert_only_region_written, backends_for, same_bits
 
@@ -149,17 +151,20 @@ def test_interpreter_bf16_shim_is_needed_and_only_on_the_interpreter():
     from triton.runtime.interpreter import InterpretedFunction
 
     assert isinstance(triton_capture._capture_kernel, InterpretedFunction)
-    assert triton_capture._interpreter_bf16_shim(triton_capture._capture_kernel, torch.bfloat16)
-    assert not triton_capture._interpreter_bf16_shim(triton_capture._capture_kernel, torch.float16)
-    assert not triton_capture._interpreter_bf16_shim(object(), torch.bfloat16)  # a compiled kernel
+    # the capture module uses the one shared shim (no private copy of it)
+    assert triton_capture.cast is shim.cast and triton_capture.interpreter_bf16 is shim.interpreter_bf16
+    assert shim.interpreter_bf16(triton_capture._capture_kernel, torch.bfloat16)
+    assert not shim.interpreter_bf16(triton_capture._capture_kernel, torch.float16)
+    compiled = triton.runtime.jit.JITFunction(triton_capture._capture_kernel.fn)  # no interpreter
+    assert not shim.interpreter_bf16(compiled, torch.bfloat16)
     # Without the shim the interpreter would truncate: 1 + 2^-8 + 2^-9 rounds up to 1 + 2^-7 in bf16.
     h = torch.tensor([[1.0 + 2 ** -8 + 2 ** -9]], dtype=torch.float32)
     out = torch.empty(1, 1, dtype=torch.bfloat16)
     triton_capture._capture_kernel[(1, 1)](h, 1, h, 1, out, 1, 1, HAS_RESIDUAL=False, BLOCK=2,
-                                           INTERPRETER_BF16_SHIM=False)
+                                           INTERPRETER_BF16=False)
     assert out.item() == 1.0  # truncated
     triton_capture._capture_kernel[(1, 1)](h, 1, h, 1, out, 1, 1, HAS_RESIDUAL=False, BLOCK=2,
-                                           INTERPRETER_BF16_SHIM=True)
+                                           INTERPRETER_BF16=True)
     assert out.item() == 1.0 + 2 ** -7 == h.to(torch.bfloat16).item()
 
 
@@ -187,7 +192,7 @@ _COMPILE_CHECK = textwrap.dedent('''
                     cvt_rn_bf16=bool(re.search(r"cvt\\.rn\\.bf16(x2)?\\.f32", ptx)),
                     shim_bits=bool(re.search(r"\\b(32767|0x7FFF|0x00007FFF)\\b", ptx)))
 
-    off = dict(INTERPRETER_BF16_SHIM=False)
+    off = dict(INTERPRETER_BF16=False)
     report = {}
     for cc in (90, 120):
         for aligned in (True, False):

@@ -17,7 +17,9 @@ buffer slot gets the same rounded value; the norm reads the *unrounded* fp32 ``s
 
 Arguments are already validated (eagle3_ops.validation); T > 0. Both functions write only into
 caller memory, launch on the current stream and never synchronize (CUDA-graph safe once the
-kernels are compiled). Under ``TRITON_INTERPRET=1`` they run on CPU tensors (how CI tests them).
+kernels are compiled). Under ``TRITON_INTERPRET=1`` they run on CPU tensors (how CI tests them);
+``_interpreter_shim.cast`` then rounds bf16 outputs to nearest even as the GPU does (the
+interpreter truncates). Row index x row stride is computed in int64 (T * stride may exceed 2^31).
 """
 from __future__ import annotations
 
@@ -27,6 +29,8 @@ import torch
 import triton
 import triton.language as tl
 
+from ._interpreter_shim import cast, interpreter_bf16
+
 # Widest row held whole by one fused program (elements); wider rows use the two-pass kernel.
 MAX_ROW_BLOCK = 16384
 # Column chunk of the two-pass fused kernel and the widest chunk of one capture program.
@@ -35,38 +39,21 @@ CAPTURE_BLOCK = 2048
 
 
 @triton.jit
-def _round(x, dtype: tl.constexpr, INTERPRETER_BF16_SHIM: tl.constexpr):
-    """fp32 -> dtype, round to nearest even.
-
-    INTERPRETER_BF16_SHIM (set only under TRITON_INTERPRET=1 for bf16 outputs): Triton 3.8's
-    interpreter *truncates* fp32 -> bf16, while the compiled kernel rounds to nearest even; the shim
-    rounds by hand so the interpreter computes what the GPU computes. The GPU path never takes it.
-    """
-    if INTERPRETER_BF16_SHIM:
-        bits = x.to(tl.uint32, bitcast=True)
-        rounded = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
-        rounded = tl.where(x != x, (bits >> 16) | 0x40, rounded)  # NaN stays NaN (quiet)
-        return rounded.to(tl.uint16).to(tl.bfloat16, bitcast=True)
-    else:
-        return x.to(dtype)
-
-
-@triton.jit
 def _capture_kernel(hidden_ptr, hidden_stride, residual_ptr, residual_stride, out_ptr, out_stride, H,
-                    HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr, INTERPRETER_BF16_SHIM: tl.constexpr):
+                    HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr, INTERPRETER_BF16: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < H
     v = tl.load(hidden_ptr + row * hidden_stride + cols, mask=mask).to(tl.float32)
     if HAS_RESIDUAL:
         v += tl.load(residual_ptr + row * residual_stride + cols, mask=mask).to(tl.float32)
-    tl.store(out_ptr + row * out_stride + cols, _round(v, out_ptr.dtype.element_ty, INTERPRETER_BF16_SHIM),
+    tl.store(out_ptr + row * out_stride + cols, cast(v, out_ptr.dtype.element_ty, INTERPRETER_BF16),
              mask=mask)
 
 
 @triton.jit
 def _fused_row_kernel(input_ptr, input_stride, residual_ptr, residual_stride, weight_ptr, out_ptr, out_stride,
-                      H, eps, BLOCK: tl.constexpr, INTERPRETER_BF16_SHIM: tl.constexpr):
+                      H, eps, BLOCK: tl.constexpr, INTERPRETER_BF16: tl.constexpr):
     """The whole row in registers: one read of input and residual."""
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
@@ -74,18 +61,18 @@ def _fused_row_kernel(input_ptr, input_stride, residual_ptr, residual_stride, we
     x = tl.load(input_ptr + row * input_stride + cols, mask=mask, other=0.0).to(tl.float32)
     r = tl.load(residual_ptr + row * residual_stride + cols, mask=mask, other=0.0).to(tl.float32)
     s = x + r  # unrounded fp32 sum: the norm reads this, not the stored residual
-    s_rounded = _round(s, residual_ptr.dtype.element_ty, INTERPRETER_BF16_SHIM)
+    s_rounded = cast(s, residual_ptr.dtype.element_ty, INTERPRETER_BF16)
     tl.store(residual_ptr + row * residual_stride + cols, s_rounded, mask=mask)
     tl.store(out_ptr + row * out_stride + cols, s_rounded, mask=mask)
     rstd = tl.math.rsqrt(tl.sum(s * s, axis=0) / H + eps)
     w = tl.load(weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-    y = _round(s * rstd * w, input_ptr.dtype.element_ty, INTERPRETER_BF16_SHIM)
+    y = cast(s * rstd * w, input_ptr.dtype.element_ty, INTERPRETER_BF16)
     tl.store(input_ptr + row * input_stride + cols, y, mask=mask)
 
 
 @triton.jit
 def _fused_two_pass_kernel(input_ptr, input_stride, residual_ptr, residual_stride, weight_ptr, out_ptr, out_stride,
-                           H, eps, BLOCK: tl.constexpr, INTERPRETER_BF16_SHIM: tl.constexpr):
+                           H, eps, BLOCK: tl.constexpr, INTERPRETER_BF16: tl.constexpr):
     """Rows wider than one program holds: pass 1 sums squares, pass 2 re-reads, recomputes the
     (bitwise identical) sum and writes. Nothing is written before pass 2, so the old residual is
     still there to re-read."""
@@ -106,24 +93,12 @@ def _fused_two_pass_kernel(input_ptr, input_stride, residual_ptr, residual_strid
         mask = cols < H
         s = tl.load(in_row + cols, mask=mask, other=0.0).to(tl.float32) + \
             tl.load(res_row + cols, mask=mask, other=0.0).to(tl.float32)
-        s_rounded = _round(s, residual_ptr.dtype.element_ty, INTERPRETER_BF16_SHIM)
+        s_rounded = cast(s, residual_ptr.dtype.element_ty, INTERPRETER_BF16)
         tl.store(res_row + cols, s_rounded, mask=mask)
         tl.store(out_row + cols, s_rounded, mask=mask)
         w = tl.load(weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-        y = _round(s * rstd * w, input_ptr.dtype.element_ty, INTERPRETER_BF16_SHIM)
+        y = cast(s * rstd * w, input_ptr.dtype.element_ty, INTERPRETER_BF16)
         tl.store(in_row + cols, y, mask=mask)
-
-
-def _interpreter_bf16_shim(kernel, dtype: torch.dtype) -> bool:
-    """INTERPRETER_BF16_SHIM for ``kernel``: bf16 output and ``kernel`` is an interpreted one (Triton
-    decides that when the kernel is decorated, so the kernel object is the reliable witness)."""
-    if dtype != torch.bfloat16:
-        return False
-    try:
-        from triton.runtime.interpreter import InterpretedFunction
-    except ImportError:
-        return False
-    return isinstance(kernel, InterpretedFunction)
 
 
 def _num_warps(block: int) -> int:
@@ -151,7 +126,7 @@ def capture(hidden: torch.Tensor, residual, buffer: torch.Tensor, slot: int) -> 
     with _on_device(hidden):
         _capture_kernel[grid](hidden, hidden.stride(0), res, res.stride(0), out, out.stride(0), H,
                               HAS_RESIDUAL=has_residual, BLOCK=block, num_warps=_num_warps(block),
-                              INTERPRETER_BF16_SHIM=_interpreter_bf16_shim(_capture_kernel, hidden.dtype))
+                              INTERPRETER_BF16=interpreter_bf16(_capture_kernel, hidden.dtype))
 
 
 def fused_add_rmsnorm_capture(input: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
@@ -166,4 +141,4 @@ def fused_add_rmsnorm_capture(input: torch.Tensor, residual: torch.Tensor, weigh
         kernel, block = _fused_two_pass_kernel, min(CHUNK_BLOCK, MAX_ROW_BLOCK)
     with _on_device(input):
         kernel[(T,)](*args, BLOCK=block, num_warps=_num_warps(block),
-                     INTERPRETER_BF16_SHIM=_interpreter_bf16_shim(kernel, input.dtype))
+                     INTERPRETER_BF16=interpreter_bf16(kernel, input.dtype))
