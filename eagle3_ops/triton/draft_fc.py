@@ -27,7 +27,8 @@ Pre-fc norms without a K-wide pre-pass inside every program (KERNELS.md fact 6):
 computes one fp32 scale per (row, chunk) first, ``a[m, c] = s_m * rsqrt(s_m^2 * mean_c((x*g_in)^2)
 + eps)`` where ``s_m = rsqrt(mean(x^2) + eps)`` is the input-norm scale (1 without it). The norm
 weights ``g = input_norm_weight * chunk_norm_weight`` multiply x on the fly. Row indices outside
-``[0, R)`` are never dereferenced: those rows load as zeros and their outputs are NaN.
+``[0, R)`` are never dereferenced: those rows load as zeros and their outputs are NaN. Index
+arithmetic is int64 wherever a row index meets a row stride (M * K*H or M * N may exceed 2^31).
 
 Under ``TRITON_INTERPRET=1`` (CPU tests) ``_interpreter_shim`` upcasts bf16 ``tl.dot`` operands and
 rounds bf16 conversions to nearest even (the interpreter gets both wrong); the compiled GPU kernels
@@ -159,11 +160,11 @@ def _row_scales_kernel(x_ptr, stride_x, rows_ptr, in_w_ptr, chunk_w_ptr, scale_p
     """One program per output row m. Computes a[m, c] (the fp32 RMS scale of chunk c, see module
     doc) into scale_ptr[m*NC + c], or, with WRITE_PREPARED, writes the whole normalized row
     ``norm(x[rows[m]])`` in the dtype into prep_ptr (NaN row when rows[m] is out of range)."""
-    m = tl.program_id(0)
+    m = tl.program_id(0).to(tl.int64)  # m * stride_prep exceeds int32 once M * K*H > 2^31
     if HAS_ROWS:
         row = tl.load(rows_ptr + m).to(tl.int64)
     else:
-        row = m.to(tl.int64)
+        row = m
     valid = (row >= 0) & (row < R)
     row = tl.where(valid, row, 0)
     x_row = x_ptr + row * stride_x
@@ -203,6 +204,18 @@ def _row_scales_kernel(x_ptr, stride_x, rows_ptr, in_w_ptr, chunk_w_ptr, scale_p
                 tl.store(prep_ptr + m * stride_prep + kk, cast(v, prep_ptr.dtype.element_ty, INTERPRETER_BF16), mask=k_in)
         else:
             tl.store(scale_ptr + m * NC + c, tl.where(valid, a, float("nan")))
+
+
+@triton.jit
+def _gather_rows(rows_ptr, offs_m, m_in, R, HAS_ROWS: tl.constexpr):
+    """Row gather of a token tile: (source row of each output row as int64, with out-of-range and
+    masked-off ones replaced by row 0 so they are never dereferenced out of bounds; validity mask)."""
+    if HAS_ROWS:
+        rows = tl.load(rows_ptr + offs_m, mask=m_in, other=0).to(tl.int64)
+    else:
+        rows = offs_m.to(tl.int64)
+    valid = m_in & (rows >= 0) & (rows < R)
+    return tl.where(valid, rows, 0), valid
 
 
 @triton.jit
@@ -251,12 +264,7 @@ def _skinny_kernel(x_ptr, stride_x, w_ptr, stride_w, rows_ptr, in_w_ptr, chunk_w
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     n_in = offs_n < N
     m_in = offs_m < M
-    if HAS_ROWS:
-        rows = tl.load(rows_ptr + offs_m, mask=m_in, other=0).to(tl.int64)
-    else:
-        rows = offs_m.to(tl.int64)
-    valid = m_in & (rows >= 0) & (rows < R)
-    rows = tl.where(valid, rows, 0)
+    rows, valid = _gather_rows(rows_ptr, offs_m, m_in, R, HAS_ROWS)
 
     w_tile = w_ptr + offs_n.to(tl.int64)[:, None] * stride_w
     x_tile = x_ptr + rows[None, :] * stride_x
@@ -272,16 +280,16 @@ def _skinny_kernel(x_ptr, stride_x, w_ptr, stride_w, rows_ptr, in_w_ptr, chunk_w
                                  INTERPRETER_BF16)
         acc = dot(w, xt, acc, INTERPRETER_BF16, INPUT_PRECISION)
     if HAS_SCALE:
-        a = tl.load(scale_ptr + offs_m * NC + c, mask=m_in, other=0.0)
+        a = tl.load(scale_ptr + offs_m.to(tl.int64) * NC + c, mask=m_in, other=0.0)
         acc = acc * a[None, :]
     if WRITE_PARTIAL:
-        ws = ws_ptr + (pid_s * M + offs_m).to(tl.int64)[None, :] * N + offs_n[:, None]
+        ws = ws_ptr + (pid_s.to(tl.int64) * M + offs_m)[None, :] * N + offs_n[:, None]
         tl.store(ws, acc, mask=n_in[:, None] & m_in[None, :])
     else:
         if HAS_BIAS:
             acc = acc + tl.load(bias_ptr + offs_n, mask=n_in, other=0.0).to(tl.float32)[:, None]
         acc = tl.where(valid[None, :], acc, float("nan"))
-        dst = out_ptr + offs_m[None, :] * stride_out + offs_n[:, None]
+        dst = out_ptr + offs_m.to(tl.int64)[None, :] * stride_out + offs_n[:, None]
         tl.store(dst, cast(acc, out_ptr.dtype.element_ty, INTERPRETER_BF16), mask=n_in[:, None] & m_in[None, :])
 
 
@@ -291,12 +299,12 @@ def _splitk_reduce_kernel(ws_ptr, bias_ptr, rows_ptr, out_ptr, stride_out, M, N,
                           INTERPRETER_BF16: tl.constexpr):
     """out[m, n] = sum over splits s = 0, 1, ... S-1 (always this order) + bias; NaN rows for
     out-of-range indices."""
-    m = tl.program_id(0)
+    m = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     n_in = offs < N
     acc = tl.zeros([BLOCK], dtype=tl.float32)
     for s in range(0, S):
-        acc += tl.load(ws_ptr + (s * M + m).to(tl.int64) * N + offs, mask=n_in, other=0.0)
+        acc += tl.load(ws_ptr + (s * M + m) * N + offs, mask=n_in, other=0.0)
     if HAS_BIAS:
         acc += tl.load(bias_ptr + offs, mask=n_in, other=0.0).to(tl.float32)
     if HAS_ROWS:
@@ -326,12 +334,7 @@ def _tiled_kernel(x_ptr, stride_x, w_ptr, stride_w, rows_ptr, in_w_ptr, chunk_w_
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     m_in = offs_m < M
     n_in = offs_n < N
-    if HAS_ROWS:
-        rows = tl.load(rows_ptr + offs_m, mask=m_in, other=0).to(tl.int64)
-    else:
-        rows = offs_m.to(tl.int64)
-    valid = m_in & (rows >= 0) & (rows < R)
-    rows = tl.where(valid, rows, 0)
+    rows, valid = _gather_rows(rows_ptr, offs_m, m_in, R, HAS_ROWS)
     x_tile = x_ptr + rows[:, None] * stride_x
     w_tile = w_ptr + offs_n.to(tl.int64)[None, :] * stride_w
 
@@ -341,7 +344,7 @@ def _tiled_kernel(x_ptr, stride_x, w_ptr, stride_w, rows_ptr, in_w_ptr, chunk_w_
     row_scale = tl.full([BLOCK_M], 1.0, tl.float32)
     for c in range(0, NC):
         if HAS_SCALE:
-            row_scale = tl.load(scale_ptr + offs_m * NC + c, mask=m_in, other=0.0)
+            row_scale = tl.load(scale_ptr + offs_m.to(tl.int64) * NC + c, mask=m_in, other=0.0)
         for k0 in range(c * CH, (c + 1) * CH, BLOCK_K):
             kk = k0 + tl.arange(0, BLOCK_K)
             k_in = kk < (c + 1) * CH
@@ -353,7 +356,7 @@ def _tiled_kernel(x_ptr, stride_x, w_ptr, stride_w, rows_ptr, in_w_ptr, chunk_w_
     if HAS_BIAS:
         acc += tl.load(bias_ptr + offs_n, mask=n_in, other=0.0).to(tl.float32)[None, :]
     acc = tl.where(valid[:, None], acc, float("nan"))
-    dst = out_ptr + offs_m[:, None] * stride_out + offs_n[None, :]
+    dst = out_ptr + offs_m.to(tl.int64)[:, None] * stride_out + offs_n[None, :]
     tl.store(dst, cast(acc, out_ptr.dtype.element_ty, INTERPRETER_BF16), mask=m_in[:, None] & n_in[None, :])
 
 
