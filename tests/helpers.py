@@ -11,6 +11,16 @@ DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 ROUNDING_TOL = {torch.bfloat16: 2.0 ** -8, torch.float16: 2.0 ** -11, torch.float32: 2e-6}
 # Matmul outputs: max |err| / max |want| (fp32 accumulation order differs between backends).
 MATMUL_TOL = {torch.bfloat16: 1e-2, torch.float16: 2e-3, torch.float32: 2e-5}
+# draft_fc argument variants, the keyword flags of the tests' problem builders (make_problem /
+# make_fc_problem / problem): bias, rows (a gather), chunk (chunk_norm_weight), inorm (input_norm_weight).
+VARIANTS = {
+    "plain": dict(),
+    "bias": dict(bias=True),
+    "rows": dict(rows=True),
+    "chunk_norm": dict(chunk=True),
+    "input_norm": dict(inorm=True),
+    "all": dict(bias=True, rows=True, chunk=True, inorm=True),
+}
 
 
 def cpu_device() -> torch.device:

@@ -24,7 +24,7 @@ import torch
 
 import eagle3_ops
 from eagle3_ops import dispatch, reference
-from helpers import MATMUL_TOL, matmul_rel_err, same_bits
+from helpers import MATMUL_TOL, VARIANTS, matmul_rel_err, same_bits
 
 pytestmark = pytest.mark.gpu
 
@@ -34,14 +34,6 @@ K = 3
 EPS = 1e-6
 M_VALUES = (1, 2, 7, 16, 64, 256, 1000, 4096)
 H_VALUES = (4096, 7168, 8192)
-VARIANTS = {
-    "plain": dict(),
-    "bias": dict(bias=True),
-    "rows": dict(rows=True),
-    "chunk_norm": dict(chunk=True),
-    "input_norm": dict(inorm=True),
-    "all": dict(bias=True, rows=True, chunk=True, inorm=True),
-}
 EXTRA_ROWS = 13  # x has more rows than are gathered
 
 

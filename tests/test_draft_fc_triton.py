@@ -17,7 +17,7 @@ import eagle3_ops
 from eagle3_ops import reference
 from eagle3_ops.triton import _interpreter_shim as shim
 from eagle3_ops.triton import draft_fc
-from helpers import MATMUL_TOL, assert_only_region_written, matmul_rel_err, randn, same_bits
+from helpers import MATMUL_TOL, VARIANTS, assert_only_region_written, matmul_rel_err, randn, same_bits
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -106,16 +106,6 @@ def test_shim_is_inactive_for_compiled_kernels():
 
 
 # ---- the three paths vs the float64 reference ------------------------------------------------------
-VARIANTS = {
-    "plain": dict(),
-    "bias": dict(bias=True),
-    "rows": dict(rows=True),
-    "chunk_norm": dict(chunk=True),
-    "input_norm": dict(inorm=True),
-    "all": dict(bias=True, rows=True, chunk=True, inorm=True),
-}
-
-
 def make_problem(R, H, K, N, dtype, seed, bias=False, rows=False, chunk=False, inorm=False, M=None):
     gen = torch.Generator().manual_seed(seed)
     x = randn(R, K * H, dtype=dtype, gen=gen, scale=3.0)

@@ -12,7 +12,7 @@ import torch
 
 import eagle3_ops
 from eagle3_ops import reference
-from helpers import (DTYPES, MATMUL_TOL, assert_only_region_written, assert_rounded_close, backends_for,
+from helpers import (DTYPES, MATMUL_TOL, VARIANTS, assert_only_region_written, assert_rounded_close, backends_for,
                      matmul_rel_err, poisoned_buffer, randn, same_bits)
 
 FULL_T = (0, 1, 7, 64, 300)
@@ -105,14 +105,6 @@ def test_fused_norm_reads_unrounded_sum_like_sglang():
 FC_FULL = [(M_rows, H, K) for M_rows, H, K in itertools.product((0, 1, 7, 64, 300), (64, 256), FULL_K)]
 FC_FULL += [(7, 4096, 3), (1, 4096, 1)]
 FC_SMALL = [(1, 64, 1), (7, 72, 3), (33, 64, 2), (16, 128, 3)]
-VARIANTS = {
-    "plain": dict(),
-    "bias": dict(bias=True),
-    "rows": dict(rows=True),
-    "chunk_norm": dict(chunk=True),
-    "input_norm": dict(inorm=True),
-    "all": dict(bias=True, rows=True, chunk=True, inorm=True),
-}
 
 
 def _fc_cases():
