@@ -14,7 +14,7 @@ import triton
 import triton.language as tl
 
 import eagle3_ops
-from eagle3_ops import reference
+from eagle3_ops import reference, workspace
 from eagle3_ops.triton import _interpreter_shim as shim
 from eagle3_ops.triton import draft_fc
 from helpers import MATMUL_TOL, VARIANTS, assert_only_region_written, matmul_rel_err, randn, same_bits
@@ -235,6 +235,108 @@ def test_prepared_input_is_the_reference_input_rounded_once():
     ok = [0, 1, 3]
     err = ((got[ok].double() - want[ok]).abs() / want[ok].abs()).max().item()
     assert err <= 2 ** -8  # half a bf16 ulp (rounded to nearest) plus fp32 noise
+
+
+# ---- scratch memory: draft_fc_out allocates nothing once warm (DESIGN.md §4) ----------------------
+@pytest.fixture
+def fresh_workspace():
+    workspace.clear()
+    yield
+    workspace.clear()
+
+
+def _fc_kinds():
+    return {k: workspace.buffer(torch.device("cpu"), "draft_fc." + k)
+            for k in ("row_scales", "splitk", "prepared", "rows", "bias", "input_norm")}
+
+
+def _ptrs():
+    return {k: (b.data_ptr(), b.numel()) for k, b in _fc_kinds().items() if b is not None}
+
+
+def test_workspace_reuses_for_the_same_or_fewer_bytes_and_grows_for_more(fresh_workspace):
+    cpu = torch.device("cpu")
+    a = workspace.get(cpu, "t", 1024, torch.float32)  # 4 KiB: a multiple of GRANULE, no slack
+    assert a.shape == (1024,) and a.dtype == torch.float32
+    n = workspace.allocations
+    b = workspace.get(cpu, "t", 1024, torch.float32)
+    c = workspace.get(cpu, "t", 10, torch.bfloat16)  # fewer bytes, another dtype: same memory
+    assert a.data_ptr() == b.data_ptr() == c.data_ptr() and workspace.allocations == n
+    assert workspace.get(cpu, "other", 10, torch.float32).data_ptr() != a.data_ptr()  # kinds are separate
+    d = workspace.get(cpu, "t", 1025, torch.float32)  # one element more: grows by at least GROWTH
+    assert workspace.allocations == n + 2 and d.data_ptr() != a.data_ptr()
+    assert workspace.buffer(cpu, "t").numel() >= 4096 * workspace.GROWTH
+    assert workspace.retired() == []  # no capture saw the old buffer: it was simply dropped
+
+
+def test_workspace_growth_during_graph_capture_is_allowed_and_captured_buffers_stay_alive(fresh_workspace, monkeypatch):
+    """The policy: growth while capturing is allowed (graph pool); any buffer a capture has seen is
+    never freed afterwards, since replays keep writing to its address. (CPU stand-in for a CUDA
+    capture: the capture probe is patched; test_draft_fc_gpu.py runs the real thing.)"""
+    cpu = torch.device("cpu")
+    workspace.get(cpu, "t", 100, torch.float32)  # eager warm-up, too small
+    monkeypatch.setattr(workspace, "_capturing", lambda device: True)
+    captured = workspace.get(cpu, "t", 1000, torch.float32)  # grows inside the "capture": no error
+    assert len(workspace.retired()) == 1  # the replaced buffer may already be in this capture
+    monkeypatch.setattr(workspace, "_capturing", lambda device: False)
+    again = workspace.get(cpu, "t", 1000, torch.float32)
+    assert again.data_ptr() == captured.data_ptr()  # eager calls reuse it
+    workspace.get(cpu, "t", 100000, torch.float32)  # eager growth after the capture
+    kept = workspace.retired()
+    assert len(kept) == 2 and kept[-1].data_ptr() == captured.data_ptr()  # retired, not freed
+    workspace.get(cpu, "t", 10 ** 6, torch.float32)  # a buffer no capture saw is not retired
+    assert len(workspace.retired()) == 2
+
+
+SCRATCH_CASES = {  # path -> (keyword arguments, the scratch kinds it must use)
+    "skinny": (dict(split_len=64), {"row_scales", "splitk"}),
+    "tiled": ({}, {"row_scales"}),
+    "cublas": ({}, {"prepared"}),
+}
+
+
+@pytest.mark.parametrize("path", list(SCRATCH_CASES))
+def test_draft_fc_out_reuses_its_scratch_and_grows_only_for_a_larger_problem(path, fresh_workspace):
+    kw, kinds = SCRATCH_CASES[path]
+    fn = draft_fc.PATHS[path]
+    R, H, K, N = SHAPE
+
+    def run(M, N, seed):
+        x, w, b, rows, cn, inw = make_problem(R, H, K, N, torch.bfloat16, seed=seed, M=M, **VARIANTS["all"])
+        out = run_into_canaried_out(fn, (x, w, b, rows, cn, inw), M, N, torch.bfloat16, **kw)
+        want = reference.draft_fc_ref(x, w, b, rows, cn, inw, 1e-6, acc_dtype=torch.float64)
+        assert matmul_rel_err(out, want) <= MATMUL_TOL[torch.bfloat16]  # reused scratch, right result
+
+    run(M=9, N=N, seed=1)  # warm-up
+    warm, n = _ptrs(), workspace.allocations
+    assert set(warm) == kinds
+    run(M=9, N=N, seed=2)  # same problem, new data
+    run(M=3, N=N - 8, seed=3)  # smaller
+    assert _ptrs() == warm and workspace.allocations == n
+    run(M=64, N=2 * N, seed=4)  # larger (row scales 64*3*4 B > one GRANULE): every kind grows
+    grown = _ptrs()
+    assert workspace.allocations == n + len(kinds)
+    assert all(grown[k][0] != warm[k][0] and grown[k][1] > warm[k][1] for k in kinds)
+
+
+@pytest.mark.parametrize("path", ["skinny", "tiled", "cublas"])
+def test_strided_views_are_copied_into_scratch_not_new_tensors(path, fresh_workspace):
+    """The rare strided 1-D views get a unit-stride copy in scratch: one allocation per kind on the
+    first call, none after (contiguous views, the usual case, use no scratch at all)."""
+    R, H, K, N = 12, 64, 2, 40
+    x, w, _, _, cn, _ = make_problem(R, H, K, N, torch.float32, seed=4, chunk=True)
+    gen = torch.Generator().manual_seed(4)
+    bias = randn(2 * N, dtype=torch.float32, gen=gen)[::2]
+    rows = torch.tensor([11, 0, 5, 5, 3, 9, 1, 2], dtype=torch.int64)[::2]
+    inw = (torch.rand(2 * K * H, generator=gen, dtype=torch.float64) + 0.5).float()[::2]
+    args = (x, w, bias, rows, cn, inw)
+    run_into_canaried_out(draft_fc.PATHS[path], args, rows.numel(), N, torch.float32)
+    warm, n = _ptrs(), workspace.allocations
+    assert {"rows", "bias", "input_norm"} <= set(warm)
+    out = run_into_canaried_out(draft_fc.PATHS[path], args, rows.numel(), N, torch.float32)
+    assert _ptrs() == warm and workspace.allocations == n
+    want = reference.draft_fc_ref(*args, 1e-6, acc_dtype=torch.float64)
+    assert matmul_rel_err(out, want) <= MATMUL_TOL[torch.float32]
 
 
 # ---- host-side planning ----------------------------------------------------------------------------

@@ -30,6 +30,16 @@ weights ``g = input_norm_weight * chunk_norm_weight`` multiply x on the fly. Row
 ``[0, R)`` are never dereferenced: those rows load as zeros and their outputs are NaN. Index
 arithmetic is int64 wherever a row index meets a row stride (M * K*H or M * N may exceed 2^31).
 
+Memory (DESIGN.md §4, ``_out`` does not allocate): the row scales, the split-K partials, the
+prepared cuBLAS input and unit-stride copies of strided 1-D views (rows / bias / input_norm_weight;
+contiguous ones are used in place) live in :mod:`eagle3_ops.workspace`, a grow-only scratch per
+(device, kind). After one call with the largest problem, ``draft_fc_out`` allocates nothing
+(cuBLAS's own workspace is PyTorch's, also allocated once per stream). Growth while a CUDA graph
+is being captured is ALLOWED (legal: the buffer comes from the graph's pool) and a buffer a
+capture has seen is never freed afterwards, so replays stay valid; warm up eagerly with the
+largest M before capturing to keep the graph pool out of it. Calls on one device must be
+stream-ordered (they share the scratch).
+
 Under ``TRITON_INTERPRET=1`` (CPU tests) ``_interpreter_shim`` upcasts bf16 ``tl.dot`` operands and
 rounds bf16 conversions to nearest even (the interpreter gets both wrong); the compiled GPU kernels
 never see that shim (its constexpr flag is False there).
@@ -44,6 +54,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .. import workspace
 from ._interpreter_shim import cast, dot, interpreted, interpreter_bf16
 
 
@@ -140,10 +151,23 @@ def _problem(x, weight, rows, chunk_norm_weight, input_norm_weight, out) -> _Pro
     return _Problem(out.shape[0], weight.shape[0], R, KH, NC, CH, has_scale)
 
 
-def _unit_stride(t: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+def _scratch(device: torch.device, kind: str, numel: int, dtype: torch.dtype) -> torch.Tensor:
+    return workspace.get(device, "draft_fc." + kind, numel, dtype)
+
+
+def _unit_stride(t: Optional[torch.Tensor], kind: str) -> Optional[torch.Tensor]:
     """The kernels index bias / rows / norm weights with stride 1; validation allows any stride for
-    1-D tensors, so a strided view is copied (a no-op for the usual contiguous tensors)."""
-    return t if t is None or t.is_contiguous() else t.contiguous()
+    1-D tensors, so a strided view is copied into scratch (one copy kernel, no allocation once
+    warm); the usual contiguous tensors are passed through untouched."""
+    if t is None or t.is_contiguous():
+        return t
+    dst = _scratch(t.device, kind, t.numel(), t.dtype)
+    dst.copy_(t)
+    return dst
+
+
+def _unit_stride_args(bias, rows, input_norm_weight) -> tuple:
+    return _unit_stride(bias, "bias"), _unit_stride(rows, "rows"), _unit_stride(input_norm_weight, "input_norm")
 
 
 def _dummy(t: Optional[torch.Tensor], like: torch.Tensor) -> torch.Tensor:
@@ -363,7 +387,7 @@ def _tiled_kernel(x_ptr, stride_x, w_ptr, stride_w, rows_ptr, in_w_ptr, chunk_w_
 # ---- host side -------------------------------------------------------------------------------------
 def _row_scales(x, rows, chunk_norm_weight, input_norm_weight, eps, p: _Problem) -> torch.Tensor:
     """fp32 [M, NC] scales a[m, c] (the tiny first pass; reads only the M gathered rows)."""
-    scales = torch.empty((p.M, p.NC), dtype=torch.float32, device=x.device)
+    scales = _scratch(x.device, "row_scales", p.M * p.NC, torch.float32).view(p.M, p.NC)
     block = 256 if x.device.type != "cuda" else 1024
     _row_scales_kernel[(p.M,)](
         x, x.stride(0), _dummy(rows, x), _dummy(input_norm_weight, x), _dummy(chunk_norm_weight, x), scales, x, 0,
@@ -400,7 +424,7 @@ def skinny_fc_out(x, weight, bias, rows, chunk_norm_weight, input_norm_weight, e
                   split_len: Optional[int] = None) -> None:
     """The skinny split-K path (any M; chosen for small M). ``split_len`` overrides the split
     length (tests use it to force several splits per chunk)."""
-    bias, rows, input_norm_weight = _unit_stride(bias), _unit_stride(rows), _unit_stride(input_norm_weight)
+    bias, rows, input_norm_weight = _unit_stride_args(bias, rows, input_norm_weight)
     p = _problem(x, weight, rows, chunk_norm_weight, input_norm_weight, out)
     device = x.device
     scales = _row_scales(x, rows, chunk_norm_weight, input_norm_weight, eps, p) if p.has_scale else None
@@ -408,7 +432,7 @@ def skinny_fc_out(x, weight, bias, rows, chunk_norm_weight, input_norm_weight, e
     tiles_m, tiles_n = triton.cdiv(p.M, cfg["BLOCK_M"]), triton.cdiv(p.N, cfg["BLOCK_N"])
     per_chunk, split_len = split_plan(p.CH, p.NC, tiles_m * tiles_n, cfg["BLOCK_K"], _num_sms(device), split_len)
     S = p.NC * per_chunk
-    ws = torch.empty((S, p.M, p.N), dtype=torch.float32, device=device) if S > 1 else None
+    ws = _scratch(device, "splitk", S * p.M * p.N, torch.float32) if S > 1 else None
     _skinny_kernel[(tiles_m, tiles_n, S)](
         x, x.stride(0), weight, weight.stride(0), _dummy(rows, x), _dummy(input_norm_weight, x),
         _dummy(chunk_norm_weight, x), _dummy(scales, x), _dummy(bias, x), out, out.stride(0), _dummy(ws, x),
@@ -435,7 +459,7 @@ def tiled_config(arch: int, itemsize: int) -> dict:
 
 def tiled_fc_out(x, weight, bias, rows, chunk_norm_weight, input_norm_weight, eps, out) -> None:
     """The tiled GEMM path with the fused prologue (any M; chosen for mid M)."""
-    bias, rows, input_norm_weight = _unit_stride(bias), _unit_stride(rows), _unit_stride(input_norm_weight)
+    bias, rows, input_norm_weight = _unit_stride_args(bias, rows, input_norm_weight)
     p = _problem(x, weight, rows, chunk_norm_weight, input_norm_weight, out)
     scales = _row_scales(x, rows, chunk_norm_weight, input_norm_weight, eps, p) if p.has_scale else None
     cfg = tiled_config(arch_major(x.device), x.element_size())
@@ -450,10 +474,11 @@ def tiled_fc_out(x, weight, bias, rows, chunk_norm_weight, input_norm_weight, ep
 
 
 def prepare_input(x, rows, chunk_norm_weight, input_norm_weight, eps, M: int) -> torch.Tensor:
-    """``norm(x[rows])`` rounded to x's dtype, [M, K*H] (NaN rows for out-of-range indices)."""
+    """``norm(x[rows])`` rounded to x's dtype, [M, K*H] (NaN rows for out-of-range indices), in
+    scratch: valid until the next draft_fc call on this device."""
     R, KH = x.shape
     NC, CH = (chunk_norm_weight.shape[0], chunk_norm_weight.shape[1]) if chunk_norm_weight is not None else (1, KH)
-    prep = torch.empty((M, KH), dtype=x.dtype, device=x.device)
+    prep = _scratch(x.device, "prepared", M * KH, x.dtype).view(M, KH)
     block = 256 if x.device.type != "cuda" else 1024
     _row_scales_kernel[(M,)](
         x, x.stride(0), _dummy(rows, x), _dummy(input_norm_weight, x), _dummy(chunk_norm_weight, x), x, prep,
@@ -466,7 +491,7 @@ def prepare_input(x, rows, chunk_norm_weight, input_norm_weight, eps, M: int) ->
 
 def cublas_fc_out(x, weight, bias, rows, chunk_norm_weight, input_norm_weight, eps, out) -> None:
     """``F.linear`` (cuBLAS on a GPU) on the prepared input; x itself when nothing is to prepare."""
-    bias, rows, input_norm_weight = _unit_stride(bias), _unit_stride(rows), _unit_stride(input_norm_weight)
+    bias, rows, input_norm_weight = _unit_stride_args(bias, rows, input_norm_weight)
     if rows is None and chunk_norm_weight is None and input_norm_weight is None:
         inp = x
     else:
