@@ -13,7 +13,30 @@ import pytest
 
 sys.path.insert(0, os.path.dirname(__file__))
 
-pytest.importorskip("sglang", reason="the SGLang integration tests need sglang==0.5.23 (installed in CI)")
+
+def _sglang_problem():
+    """None if the SGLang these tests are written for imports, else what is wrong. SGLang is a test
+    dependency (``make test`` installs it): a missing or broken one must fail these tests, never
+    skip them (a skip would let CI pass without testing the plugin at all)."""
+    try:
+        import sglang  # noqa: F401
+        import sglang.srt.plugins.hook_registry  # noqa: F401
+    except Exception as e:  # ImportError, or anything a broken install raises on import
+        return f"sglang does not import ({type(e).__name__}: {e})"
+    from eagle3_ops.sglang.version import check_sglang_version
+
+    ok, reason = check_sglang_version()
+    return None if ok else reason
+
+
+SGLANG_PROBLEM = _sglang_problem()
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _sglang_required():  # session scope: checked before any other fixture of these tests runs
+    if SGLANG_PROBLEM is not None:
+        pytest.fail(f"the SGLang integration tests need sglang==0.5.23 (`make test` installs it): {SGLANG_PROBLEM}",
+                    pytrace=False)
 
 
 @pytest.fixture(scope="session")
