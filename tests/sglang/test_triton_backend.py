@@ -1,5 +1,11 @@
 """The same SGLang integration with the ops served by the Triton kernels (the Triton interpreter
-on CPU): target EXTEND + TARGET_VERIFY and the draft's fc step, plugin vs stock."""
+on CPU): target EXTEND + TARGET_VERIFY and the draft's fc step, plugin vs stock.
+
+Triton decides at decoration time (when eagle3_ops.triton is imported) whether a kernel is
+interpreted: tests/conftest.py sets TRITON_INTERPRET=1 before that on hosts without CUDA. Setting the
+variable later changes nothing, so on a GPU host (kernels compiled for the GPU, CPU tensors here)
+this test is skipped; there the Triton kernels are tested on the GPU (tests/*gpu*.py). On a CPU
+host it must run: if the kernels are not interpreted there, it fails instead of skipping."""
 import pytest
 import torch
 
@@ -8,10 +14,29 @@ PROMPTS = [[5, 17, 3, 99, 42], [7, 1, 64, 23, 88, 120, 11]]
 DRAFTS = [[9, 31, 2], [54, 6, 101]]
 
 
+def _kernels_interpreted() -> bool:
+    """Whether every Triton kernel of the ops (capture and draft fc modules) is an interpreted one."""
+    from triton.runtime.jit import JITFunction
+
+    from eagle3_ops.triton import _interpreter_shim as shim
+    from eagle3_ops.triton import capture, draft_fc
+
+    kernels = [v for mod in (capture, draft_fc) for v in vars(mod).values()
+               if isinstance(v, JITFunction) or shim.interpreted(v)]
+    return bool(kernels) and all(shim.interpreted(k) for k in kernels)
+
+
+pytestmark = pytest.mark.skipif(
+    torch.cuda.is_available() and not _kernels_interpreted(),
+    reason="GPU host: the Triton kernels were compiled for the GPU at import, so they cannot run on "
+           "these CPU tensors (the GPU tests cover them there)")
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_plugin_on_triton_kernels_matches_stock(sglang_cpu, monkeypatch, dtype):
     h = sglang_cpu
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert _kernels_interpreted(), "CPU host: tests/conftest.py must make the Triton kernels interpreted"
+    monkeypatch.setenv("TRITON_INTERPRET", "1")  # what dispatch reads (for the CPU device) at call time
     monkeypatch.setenv("EAGLE3_OPS_BACKEND", "triton")
     from eagle3_ops import backends
 
