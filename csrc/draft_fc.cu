@@ -32,16 +32,33 @@
 // dtype, then cuBLAS (at::addmm) multiplies; with no gather and no norm cuBLAS reads x directly.
 //
 // Deterministic: every sum has a fixed order, no atomics. Row indices outside [0, R) are never
-// dereferenced; those output rows are NaN. CUDA-graph safe: the workspace comes from PyTorch's
-// caching allocator (the graph's private pool during capture), no host sync, current stream.
+// dereferenced; those output rows are NaN. No host sync, current stream.
+//
+// Memory (DESIGN.md §4: draft_fc_out does not allocate): the split-K partials / sums of squares, the
+// prepared cuBLAS input and unit-stride copies of strided 1-D views (rows, bias, input_norm_weight;
+// contiguous ones, the usual case, are used in place) live in a grow-only scratch cache, one byte
+// buffer per (device, kind), guarded by a mutex per device (the same policy as the Triton backend's
+// eagle3_ops/workspace.py). A call that fits the current buffer allocates nothing; a larger one
+// replaces it by one at least 1.25x bigger. So after one eager call with the largest problem,
+// draft_fc_out allocates nothing (cuBLAS's workspace is PyTorch's, allocated once per stream).
+// Growth while the current stream is capturing a CUDA graph is ALLOWED (legal: the buffer comes from
+// the graph's private pool). A buffer handed out during a capture is never freed afterwards (graphs
+// replay into its address): when it is replaced it moves to a per-device retired list kept for the
+// life of the process. A buffer no capture has seen is released on growth with record_stream on the
+// current stream. Warm up eagerly with the largest M before capturing (SGLang does) and the graph
+// pool holds none of it. All calls on one device share the scratch: they must be stream-ordered.
 #include <ATen/cuda/CUDAContext.h>
+#include <c10/cuda/CUDAFunctions.h>
+#include <c10/cuda/CUDAGraphsC10Utils.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
 #include <algorithm>
 #include <cstdlib>
+#include <mutex>
 #include <type_traits>
+#include <vector>
 
 #include "common.cuh"
 #include "ops.h"
@@ -501,6 +518,59 @@ __global__ void __launch_bounds__(kPrepareThreads) fc_prepare_kernel(const FcArg
   }
 }
 
+// ---- host: the scratch cache (policy: see the header comment) ----------------------------------------
+enum class Scratch : int { kSplitK = 0, kPrepared, kRows, kBias, kInputNorm, kCount };
+constexpr int kScratchKinds = static_cast<int>(Scratch::kCount);
+constexpr int64_t kScratchGranule = 512;  // bytes, the caching allocator's unit
+
+struct DeviceScratch {
+  std::mutex mu;
+  at::Tensor buf[kScratchKinds];      // uint8 [capacity], undefined until first use
+  bool captured[kScratchKinds] = {};  // handed out while a CUDA graph was being captured
+  std::vector<at::Tensor> retired;    // replaced buffers a captured graph may still replay into
+};
+
+DeviceScratch& device_scratch(c10::DeviceIndex index) {
+  // Never destroyed: releasing CUDA memory from a static destructor can run after the CUDA runtime
+  // has shut down at process exit.
+  static const int count = std::max<int>(1, c10::cuda::device_count());
+  static DeviceScratch* const all = new DeviceScratch[count];
+  TORCH_CHECK(index >= 0 && index < count, "eagle3::draft_fc (cuda): device index ", int(index), " out of range");
+  return all[index];
+}
+
+// At least `bytes` bytes of this device's `kind` scratch (uint8). The returned tensor holds a
+// reference, so it stays valid for this call even if another thread grows the slot meanwhile.
+at::Tensor scratch(const at::Device& device, Scratch kind, int64_t bytes) {
+  DeviceScratch& d = device_scratch(device.index());
+  const bool capturing = c10::cuda::currentStreamCaptureStatusMayInitCtx() != c10::cuda::CaptureStatus::None;
+  const int k = static_cast<int>(kind);
+  const std::lock_guard<std::mutex> lock(d.mu);
+  at::Tensor& buf = d.buf[k];
+  if (!buf.defined() || buf.numel() < bytes) {
+    int64_t size = buf.defined() ? std::max(bytes, buf.numel() + buf.numel() / 4) : bytes;
+    size = std::max(kScratchGranule, (size + kScratchGranule - 1) / kScratchGranule * kScratchGranule);
+    at::Tensor fresh = at::empty({size}, at::TensorOptions().dtype(at::kByte).device(device));
+    if (buf.defined()) {
+      if (d.captured[k] || capturing) {
+        d.retired.push_back(buf);
+      } else {
+        buf.record_stream(at::cuda::getCurrentCUDAStream(device.index()));
+      }
+    }
+    buf = std::move(fresh);
+    d.captured[k] = false;
+  }
+  if (capturing) d.captured[k] = true;
+  return buf;
+}
+
+// `numel` elements of `dtype` at the start of the `kind` scratch.
+at::Tensor scratch_view(const at::Device& device, Scratch kind, int64_t numel, at::ScalarType dtype) {
+  const int64_t bytes = numel * static_cast<int64_t>(c10::elementSize(dtype));
+  return scratch(device, kind, bytes).narrow(0, 0, bytes).view(dtype);
+}
+
 // ---- host ------------------------------------------------------------------------------------------
 int ceil_div(int64_t a, int64_t b) { return static_cast<int>((a + b - 1) / b); }
 
@@ -534,11 +604,11 @@ void run_skinny(FcArgs a, const at::Tensor& x, int num_sms, cudaStream_t stream)
   a.S = a.NC * a.splits_per_chunk;
   TORCH_CHECK(a.S <= kMaxSplits, "eagle3::draft_fc (cuda): ", a.S, " splits exceed the reducer's ", kMaxSplits);
 
-  at::Tensor workspace;
+  at::Tensor workspace;  // keeps the scratch buffer referenced until the launches are queued
   if (a.S > 1 || norm) {
     const int64_t partial = static_cast<int64_t>(a.S) * a.M * a.N;
     const int64_t sums = norm ? static_cast<int64_t>(a.S) * a.M * 2 : 0;
-    workspace = at::empty({partial + sums}, x.options().dtype(at::kFloat));
+    workspace = scratch_view(x.device(), Scratch::kSplitK, partial + sums, at::kFloat);
     a.partial = workspace.data_ptr<float>();
     a.sumsq = norm ? a.partial + partial : nullptr;
   }
@@ -563,7 +633,8 @@ void run_skinny(FcArgs a, const at::Tensor& x, int num_sms, cudaStream_t stream)
 template <typename T>
 at::Tensor prepare_input(const FcArgs& a, const at::Tensor& x, cudaStream_t stream) {
   constexpr int VEC = Vec16<T>::kElems;
-  at::Tensor prep = at::empty({a.M, a.KH}, x.options());
+  at::Tensor prep =
+      scratch_view(x.device(), Scratch::kPrepared, static_cast<int64_t>(a.M) * a.KH, x.scalar_type()).view({a.M, a.KH});
   const bool vec = a.KH % VEC == 0 && a.CH % VEC == 0 && a.stride_x % VEC == 0 && is_aligned16(a.x) &&
                    (a.in_w == nullptr || is_aligned16(a.in_w)) && (a.chunk_w == nullptr || is_aligned16(a.chunk_w));
   T* dst = reinterpret_cast<T*>(prep.data_ptr());
@@ -664,13 +735,17 @@ void draft_fc_out(const at::Tensor& x, const at::Tensor& weight, const std::opti
               "eagle3::draft_fc (cuda): sizes must fit int32");
   if (out.size(0) == 0 || out.size(1) == 0) return;
   const at::cuda::OptionalCUDAGuard guard(x.device());
-  // The kernels index the 1-D tensors with stride 1; validation allows strided views of them.
-  const auto unit_stride = [](const std::optional<at::Tensor>& t) -> std::optional<at::Tensor> {
+  // The kernels index the 1-D tensors with stride 1; validation allows strided views of them. The
+  // rare strided view is copied into scratch (one copy kernel, no allocation once warm).
+  const auto unit_stride = [](const std::optional<at::Tensor>& t, Scratch kind) -> std::optional<at::Tensor> {
     if (!t.has_value() || t->is_contiguous()) return t;
-    return t->contiguous();
+    at::Tensor dst = scratch_view(t->device(), kind, t->numel(), t->scalar_type());
+    dst.copy_(*t);
+    return dst;
   };
-  const std::optional<at::Tensor> bias_c = unit_stride(bias), rows_c = unit_stride(rows),
-                                  input_norm_c = unit_stride(input_norm_weight);
+  const std::optional<at::Tensor> bias_c = unit_stride(bias, Scratch::kBias);
+  const std::optional<at::Tensor> rows_c = unit_stride(rows, Scratch::kRows);
+  const std::optional<at::Tensor> input_norm_c = unit_stride(input_norm_weight, Scratch::kInputNorm);
   switch (x.scalar_type()) {
     case at::kBFloat16:
       draft_fc_typed<c10::BFloat16>(x, weight, bias_c, rows_c, chunk_norm_weight, input_norm_c, eps, out);

@@ -13,8 +13,12 @@ What is checked:
   backend's fallback), many narrow chunks, K*H = 0; strided rows / bias views; out-of-range device row indices give
   NaN rows.
 * determinism: the same inputs twice give bitwise-equal outputs (fixed-order split-K reduction).
+* no allocation in steady state: after one warm-up call, further eager draft_fc_out calls do not
+  change torch.cuda.memory_stats()["allocation.all.allocated"], for every path of both backends
+  (EAGLE3_OPS_CUDA_FC_SKINNY_MAX_M forces the CUDA paths), strided rows / bias included.
 * a CUDA graph of draft_fc_out replayed with new x and new rows equals the reference on the new
-  data, and replaying does not allocate.
+  data; a graph stays correct after the scratch grows eagerly (captured buffers are never freed).
+* Triton int64 offsets: out and prepared-input offsets past 2^31 elements.
 """
 import functools
 import zlib
@@ -222,6 +226,69 @@ def test_same_inputs_twice_give_bitwise_equal_outputs(M, backend, use_backend):
     assert same_bits(outs[0], outs[1])
 
 
+def allocations() -> int:
+    """Device allocations served so far (cache hits of the caching allocator included)."""
+    torch.cuda.synchronize()
+    return torch.cuda.memory_stats().get("allocation.all.allocated", 0)
+
+
+def assert_no_allocation_after_warm_up(fn, calls=3):
+    fn()  # warm-up: verification, compilation, scratch growth, cuBLAS workspace
+    before = allocations()
+    for _ in range(calls):
+        fn()
+    assert allocations() == before, f"{allocations() - before} allocations in {calls} steady-state calls"
+
+
+# (backend, path, M, variant, forced CUDA skinny limit): every path of both backends that draws on
+# scratch (split-K partials, row scales, prepared input, unit-stride copies) or on none.
+NO_ALLOC_CASES = [
+    ("triton", "skinny", 7, "all", None),
+    ("triton", "tiled", 300, "all", None),
+    ("triton", "cublas", 300, "all", None),
+    ("triton", "cublas", 300, "plain", None),  # x straight into cuBLAS
+    ("triton", "dispatch", 7, "all", None),  # the public op, whatever path the table picks
+    ("triton", "dispatch", 300, "all", None),
+    ("cuda", "skinny", 7, "all", None),  # split-K partials + sums of squares
+    ("cuda", "skinny", 1000, "plain", "4096"),  # one split: out written directly
+    ("cuda", "cublas", 7, "all", "0"),  # prepared input + cuBLAS
+    ("cuda", "cublas", 300, "plain", None),
+]
+
+
+def _no_alloc_params():
+    for b, p, m, v, s in NO_ALLOC_CASES:
+        for strided in ((False, True) if v == "all" else (False,)):  # strided rows / bias need both
+            name = f"{b}-{p}-M{m}-{v}" + (f"-skinny{s}" if s else "") + ("-strided" if strided else "")
+            yield pytest.param(b, p, m, v, s, strided, id=name)
+
+
+@pytest.mark.parametrize("backend,path,M,variant,skinny_max_m,strided", list(_no_alloc_params()))
+def test_eager_draft_fc_out_does_not_allocate_after_one_warm_up_call(backend, path, M, variant, skinny_max_m, strided,
+                                                                      use_backend, monkeypatch):
+    """DESIGN.md §4: draft_fc_out allocates nothing in steady state (what makes a graph capture
+    after warm-up allocate nothing, and eager decode steps cheap). Strided rows / bias views are
+    copied into scratch, so they allocate nothing either once warm."""
+    use_backend(backend)
+    if skinny_max_m is not None:
+        monkeypatch.setenv("EAGLE3_OPS_CUDA_FC_SKINNY_MAX_M", skinny_max_m)
+    x, w, b, rows, cn, inw = problem(M, 4096, torch.bfloat16, ("noalloc", backend, path, M, variant, strided),
+                                     **VARIANTS[variant])
+    if strided:
+        b = torch.stack([b, -b], dim=1).reshape(-1)[::2]
+        rows = torch.stack([rows, rows.flip(0)], dim=1).reshape(-1)[::2]
+        assert not (b.is_contiguous() or rows.is_contiguous())
+    out = torch.empty(M, w.shape[0], dtype=x.dtype, device=DEVICE)
+    if path == "dispatch" or backend == "cuda":
+        fn = lambda: eagle3_ops.draft_fc_out(x, w, b, rows, cn, inw, EPS, out)  # noqa: E731
+    else:
+        from eagle3_ops.triton import draft_fc as tdf
+
+        fn = lambda: tdf.PATHS[path](x, w, b, rows, cn, inw, EPS, out)  # noqa: E731
+    assert_no_allocation_after_warm_up(fn)
+    assert matmul_rel_err(out, truth(x, w, b, rows, cn, inw)) <= MATMUL_TOL[x.dtype]  # reused scratch: still right
+
+
 @pytest.mark.parametrize("backend", GPU_BACKENDS)
 @pytest.mark.parametrize("M", [7, 64, 1000])
 def test_cuda_graph_replay_with_new_x_and_rows(M, backend, use_backend):
@@ -229,24 +296,114 @@ def test_cuda_graph_replay_with_new_x_and_rows(M, backend, use_backend):
     H = 4096
     x, w, b, rows, cn, inw = problem(M, H, torch.bfloat16, ("graph", M), **VARIANTS["all"])
     out = torch.full((M, w.shape[0]), float("nan"), dtype=x.dtype, device=DEVICE)
-    eagle3_ops.draft_fc_out(x, w, b, rows, cn, inw, EPS, out)  # eager warm-up: verification, compilation
-    torch.cuda.synchronize()
+    run = lambda: eagle3_ops.draft_fc_out(x, w, b, rows, cn, inw, EPS, out)  # noqa: E731
+    # Eager warm-up (verification, compilation, scratch), then steady-state calls allocate nothing:
+    # the capture below then records only kernels on memory that outlives it.
+    assert_no_allocation_after_warm_up(run)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        eagle3_ops.draft_fc_out(x, w, b, rows, cn, inw, EPS, out)
+        run()
     x2, _, _, rows2, _, _ = problem(M, H, torch.bfloat16, ("graph-new", M), rows=True)
     rows2[0] = x.shape[0]  # out of range on the replay: NaN row, no fault
     x.copy_(x2)
     rows.copy_(rows2)
     out.fill_(float("nan"))
-    torch.cuda.synchronize()
-    allocations = torch.cuda.memory_stats().get("allocation.all.allocated", 0)
     graph.replay()
     torch.cuda.synchronize()
-    assert torch.cuda.memory_stats().get("allocation.all.allocated", 0) == allocations, "replay allocated"
     want = truth(x, w, b, rows, cn, inw)
     assert torch.isnan(out[0]).all() and not torch.isnan(out[1:]).any()
     assert matmul_rel_err(out[1:], want[1:]) <= MATMUL_TOL[x.dtype]
+
+
+@pytest.mark.parametrize("backend", GPU_BACKENDS)
+def test_graph_replay_stays_correct_after_the_scratch_grows_eagerly(backend, use_backend, monkeypatch):
+    """The scratch policy: growth during capture is allowed, and a buffer a capture used is never
+    freed when the scratch grows later (graphs keep its address). Triton: the scratch is emptied
+    first, so the capture itself grows it (graph pool). Both backends: after the capture an eager
+    call with a larger problem grows the split-K scratch; then fresh tensors are allocated in the
+    ordinary pool and, by a second graph, in the first graph's pool (where a freed graph-pool
+    buffer would go). The replay must stay right and must not touch those tensors. (Best effort:
+    whether a wrongly freed buffer would be handed out again is up to the caching allocator.)"""
+    from eagle3_ops import workspace
+    from eagle3_ops.triton import draft_fc as tdf
+
+    use_backend(backend)
+    H, M = 4096, 7
+    x, w, b, rows, cn, inw = problem(M, H, torch.bfloat16, ("regrow", backend), **VARIANTS["all"])
+    out = torch.full((M, w.shape[0]), float("nan"), dtype=x.dtype, device=DEVICE)
+    run = lambda: eagle3_ops.draft_fc_out(x, w, b, rows, cn, inw, EPS, out)  # noqa: E731
+    run()  # verification and compilation (eager)
+    torch.cuda.synchronize()
+    if backend == "triton":
+        workspace.clear()  # no graph holds these yet: the capture must grow the scratch itself
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        run()
+    if backend == "triton":
+        assert workspace.buffer(x.device, "draft_fc.splitk") is not None  # allocated during the capture
+    # Eager growth: a split-K problem larger than any other in this file (CUDA: forced skinny).
+    big_m = 64 if backend == "triton" else 1000
+    big = problem(big_m, H, torch.bfloat16, ("regrow-big", backend), **VARIANTS["all"])
+    big_out = torch.empty(big_m, H, dtype=x.dtype, device=DEVICE)
+    if backend == "triton":
+        tdf.skinny_fc_out(*big, EPS, big_out)
+        assert len(workspace.retired()) >= 1  # the captured buffers were retired, not freed
+    else:
+        monkeypatch.setenv("EAGLE3_OPS_CUDA_FC_SKINNY_MAX_M", "4096")
+        eagle3_ops.draft_fc_out(*big, EPS, big_out)
+        monkeypatch.delenv("EAGLE3_OPS_CUDA_FC_SKINNY_MAX_M")
+    torch.cuda.synchronize()
+    sizes = sorted({t.numel() for t in workspace.retired()} | {1 << 20, 4 << 20, 16 << 20, 64 << 20})
+    junk = [torch.full((n,), 7, dtype=torch.uint8, device=DEVICE) for n in sizes]
+    second = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(second, pool=graph.pool()):
+        junk_in_pool = [torch.full((n,), 7, dtype=torch.uint8, device=DEVICE) for n in sizes]
+    x.copy_(problem(M, H, torch.bfloat16, ("regrow-new", backend))[0])
+    out.fill_(float("nan"))
+    second.replay()
+    graph.replay()
+    torch.cuda.synchronize()
+    assert all(bool((j == 7).all()) for j in junk + junk_in_pool), "the replay wrote into memory handed out again"
+    assert matmul_rel_err(out, truth(x, w, b, rows, cn, inw)) <= MATMUL_TOL[x.dtype]
+
+
+@pytest.mark.parametrize("path", ["tiled", "skinny", "cublas"])
+def test_triton_row_offsets_beyond_int32(path):
+    """Row index x row stride past 2^31 elements (int64 offsets): out [M, N] with M*N > 2^31 for the
+    tiled and skinny (split-K reduce) kernels, the prepared input [M, K*H] with M*K*H > 2^31 for
+    the cuBLAS path. Only sampled rows are checked against fp64 (the last ones are past 2^31)."""
+    from eagle3_ops import workspace
+    from eagle3_ops.triton import draft_fc as tdf
+
+    gen = gen_for("int64", path)
+    dt = torch.bfloat16
+    if path == "cublas":
+        M, N, K_, H = 1 << 17, 16, 2, 8224  # prepared input: 2^17 * 16448 = 2.16e9 elements
+        R = 16
+    else:
+        M, N, K_, H = 65539, 32800, 2, 32  # out: 2.15e9 elements
+        R = 16
+    # bytes: out or prepared input (bf16), plus the skinny path's fp32 partials [2, M, N]
+    need = M * max(N, K_ * H) * 2 * (1 + (4 if path == "skinny" else 0)) + (1 << 30)
+    if torch.cuda.mem_get_info()[0] < need:
+        pytest.skip(f"needs {need / 2 ** 30:.0f} GiB of free device memory")
+    x = torch.randn(R, K_ * H, generator=gen, device=DEVICE).to(dt)
+    w = (torch.randn(N, K_ * H, generator=gen, device=DEVICE) * (K_ * H) ** -0.5).to(dt)
+    b = torch.randn(N, generator=gen, device=DEVICE).to(dt)
+    rows = torch.randint(0, R, (M,), generator=gen, device=DEVICE)
+    cn = (torch.rand(K_, H, generator=gen, device=DEVICE) + 0.5).to(dt)
+    out = torch.empty(M, N, dtype=dt, device=DEVICE)
+    kw = dict(split_len=H) if path == "skinny" else {}  # one split per chunk: S = 2, the reducer writes out
+    try:
+        tdf.PATHS[path](x, w, b, rows, cn, None, EPS, out, **kw)
+        torch.cuda.synchronize()
+        sample = torch.tensor([0, 1, M // 2, M - 2, M - 1], device=DEVICE)
+        want = reference.draft_fc_ref(x, w, b, rows[sample], cn, None, EPS, acc_dtype=torch.float64)
+        assert matmul_rel_err(out[sample], want) <= MATMUL_TOL[dt]
+    finally:
+        del out
+        workspace.clear()  # gigabytes of scratch; no graph holds them
+        torch.cuda.empty_cache()
 
 
 @pytest.mark.parametrize("backend", GPU_BACKENDS)
