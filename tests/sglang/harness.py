@@ -2,7 +2,7 @@
 ``eagle3_ops.sglang.cpu_harness`` (shared with the demo); here are the Hugging Face references."""
 from __future__ import annotations
 
-from typing import List, Sequence
+from typing import List, Optional, Sequence
 
 import torch
 
@@ -68,3 +68,28 @@ def tolerances(dtype: torch.dtype) -> dict:
 
 def sglang_from_hf(family: str, config, dtype: torch.dtype, hf):
     return sglang_model(family, config, dtype, weights=checkpoint_weights(hf))
+
+
+def reference_only(dtype: torch.dtype, device: str = "cpu") -> bool:
+    """Whether every eagle3 op is served by the reference backend (the default on CPU)."""
+    import eagle3_ops
+
+    return set(eagle3_ops.backends(torch.device(device), dtype).values()) == {"reference"}
+
+
+def assert_plugin_matches_stock(plugin: torch.Tensor, stock: torch.Tensor, dtype: torch.dtype, msg: str = "",
+                                reference: Optional[bool] = None) -> None:
+    """Plugin vs stock SGLang. With the reference backend the plugin's ops compute exactly what
+    SGLang's own code does, in the same order (fp32 add, one rounding; SGLang's native RMSNorm
+    arithmetic), so every captured slot and every logit must be bitwise equal; the bf16 tolerance
+    is for comparisons with Hugging Face only. Accelerated backends (other reduction orders) are
+    held to the dtype's tolerance. ``reference``: what another process reported (default: ask
+    dispatch here)."""
+    assert plugin.shape == stock.shape and plugin.dtype == stock.dtype, msg
+    if reference_only(dtype) if reference is None else reference:
+        if not torch.equal(plugin, stock):
+            diff = (plugin.double() - stock.double()).abs()
+            raise AssertionError(f"{msg}: plugin != stock bitwise ({int((diff > 0).sum())} elements differ, "
+                                 f"max abs diff {diff.max().item():.3g})")
+    else:
+        torch.testing.assert_close(plugin, stock, **tolerances(dtype), msg=msg)

@@ -99,9 +99,22 @@ def test_draft_fc_matches_stock(sglang_cpu, fc_norm, norm_before_fc, draft_hidde
     want_fc = _fc_reference(aux, inner)
     torch.testing.assert_close(p_fc.double(), want_fc, **tol)
     torch.testing.assert_close(s_fc.double(), want_fc, **tol)
-    for stock, plugin in ((s_ext, p_ext), (s_dec, p_dec)):
-        torch.testing.assert_close(plugin.next_token_logits, stock.next_token_logits, **tol)
-        torch.testing.assert_close(plugin.hidden_states, stock.hidden_states, **tol)
+    # Plugin vs stock: bitwise with the reference backend, except bf16 with a norm. There stock
+    # SGLang rounds the normalized [T, K*H] activations to bf16 (RMSNorm returns the input dtype)
+    # before fc, while eagle3::draft_fc keeps them in fp32 and rounds once, after fc (its
+    # contract: norms folded, fp32 throughout); the fc outputs differ by about one bf16 ulp, and
+    # the draft's outputs downstream by the bf16 tolerance.
+    exact = dtype == torch.float32 or not (fc_norm or norm_before_fc)
+    pairs = [("fc output", p_fc, s_fc)] + [(f"{step} {what}", getattr(p, what), getattr(s, what))
+                                            for step, p, s in (("extend", p_ext, s_ext), ("decode", p_dec, s_dec))
+                                            for what in ("next_token_logits", "hidden_states")]
+    for name, plugin, stock in pairs:
+        if exact:
+            h.assert_plugin_matches_stock(plugin, stock, dtype, name)
+        else:
+            torch.testing.assert_close(plugin, stock, **tol, msg=name)
+    if not exact and h.reference_only(dtype):
+        assert not torch.equal(p_fc, s_fc)  # the reason above is the real one (else tighten this test)
 
 
 @pytest.mark.parametrize("variant", ["linear-subclass", "mixed-eps"])

@@ -1,6 +1,7 @@
 """TP=2 on CPU (two gloo processes running SGLang's LlamaForCausalLM): with the plugin the captures
 are the post-all-reduce residual stream — bitwise equal on both ranks and equal to TP=1 and to
-Hugging Face within rounding (a per-rank partial sum would be far off) — and logits are unchanged."""
+Hugging Face within rounding (a per-rank partial sum would be far off) — and captures and logits are
+those of stock SGLang on the same rank (bitwise with the reference backend)."""
 import os
 import subprocess
 import sys
@@ -60,8 +61,8 @@ def test_tp2_captures_post_all_reduce_and_logits_unchanged(sglang_cpu, tmp_path)
             torch.testing.assert_close(r0["plugin"][name], tp1[name], **tol, msg=f"{key} {name} vs TP=1")
             torch.testing.assert_close(r0["plugin"][name].float(), ref[name].float(), **tol,
                                        msg=f"{key} {name} vs HF")
-            torch.testing.assert_close(r0["plugin"][name], r0["stock"][name], **tol)
         for r in (r0, r1):
-            for name in ("extend_logits", "verify_logits"):
-                torch.testing.assert_close(r["plugin"][name], r["stock"][name], **tol, msg=f"{key} {name}")
+            for name in ("extend_aux", "verify_aux", "extend_logits", "verify_logits"):
+                h.assert_plugin_matches_stock(r["plugin"][name], r["stock"][name], dtype, f"{key} {name}",
+                                              reference=r["reference_only"])
             assert r["stats"]["buffer_forwards"] == 2 and r["stats"]["fused_captures"] == 6

@@ -43,7 +43,8 @@ def main(rank: int, port: int, outdir: str) -> None:
         h.configure_capture(model, LAYER_IDS)
         plugin = two_forwards(model, cfg, dtype, 2)
         state = capture_state(model)
-        results[str(dtype)] = {"stock": stock, "plugin": plugin, "stats": dict(state.stats)}
+        results[str(dtype)] = {"stock": stock, "plugin": plugin, "stats": dict(state.stats),
+                               "reference_only": h.reference_only(dtype)}
     torch.save(results, os.path.join(outdir, f"rank{rank}.pt"))
 
 
