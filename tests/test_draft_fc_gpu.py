@@ -268,7 +268,9 @@ def test_eager_draft_fc_out_does_not_allocate_after_one_warm_up_call(backend, pa
                                                                       use_backend, monkeypatch):
     """DESIGN.md §4: draft_fc_out allocates nothing in steady state (what makes a graph capture
     after warm-up allocate nothing, and eager decode steps cheap). Strided rows / bias views are
-    copied into scratch, so they allocate nothing either once warm."""
+    copied into scratch, so they allocate nothing either once warm. (Diagnosis aid: if only the
+    cuBLAS cases with a bias fail, suspect PyTorch's addmm bias epilogue; some PyTorch versions
+    allocate a cuBLASLt workspace per call there, outside this package.)"""
     use_backend(backend)
     if skinny_max_m is not None:
         monkeypatch.setenv("EAGLE3_OPS_CUDA_FC_SKINNY_MAX_M", skinny_max_m)
