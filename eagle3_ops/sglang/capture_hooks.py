@@ -259,8 +259,6 @@ def _norm_fusable_statically(norm, dtype: torch.dtype) -> Optional[str]:
 
 def _norm_forward_wrapper(norm, state: TargetCaptureState, slot: int):
     original = norm.forward
-    weight = norm.weight
-    eps = float(norm.variance_epsilon)
     buf = state.buffer.buffer
     from sglang.srt.batch_invariant_ops import is_batch_invariant_mode_enabled
 
@@ -270,13 +268,18 @@ def _norm_forward_wrapper(norm, state: TargetCaptureState, slot: int):
                 or slot in cap.fused or residual is None or post_residual_addition is not None
                 or args or kwargs or _compiling()):
             return original(x, residual, post_residual_addition, *args, **kwargs)
+        # read per call: a weight reload may replace the Parameter (SGLang's own forward reads
+        # self.weight / self.variance_epsilon per call too)
+        weight = norm.weight
         if (not isinstance(x, torch.Tensor) or not isinstance(residual, torch.Tensor)
+                or not isinstance(weight, torch.Tensor)
                 or x.dim() != 2 or x.shape != residual.shape or x.shape[0] == 0
                 or x.dtype != residual.dtype or not x.is_contiguous() or not residual.is_contiguous()
                 or state.fits(residual) is not None or weight.dtype != x.dtype
+                or weight.shape != (x.shape[1],) or weight.device != x.device
                 or is_batch_invariant_mode_enabled()):
             return original(x, residual, post_residual_addition, *args, **kwargs)
-        ops.fused_add_rmsnorm_capture(x, residual, weight, eps, buf, slot)
+        ops.fused_add_rmsnorm_capture(x, residual, weight, float(norm.variance_epsilon), buf, slot)
         cap.fused[slot] = residual
         return x, residual
 

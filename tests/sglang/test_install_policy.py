@@ -1,0 +1,54 @@
+"""When the plugin patches a model and when it leaves it stock: a forced backend that cannot serve
+(both sides, one policy, nothing patched), SGLang's hidden-states readback (server config decides),
+the buffer-size warning, weights read per call, and which models count as EAGLE-3 drafts."""
+import types
+
+import pytest
+import torch
+
+LAYER_IDS = [0, 1, 2]
+PROMPTS = [[5, 17, 3, 99, 42], [7, 1, 64, 23]]
+
+
+def _extend(h, model, cfg, dtype, prompts=PROMPTS):
+    kv = h.KVCache(cfg, dtype)
+    return h.run(model, h.extend_batch(kv, [h.Req(kv.new_req()) for _ in prompts], prompts), kv)
+
+
+def _draft_extend(h, draft, dcfg, dtype, aux):
+    from sglang.srt.speculative.eagle_info import EagleDraftExtendInput
+
+    kv = h.KVCache(dcfg, dtype)
+    spec = EagleDraftExtendInput(hidden_states=aux, num_tokens_per_req=1, num_tokens_for_logprob_per_req=1)
+    return h.run(draft, h.extend_batch(kv, [h.Req(kv.new_req()) for _ in PROMPTS], PROMPTS, capture="LAST",
+                                       spec_info=spec), kv)
+
+
+def _records(caplog, level):
+    return [r.getMessage() for r in caplog.records if r.name.startswith("eagle3_ops") and r.levelname == level]
+
+
+# ---- weights are read per call ---------------------------------------------------------------------
+def test_fused_norm_reads_the_current_weight(sglang_cpu):
+    """A reload that replaces a norm's Parameter (and eps) after the plugin installed is honoured:
+    the plugin's outputs stay bitwise equal to stock SGLang with the same new weights."""
+    h = sglang_cpu
+    dtype = torch.float32
+    cfg = h.FAMILIES["llama"].make_config()
+    stock, model = h.sglang_model("llama", cfg, dtype, seed=10), h.sglang_model("llama", cfg, dtype, seed=10)
+    stock.set_eagle3_layers_to_capture(LAYER_IDS)
+    h.configure_capture(model, LAYER_IDS)
+    from eagle3_ops.sglang.capture_hooks import _attention_input_norm, capture_state
+
+    state = capture_state(model)
+    assert len(state.fused_sites) == 3  # layers 1, 2, 3
+    new = 1.0 + torch.randn(cfg.hidden_size, generator=torch.Generator().manual_seed(11))
+    for m in (stock, model):
+        for i in (1, 3):
+            norm = _attention_input_norm(m.model.layers[i])
+            norm.weight = torch.nn.Parameter(new.clone(), requires_grad=False)
+            norm.variance_epsilon = 1e-3
+    out, ref = _extend(h, model, cfg, dtype), _extend(h, stock, cfg, dtype)
+    assert state.stats["fused_captures"] == len(LAYER_IDS)
+    assert torch.equal(out.hidden_states, ref.hidden_states)
+    assert torch.equal(out.next_token_logits, ref.next_token_logits)
