@@ -137,8 +137,9 @@ def check_draft_fc(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.T
         if tuple(input_norm_weight.shape) != (KH,):
             _fail(op, f"input_norm_weight has shape {tuple(input_norm_weight.shape)}, expected ({KH},) (x width)")
         _check_last_dim_contiguous(op, "input_norm_weight", input_norm_weight)
-    if input_norm_weight is not None and KH == 0:
-        _fail(op, "input_norm_weight given but x has width 0: there is nothing to normalize")
+    for name, t in (("input_norm_weight", input_norm_weight), ("chunk_norm_weight", chunk_norm_weight)):
+        if t is not None and KH == 0:
+            _fail(op, f"{name} given but x has width 0: there is nothing to normalize")
     if (chunk_norm_weight is not None or input_norm_weight is not None) and not eps > 0.0:
         _fail(op, f"eps must be > 0, got {eps}")
     if rows is None:

@@ -138,6 +138,8 @@ def test_unknown_backend_name_raises(monkeypatch):
         eagle3_ops.capture(torch.randn(T, H), None, torch.zeros(T, K * H), 0)
 
 
-def test_draft_fc_rejects_input_norm_on_empty_width():
-    with pytest.raises(ValueError, match="nothing to normalize"):
+def test_draft_fc_rejects_norms_on_empty_width():
+    with pytest.raises(ValueError, match="input_norm_weight given but x has width 0"):
         eagle3_ops.draft_fc(torch.randn(3, 0), torch.randn(4, 0), None, None, None, torch.randn(0), 1e-6)
+    with pytest.raises(ValueError, match="chunk_norm_weight given but x has width 0"):
+        eagle3_ops.draft_fc(torch.randn(3, 0), torch.randn(4, 0), None, None, torch.randn(0, 8), None, 1e-6)
