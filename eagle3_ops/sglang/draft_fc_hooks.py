@@ -79,6 +79,20 @@ def _plain_rmsnorm(norm) -> Optional[str]:
     return None
 
 
+def is_eagle3_draft(model) -> bool:
+    """Whether ``model`` belongs to SGLang's EAGLE-3 draft family (``*_eagle3`` model modules,
+    ``...Eagle3...`` classes). Other models with an inner ``.fc`` (EAGLE/EAGLE-2 drafts, targets)
+    are not this module's business and are passed over without a word."""
+    inner = getattr(model, "model", None)
+    for obj in (model, inner):
+        if obj is None:
+            continue
+        cls = type(obj)
+        if cls.__module__.rsplit(".", 1)[-1].endswith("eagle3") or "eagle3" in cls.__name__.lower():
+            return True
+    return False
+
+
 def _supported_draft(inner) -> bool:
     module = sys.modules.get(DRAFT_MODULE)
     cls = getattr(module, "LlamaModel", None) if module is not None else None
@@ -114,9 +128,9 @@ def _draft_forward_wrapper(inner, state: DraftFcState):
 
 def install_draft_fc(model) -> Optional[DraftFcState]:
     """Run ``model``'s (an SGLang EAGLE-3 draft) fc block as one eagle3::draft_fc call. Returns the
-    state, or None when the draft is left stock (with one warning if it looked like an EAGLE-3 draft)."""
+    state, or None when the draft is left stock (with one warning if it is an EAGLE-3 draft)."""
     inner = getattr(model, "model", None)
-    if inner is None or not hasattr(inner, "fc"):
+    if inner is None or not hasattr(inner, "fc") or not is_eagle3_draft(model):
         return None
     existing = inner.__dict__.get(_STATE_ATTR)
     if existing is not None:

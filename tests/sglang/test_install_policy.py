@@ -52,3 +52,33 @@ def test_fused_norm_reads_the_current_weight(sglang_cpu):
     assert state.stats["fused_captures"] == len(LAYER_IDS)
     assert torch.equal(out.hidden_states, ref.hidden_states)
     assert torch.equal(out.next_token_logits, ref.next_token_logits)
+
+
+# ---- which models are EAGLE-3 drafts ---------------------------------------------------------------
+def test_models_outside_the_eagle3_draft_family_are_passed_over_silently(sglang_cpu, caplog):
+    """An EAGLE/EAGLE-2 draft (llama_eagle: an inner ``.fc`` too) is not an EAGLE-3 draft: no
+    warning, nothing patched. An EAGLE-3 draft whose forward the plugin does not know still
+    gets its one warning."""
+    h = sglang_cpu
+    from sglang.srt.models.llama_eagle import LlamaForCausalLMEagle
+
+    from eagle3_ops.sglang.draft_fc_hooks import draft_fc_state
+
+    cfg = h.FAMILIES["llama"].make_config(num_hidden_layers=1)
+    eagle2 = LlamaForCausalLMEagle(cfg)
+    assert hasattr(eagle2.model, "fc")
+    dcfg = h.eagle3_draft_config(h.FAMILIES["llama"].make_config(), layer_ids=LAYER_IDS)
+    eagle3 = h.eagle3_draft(dcfg, torch.float32)
+
+    class CustomDraftModel(type(eagle3.model)):
+        def forward(self, *args, **kwargs):
+            return super().forward(*args, **kwargs)
+
+    eagle3.model.__class__ = CustomDraftModel
+    with caplog.at_level("WARNING", logger="eagle3_ops.sglang"):
+        h.configure_capture(eagle2, None, eagle=False)
+        assert _records(caplog, "WARNING") == []
+        h.configure_capture(eagle3, None, eagle=False)
+    assert draft_fc_state(eagle2) is None and draft_fc_state(eagle3) is None
+    warnings = _records(caplog, "WARNING")
+    assert len(warnings) == 1 and "LlamaForCausalLMEagle3" in warnings[0] and "not supported" in warnings[0]
