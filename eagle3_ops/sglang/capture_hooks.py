@@ -308,6 +308,20 @@ def supported_kind(inner) -> Optional[str]:
     return None
 
 
+def serving_backends(ops_needed, device: torch.device, dtype: torch.dtype, site: str) -> Optional[Dict[str, str]]:
+    """{op: backend} for the ops a site needs, or None (one warning) when they cannot be served:
+    the one policy of both sides for a forced ``EAGLE3_OPS_BACKEND`` that cannot serve this device
+    (or an invalid value). The site is then left stock, untouched: the op raising later inside a
+    forward would stop SGLang, and quietly using another backend is what forcing one rules out."""
+    from .. import dispatch
+
+    try:
+        return {op: dispatch.select(op, device, dtype)[0] for op in ops_needed}
+    except (dispatch.BackendUnavailableError, ValueError) as e:
+        _warn_once(f"backend:{site}:{e}", "eagle3_ops: %s left stock: %s", site, e)
+        return None
+
+
 def _default_max_tokens() -> int:
     import os
 
@@ -351,7 +365,8 @@ def _attention_input_norm(layer):
 
 def install_target_capture(model, max_tokens: Optional[int] = None) -> Optional[TargetCaptureState]:
     """Route ``model``'s EAGLE-3 captures into one persistent buffer (after SGLang configured which
-    layers to capture). Returns the state, or None when the model is left stock (one warning)."""
+    layers to capture). Returns the state, or None when the model is left stock (one warning).
+    Nothing is changed on the model until every check passed."""
     lm = resolve_causal_lm(model)
     name = type(model).__name__
     if lm is None:
@@ -378,14 +393,14 @@ def install_target_capture(model, max_tokens: Optional[int] = None) -> Optional[
     dtype = _activation_dtype(inner, [n for n in norms.values() if n is not None])
     hidden_size = int(lm.config.hidden_size) if hasattr(lm, "config") else int(inner.config.hidden_size)
     device = next((p.device for p in inner.parameters()), torch.device("cpu"))
+    backend = serving_backends(("capture", "fused_add_rmsnorm_capture"), device, dtype, f"{name} EAGLE-3 capture")
+    if backend is None:
+        return None
     if max_tokens is None:
         max_tokens = _default_max_tokens()
     state = TargetCaptureState(name, layer_ids, hidden_size, dtype, device, int(max_tokens))
 
     # Decide every site first, then install all wrappers (no half-patched model on error).
-    from .. import dispatch
-
-    backend = dispatch.backends(device)
     norm_wrappers = {}
     for i in layer_ids:
         norm = norms[i]
@@ -408,11 +423,11 @@ def install_target_capture(model, max_tokens: Optional[int] = None) -> Optional[
              "buffer on %s (%.1f MiB), pack_aux_hidden_states gets its view (no clone/cat); backend capture=%s",
              name, type(inner).__module__.rsplit(".", 1)[-1], type(inner).__name__, kind, layer_ids,
              state.max_tokens, state.num_captures, hidden_size, str(dtype).replace("torch.", ""), device,
-             mib, backend.get("capture"))
+             mib, backend["capture"])
     for i in sorted(norm_wrappers):
         log.info("eagle3_ops: patched %s model.layers.%d.input_layernorm: add+RMSNorm writes capture slot %d "
                  "(eagle3::fused_add_rmsnorm_capture); backend fused_add_rmsnorm_capture=%s",
-                 name, i, state.slot_of_layer[i], backend.get("fused_add_rmsnorm_capture"))
+                 name, i, state.slot_of_layer[i], backend["fused_add_rmsnorm_capture"])
     return state
 
 

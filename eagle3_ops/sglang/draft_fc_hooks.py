@@ -24,7 +24,7 @@ from typing import Optional
 import torch
 
 from .. import ops
-from .capture_hooks import _compiling, _warn_once
+from .capture_hooks import _compiling, _warn_once, serving_backends
 
 log = logging.getLogger("eagle3_ops.sglang")
 
@@ -128,7 +128,8 @@ def _draft_forward_wrapper(inner, state: DraftFcState):
 
 def install_draft_fc(model) -> Optional[DraftFcState]:
     """Run ``model``'s (an SGLang EAGLE-3 draft) fc block as one eagle3::draft_fc call. Returns the
-    state, or None when the draft is left stock (with one warning if it is an EAGLE-3 draft)."""
+    state, or None when the draft is left stock (with one warning if it is an EAGLE-3 draft).
+    Nothing is changed on the model until every check passed."""
     inner = getattr(model, "model", None)
     if inner is None or not hasattr(inner, "fc") or not is_eagle3_draft(model):
         return None
@@ -163,18 +164,17 @@ def install_draft_fc(model) -> Optional[DraftFcState]:
     if fc_norm is not None and len(fc_norm) * fc_norm[0].weight.shape[0] != fc.in_features:
         _warn_once(f"draftshape:{name}", "eagle3_ops: draft %s fc_norm does not tile fc input; stock", name)
         return None
+    backend = serving_backends(("draft_fc",), fc.weight.device, fc.weight.dtype, f"draft {name} fc")
+    if backend is None:
+        return None
     eps = eps_values.pop() if eps_values else 1e-6
     state = DraftFcState(inner, fc, input_norm, fc_norm, eps)
     inner.forward = _draft_forward_wrapper(inner, state)
     inner.__dict__[_STATE_ATTR] = state
-
-    from .. import dispatch
-
     log.info("eagle3_ops: patched %s fc block (input_norm=%s, fc_norm=%s, fc %d->%d, bias=%s) -> one "
              "eagle3::draft_fc call, same weight storage; backend draft_fc=%s", name,
              "yes" if input_norm is not None else "no", "yes" if fc_norm is not None else "no",
-             fc.in_features, fc.out_features, "yes" if fc.bias is not None else "no",
-             dispatch.backends(fc.weight.device).get("draft_fc"))
+             fc.in_features, fc.out_features, "yes" if fc.bias is not None else "no", backend["draft_fc"])
     return state
 
 

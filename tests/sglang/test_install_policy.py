@@ -28,6 +28,48 @@ def _records(caplog, level):
     return [r.getMessage() for r in caplog.records if r.name.startswith("eagle3_ops") and r.levelname == level]
 
 
+# ---- a forced backend that cannot serve -----------------------------------------------------------
+def test_forced_backend_that_cannot_serve_leaves_both_sides_untouched(sglang_cpu, monkeypatch, caplog):
+    """EAGLE3_OPS_BACKEND=cuda on a CPU model: dispatch cannot serve it. Target and draft get the
+    same treatment: one WARNING each naming the forced backend, nothing patched (no state, no
+    wrapper, fc_norm weights not re-pointed), no 'could not patch' error, stock outputs."""
+    h = sglang_cpu
+    dtype = torch.float32
+    cfg = h.FAMILIES["llama"].make_config()
+    target, stock = h.sglang_model("llama", cfg, dtype, seed=7), h.sglang_model("llama", cfg, dtype, seed=7)
+    stock.set_eagle3_layers_to_capture(LAYER_IDS)
+    dcfg = h.eagle3_draft_config(cfg, layer_ids=LAYER_IDS, fc_norm=True)
+    draft, s_draft = h.eagle3_draft(dcfg, dtype), h.eagle3_draft(dcfg, dtype)
+    norm_ptrs = [n.weight.data_ptr() for n in draft.model.fc_norm]
+    from eagle3_ops import dispatch
+    from eagle3_ops.sglang.capture_hooks import capture_state
+    from eagle3_ops.sglang.draft_fc_hooks import draft_fc_state
+
+    monkeypatch.setenv("EAGLE3_OPS_BACKEND", "cuda")
+    with pytest.raises(dispatch.BackendUnavailableError):  # the premise: cuda cannot serve the CPU
+        dispatch.backends(torch.device("cpu"))
+    with caplog.at_level("INFO", logger="eagle3_ops"):
+        h.configure_capture(target, LAYER_IDS)
+        h.configure_capture(draft, None, eagle=False)
+    monkeypatch.delenv("EAGLE3_OPS_BACKEND")
+
+    assert capture_state(target) is None and draft_fc_state(draft) is None
+    assert "forward" not in vars(target.model) and "forward" not in vars(draft.model)
+    assert all("forward" not in vars(layer.input_layernorm) for layer in target.model.layers)
+    assert [n.weight.data_ptr() for n in draft.model.fc_norm] == norm_ptrs
+    warnings = _records(caplog, "WARNING")
+    assert len(warnings) == 2, warnings
+    assert all("left stock" in w and "EAGLE3_OPS_BACKEND=cuda" in w for w in warnings)
+    assert "capture" in warnings[0] and "draft" in warnings[1]
+    assert _records(caplog, "ERROR") == [] and not any("patched" in m for m in _records(caplog, "INFO"))
+
+    out, ref = _extend(h, target, cfg, dtype), _extend(h, stock, cfg, dtype)
+    assert torch.equal(out.hidden_states, ref.hidden_states)
+    d_out, d_ref = _draft_extend(h, draft, dcfg, dtype, ref.hidden_states), _draft_extend(
+        h, s_draft, dcfg, dtype, ref.hidden_states)
+    assert torch.equal(d_out.next_token_logits, d_ref.next_token_logits)
+
+
 # ---- weights are read per call ---------------------------------------------------------------------
 def test_fused_norm_reads_the_current_weight(sglang_cpu):
     """A reload that replaces a norm's Parameter (and eps) after the plugin installed is honoured:
