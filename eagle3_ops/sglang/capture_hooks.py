@@ -19,11 +19,10 @@ batch size). With this module installed on a model:
 Why reusing one buffer is safe: the rows a target forward writes are read by the draft's first
 (fc) step, which SGLang's EAGLE worker runs right after that target forward (``_draft_extend_for_
 prefill`` / ``_draft_extend_for_decode``) on the same stream, before it launches the next target
-forward; the next forward's writes are therefore ordered after the draft's reads. This is the same
-contract SGLang already relies on for CUDA-graph outputs (views of graph buffers that the next
-replay overwrites, ``decode_cuda_graph_runner`` / ``resolve_aux_hidden_states_width``). Anything
-that keeps ``logits_output.hidden_states`` beyond that point must copy it, as it must already for
-graph replays (SGLang's ``return_hidden_states`` readback is queued right behind the forward).
+forward; the next forward's writes are therefore ordered after the draft's reads. The one other
+reader is SGLang's ``return_hidden_states`` readback, which runs on a copy stream that the next
+forward does not wait for: where the server lets requests return hidden states, or in capture-only
+mode (``--enable-return-aux-hidden-states``), the target is left stock (:func:`hidden_states_readback`).
 
 A forward the buffer cannot hold (more rows than ``max_tokens``, an unexpected dtype/width) runs
 the stock path unchanged, with one log line per reason. Under ``torch.compile`` tracing the hooks
@@ -322,6 +321,39 @@ def serving_backends(ops_needed, device: torch.device, dtype: torch.dtype, site:
         return None
 
 
+def hidden_states_readback() -> Optional[str]:
+    """Why SGLang may copy a target's ``logits_output.hidden_states`` (the aux states) to the host,
+    or None when it never does.
+
+    That readback (``return_hidden_states``; scheduler ``_copy_result_to_cpu``) runs on SGLang's
+    copy stream, which the next forward does not wait for: a persistent buffer that the next target
+    forward rewrites would race with it (stock SGLang's eager prefill hands over a fresh tensor, kept
+    alive by ``record_stream``). The choice cannot be made per forward: the ForwardBatch does not
+    say whether a request asked (its ``capture_hidden_mode`` is the max with the server's mode and
+    the EAGLE target's FULL), and CUDA-graph replays never reach Python. So it is made once, from
+    the server config: if requests may return hidden states, or in capture-only mode
+    (``--enable-return-aux-hidden-states``, where the readback is the only consumer), the target
+    keeps SGLang's capture path for every forward."""
+    try:
+        from sglang.srt import runtime_context
+    except ImportError:  # pragma: no cover - sglang always present where this runs
+        return None
+    if not runtime_context.get_context().is_config_namespace_published("exec"):
+        return None  # no SGLang server in this process (scripts, the CPU harness): no scheduler readback
+    features = runtime_context.get_exec().features
+    if getattr(features, "enable_return_aux_hidden_states", False) or \
+            getattr(features, "aux_hidden_state_capture", None) is not None:
+        return ("capture-only mode (--enable-return-aux-hidden-states): the aux states go back to the "
+                "client through the hidden-states readback")
+    from sglang.srt.model_executor.forward_batch_info import CaptureHiddenMode, get_server_return_hidden_states_mode
+
+    mode = get_server_return_hidden_states_mode()
+    if mode != CaptureHiddenMode.NULL:
+        return (f"requests may return hidden states (server return-hidden-states mode "
+                f"{getattr(mode, 'name', mode)}), read back on a copy stream the next forward does not wait for")
+    return None
+
+
 def _default_max_tokens() -> int:
     import os
 
@@ -383,6 +415,10 @@ def install_target_capture(model, max_tokens: Optional[int] = None) -> Optional[
         _warn_once(f"family:{type(inner).__name__}",
                    "eagle3_ops: model family %s (%s) is not supported by this plugin; its EAGLE-3 "
                    "capture is left stock", name, type(inner).__name__)
+        return None
+    readback = hidden_states_readback()
+    if readback is not None:
+        _warn_once(f"readback:{name}", "eagle3_ops: %s EAGLE-3 capture left stock: %s", name, readback)
         return None
     start = getattr(inner, "start_layer", 0)
     end = getattr(inner, "end_layer", len(inner.layers))

@@ -70,6 +70,67 @@ def test_forced_backend_that_cannot_serve_leaves_both_sides_untouched(sglang_cpu
     assert torch.equal(d_out.next_token_logits, d_ref.next_token_logits)
 
 
+# ---- SGLang's hidden-states readback ---------------------------------------------------------------
+def _fake_server(monkeypatch, **features):
+    """Publish an 'exec' config namespace the way a running SGLang server has one."""
+    from sglang.srt import runtime_context
+    from sglang.srt.model_executor import forward_batch_info
+
+    base = dict(return_hidden_states_mode=None, enable_return_hidden_states=False,
+                enable_return_aux_hidden_states=False, aux_hidden_state_capture=None)
+    base.update(features)
+    bag = types.SimpleNamespace(features=types.SimpleNamespace(**base))
+    ctx = types.SimpleNamespace(is_config_namespace_published=lambda name: name == "exec")
+    monkeypatch.setattr(runtime_context, "get_context", lambda: ctx)
+    monkeypatch.setattr(runtime_context, "get_exec", lambda: bag)
+    monkeypatch.setattr(forward_batch_info, "get_exec", lambda: bag)  # get_server_return_hidden_states_mode
+
+
+@pytest.mark.parametrize("features,stock_reason", [
+    (None, None),                                                   # no server in this process
+    ({}, None),                                                     # EAGLE-3 server, no hidden-states return
+    ({"return_hidden_states_mode": "last"}, "requests may return hidden states"),
+    ({"return_hidden_states_mode": "full"}, "requests may return hidden states"),
+    ({"enable_return_hidden_states": True}, "requests may return hidden states"),
+    ({"enable_return_aux_hidden_states": True, "aux_hidden_state_capture": "eagle3",
+      "return_hidden_states_mode": "full"}, "capture-only mode"),
+], ids=["no-server", "server-default", "mode-last", "mode-full", "enable-return-hidden-states",
+        "capture-only"])
+def test_hidden_states_readback_decision(sglang_cpu, monkeypatch, features, stock_reason):
+    from eagle3_ops.sglang.capture_hooks import hidden_states_readback
+
+    if features is not None:
+        _fake_server(monkeypatch, **features)
+    reason = hidden_states_readback()
+    if stock_reason is None:
+        assert reason is None
+    else:
+        assert reason is not None and stock_reason in reason
+
+
+@pytest.mark.parametrize("features", [{"return_hidden_states_mode": "full"},
+                                      {"enable_return_aux_hidden_states": True, "aux_hidden_state_capture": "eagle3"}],
+                         ids=["return-hidden-states", "capture-only"])
+def test_readback_possible_keeps_the_target_stock(sglang_cpu, monkeypatch, caplog, features):
+    """The readback runs on a copy stream the next forward does not wait for: with a persistent
+    buffer the next target forward could overwrite rows still being copied. The target keeps
+    SGLang's capture (fresh tensors) for every forward, with one warning."""
+    h = sglang_cpu
+    dtype = torch.float32
+    cfg = h.FAMILIES["llama"].make_config()
+    model = h.sglang_model("llama", cfg, dtype, seed=8)
+    with monkeypatch.context() as m, caplog.at_level("WARNING", logger="eagle3_ops.sglang"):
+        _fake_server(m, **features)
+        h.configure_capture(model, LAYER_IDS)
+    from eagle3_ops.sglang.capture_hooks import capture_state
+
+    assert capture_state(model) is None and "forward" not in vars(model.model)
+    warnings = _records(caplog, "WARNING")
+    assert len(warnings) == 1 and "left stock" in warnings[0]
+    first, second = _extend(h, model, cfg, dtype), _extend(h, model, cfg, dtype, [[1, 2, 3]])
+    assert first.hidden_states.data_ptr() != second.hidden_states.data_ptr()  # fresh per forward
+
+
 # ---- weights are read per call ---------------------------------------------------------------------
 def test_fused_norm_reads_the_current_weight(sglang_cpu):
     """A reload that replaces a norm's Parameter (and eps) after the plugin installed is honoured:
