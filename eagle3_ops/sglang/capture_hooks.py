@@ -25,8 +25,12 @@ forward does not wait for: where the server lets requests return hidden states, 
 mode (``--enable-return-aux-hidden-states``), the target is left stock (:func:`hidden_states_readback`).
 
 A forward the buffer cannot hold (more rows than ``max_tokens``, an unexpected dtype/width) runs
-the stock path unchanged, with one log line per reason. Under ``torch.compile`` tracing the hooks
-step aside, and SGLang's code runs as is.
+the stock path unchanged, with one log line per reason.
+
+The model's ``forward`` is wrapped on its class (routing.py), keyed on the instance's state, so
+SGLang's compile trampolines, which call the class's forward, still reach it; after SGLang's
+CUDA-graph/compile setup :func:`check_routing` warns if the instance no longer routes through it.
+Under ``torch.compile`` tracing the hooks step aside, and SGLang's code runs as is.
 """
 from __future__ import annotations
 
@@ -39,6 +43,7 @@ import torch
 
 from .. import ops
 from ..buffer import AuxCaptureBuffer
+from .routing import forward_owner, routing_problem, wrap_class_forward
 
 log = logging.getLogger("eagle3_ops.sglang")
 
@@ -90,7 +95,9 @@ class TargetCaptureState:
         self.buffer = AuxCaptureBuffer(max_tokens, hidden_size, self.num_captures, dtype, device)
         self.enabled = True
         self.fused_sites: List[str] = []
+        self.fused_norms: Dict[int, Any] = {}          # layer -> the norm module whose forward is wrapped
         self.stats = {"buffer_forwards": 0, "stock_forwards": 0, "fused_captures": 0, "copied_captures": 0}
+        self.routing_warned = False
 
     @property
     def max_tokens(self) -> int:
@@ -201,34 +208,28 @@ def packer_append_hook(original, self, hidden):
     return None
 
 
-# ---- instance-level wrappers installed on one model -----------------------------------------------
-def _model_forward_wrapper(inner, state: TargetCaptureState):
-    original = inner.forward
-
-    def forward(*args, **kwargs):
-        if not state.enabled or _compiling():
-            return original(*args, **kwargs)
-        cap = ForwardCapture(state)
-        previous = getattr(_tls, "capture", None)
-        _tls.capture = cap
-        try:
-            out = original(*args, **kwargs)
-        finally:
-            _tls.capture = previous
-        if cap.mode == "buffer":
-            state.stats["buffer_forwards"] += 1
-            if (isinstance(out, tuple) and len(out) == 2 and out[1] is cap.owner
-                    and isinstance(cap.owner, list) and cap.count == state.num_captures):
-                # the list holds slot views; hand over the packed view instead of cat-ing them
-                # (with fewer captures than slots the list goes on as is: views, cat-ed as stock)
-                out = (out[0], cap.packed())
-        elif cap.mode == "stock":
-            state.stats["stock_forwards"] += 1
-        return out
-
-    forward.__wrapped__ = original
-    forward._eagle3_ops = True
-    return forward
+# ---- the model forward (class-level wrapper, see routing.py) and the norm wrappers ----------------
+def _run_forward(state: TargetCaptureState, original, inner, args, kwargs):
+    """One forward of a patched model (``original`` is its class's stock forward)."""
+    current = getattr(_tls, "capture", None)
+    if not state.enabled or (current is not None and current.state is state):
+        return original(inner, *args, **kwargs)  # off, or a nested call of the same model
+    cap = ForwardCapture(state)
+    _tls.capture = cap
+    try:
+        out = original(inner, *args, **kwargs)
+    finally:
+        _tls.capture = current
+    if cap.mode == "buffer":
+        state.stats["buffer_forwards"] += 1
+        if (isinstance(out, tuple) and len(out) == 2 and out[1] is cap.owner
+                and isinstance(cap.owner, list) and cap.count == state.num_captures):
+            # the list holds slot views; hand over the packed view instead of cat-ing them
+            # (with fewer captures than slots the list goes on as is: views, cat-ed as stock)
+            out = (out[0], cap.packed())
+    elif cap.mode == "stock":
+        state.stats["stock_forwards"] += 1
+    return out
 
 
 def _norm_fusable_statically(norm, dtype: torch.dtype) -> Optional[str]:
@@ -297,14 +298,21 @@ def resolve_causal_lm(model):
     return None
 
 
-def supported_kind(inner) -> Optional[str]:
-    forward = getattr(type(inner), "forward", None)
+def supported_target(inner):
+    """(kind, class whose forward the plugin wraps) if ``inner`` runs a forward this module knows
+    (SGLang 0.5.23's, or that one already wrapped by the plugin), else None."""
     for module_name, class_name, kind in SUPPORTED_TARGET_MODELS:
         module = sys.modules.get(module_name)
         cls = getattr(module, class_name, None) if module is not None else None
-        if cls is not None and isinstance(inner, cls) and forward is cls.forward:
-            return kind
+        owner = forward_owner(inner, cls) if cls is not None else None
+        if owner is not None:
+            return kind, owner
     return None
+
+
+def supported_kind(inner) -> Optional[str]:
+    found = supported_target(inner)
+    return found[0] if found is not None else None
 
 
 def serving_backends(ops_needed, device: torch.device, dtype: torch.dtype, site: str) -> Optional[Dict[str, str]]:
@@ -410,12 +418,13 @@ def install_target_capture(model, max_tokens: Optional[int] = None) -> Optional[
         return existing
     if not getattr(lm, "capture_aux_hidden_states", False):
         return None  # not capturing on this rank (e.g. a non-last pipeline stage)
-    kind = supported_kind(inner)
-    if kind is None:
+    found = supported_target(inner)
+    if found is None:
         _warn_once(f"family:{type(inner).__name__}",
                    "eagle3_ops: model family %s (%s) is not supported by this plugin; its EAGLE-3 "
                    "capture is left stock", name, type(inner).__name__)
         return None
+    kind, owner = found
     readback = hidden_states_readback()
     if readback is not None:
         _warn_once(f"readback:{name}", "eagle3_ops: %s EAGLE-3 capture left stock: %s", name, readback)
@@ -434,24 +443,28 @@ def install_target_capture(model, max_tokens: Optional[int] = None) -> Optional[
         return None
     if max_tokens is None:
         max_tokens = _default_max_tokens()
-    state = TargetCaptureState(name, layer_ids, hidden_size, dtype, device, int(max_tokens))
 
-    # Decide every site first, then install all wrappers (no half-patched model on error).
-    norm_wrappers = {}
+    # Decide every site first, then install (no half-patched model on error).
+    fusable = {}
     for i in layer_ids:
         norm = norms[i]
         if i == 0:
             continue  # layer 0's input is the embedding output: there is no add, the slot is a copy
         why = _norm_fusable_statically(norm, dtype) if norm is not None else "no input norm"
         if why is None:
-            norm_wrappers[i] = (norm, _norm_forward_wrapper(norm, state, state.slot_of_layer[i]))
+            fusable[i] = norm
         else:
             _warn_once(f"nofuse:{name}:{why}", "eagle3_ops: %s: layer %d input norm not fused (%s); "
                        "its capture is a copy", name, i, why)
-    inner.forward = _model_forward_wrapper(inner, state)
+    state = TargetCaptureState(name, layer_ids, hidden_size, dtype, device, int(max_tokens))
+    norm_wrappers = {i: (norm, _norm_forward_wrapper(norm, state, state.slot_of_layer[i]))
+                     for i, norm in fusable.items()}
+    # class level, so that SGLang's compile trampolines (which call type(module).forward) reach it
+    wrap_class_forward(owner, _STATE_ATTR, _run_forward)
     for i, (norm, wrapper) in norm_wrappers.items():
         norm.forward = wrapper
         state.fused_sites.append(f"model.layers.{i}.input_layernorm")
+        state.fused_norms[i] = norm
     inner.__dict__[_STATE_ATTR] = state
 
     mib = state.buffer.buffer.numel() * state.buffer.buffer.element_size() / 2**20
@@ -465,6 +478,29 @@ def install_target_capture(model, max_tokens: Optional[int] = None) -> Optional[
                  "(eagle3::fused_add_rmsnorm_capture); backend fused_add_rmsnorm_capture=%s",
                  name, i, state.slot_of_layer[i], backend["fused_add_rmsnorm_capture"])
     return state
+
+
+def check_routing(model) -> Optional[str]:
+    """After SGLang's CUDA-graph / compile setup: None if ``model`` (when patched) still routes its
+    forward and fused norms through the plugin, else what changed (warned once per model)."""
+    lm = resolve_causal_lm(model)
+    inner = lm.model if lm is not None else None
+    state = inner.__dict__.get(_STATE_ATTR) if inner is not None else None
+    if state is None:
+        return None
+    problem = routing_problem(inner, _STATE_ATTR)
+    if problem is None:
+        lost = [i for i, norm in sorted(state.fused_norms.items())
+                if not getattr(norm.__dict__.get("forward"), "_eagle3_ops", False)]
+        if lost:
+            problem = (f"the forward of the fused input norm of layer(s) {lost} was replaced (those "
+                       f"captures are now copies)")
+    if problem is not None and not state.routing_warned:
+        state.routing_warned = True
+        log.warning("eagle3_ops: %s: after SGLang's CUDA-graph/compile setup the model no longer goes through "
+                    "the plugin everywhere: %s. Forwards that bypass it run SGLang's stock capture path.",
+                    state.model_name, problem)
+    return problem
 
 
 def capture_state(model) -> Optional[TargetCaptureState]:

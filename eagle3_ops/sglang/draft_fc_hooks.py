@@ -11,7 +11,9 @@ With this module installed the draft's forward computes ``draft_fc(h, fc.weight,
 chunk_norm_weight, input_norm_weight, eps)`` (norms folded, fp32 throughout, one rounding), puts the
 result where the draft reads its input (``forward_batch.spec_info.hidden_states``) for the duration
 of the call, and runs SGLang's own forward, which then sees an H-wide input and skips its fc block.
-Later draft steps (H-wide input) run stock. The weights are the draft's own parameters: ``fc.weight``
+Later draft steps (H-wide input) run stock. The forward is wrapped on llama_eagle3's LlamaModel
+class, keyed on the instance's state (routing.py), so SGLang's compile trampolines still reach it;
+under ``torch.compile`` tracing it steps aside. The weights are the draft's own parameters: ``fc.weight``
 is passed as is, and the K ``fc_norm`` weights are re-pointed once to rows of one ``[K, H]`` tensor
 so the op reads them without a copy (no second copy of any weight).
 """
@@ -24,7 +26,8 @@ from typing import Optional
 import torch
 
 from .. import ops
-from .capture_hooks import _compiling, _warn_once, serving_backends
+from .capture_hooks import _warn_once, serving_backends
+from .routing import forward_owner, routing_problem, wrap_class_forward
 
 log = logging.getLogger("eagle3_ops.sglang")
 
@@ -41,6 +44,7 @@ class DraftFcState:
         self.eps = eps
         self.enabled = True
         self.stats = {"fused_calls": 0, "stock_calls": 0}
+        self.routing_warned = False
         self.chunk_norm_weight: Optional[torch.Tensor] = None
         if fc_norm is not None:
             self._share_chunk_norm_storage()
@@ -93,37 +97,33 @@ def is_eagle3_draft(model) -> bool:
     return False
 
 
-def _supported_draft(inner) -> bool:
+def _supported_draft(inner):
+    """The class whose forward the plugin wraps, if ``inner`` runs llama_eagle3's LlamaModel.forward."""
     module = sys.modules.get(DRAFT_MODULE)
     cls = getattr(module, "LlamaModel", None) if module is not None else None
-    return cls is not None and isinstance(inner, cls) and type(inner).forward is cls.forward
+    return forward_owner(inner, cls) if cls is not None else None
 
 
-def _draft_forward_wrapper(inner, state: DraftFcState):
-    original = inner.forward
+def _run_draft_forward(state: DraftFcState, original, inner, args, kwargs):
+    """One forward of a patched draft (``original``: llama_eagle3 LlamaModel's stock forward)."""
+    forward_batch = kwargs["forward_batch"] if "forward_batch" in kwargs else (args[2] if len(args) > 2 else None)
     fc = state.fc
-
-    def forward(input_ids, positions, forward_batch, *args, **kwargs):
-        spec = getattr(forward_batch, "spec_info", None)
-        h = getattr(spec, "hidden_states", None)
-        if (not state.enabled or not isinstance(h, torch.Tensor) or h.dim() != 2
-                or h.shape[-1] != fc.in_features or h.shape[-1] == inner.config.hidden_size
-                or h.dtype != fc.weight.dtype or h.device != fc.weight.device
-                or (h.shape[-1] > 1 and h.stride(-1) != 1) or _compiling()):
-            state.stats["stock_calls"] += 1
-            return original(input_ids, positions, forward_batch, *args, **kwargs)
-        input_norm_weight = state.input_norm.weight if state.input_norm is not None else None
-        x = ops.draft_fc(h, fc.weight, fc.bias, None, state.chunk_weight(), input_norm_weight, state.eps)
-        state.stats["fused_calls"] += 1
-        spec.hidden_states = x
-        try:
-            return original(input_ids, positions, forward_batch, *args, **kwargs)
-        finally:
-            spec.hidden_states = h
-
-    forward.__wrapped__ = original
-    forward._eagle3_ops = True
-    return forward
+    spec = getattr(forward_batch, "spec_info", None)
+    h = getattr(spec, "hidden_states", None)
+    if (not state.enabled or not isinstance(h, torch.Tensor) or h.dim() != 2
+            or h.shape[-1] != fc.in_features or h.shape[-1] == inner.config.hidden_size
+            or h.dtype != fc.weight.dtype or h.device != fc.weight.device
+            or (h.shape[-1] > 1 and h.stride(-1) != 1)):
+        state.stats["stock_calls"] += 1
+        return original(inner, *args, **kwargs)
+    input_norm_weight = state.input_norm.weight if state.input_norm is not None else None
+    x = ops.draft_fc(h, fc.weight, fc.bias, None, state.chunk_weight(), input_norm_weight, state.eps)
+    state.stats["fused_calls"] += 1
+    spec.hidden_states = x
+    try:
+        return original(inner, *args, **kwargs)
+    finally:
+        spec.hidden_states = h
 
 
 def install_draft_fc(model) -> Optional[DraftFcState]:
@@ -137,7 +137,8 @@ def install_draft_fc(model) -> Optional[DraftFcState]:
     if existing is not None:
         return existing
     name = type(model).__name__
-    if not _supported_draft(inner):
+    owner = _supported_draft(inner)
+    if owner is None:
         _warn_once(f"draft:{name}", "eagle3_ops: draft %s (%s) is not supported; its fc runs stock",
                    name, type(inner).__module__)
         return None
@@ -169,13 +170,30 @@ def install_draft_fc(model) -> Optional[DraftFcState]:
         return None
     eps = eps_values.pop() if eps_values else 1e-6
     state = DraftFcState(inner, fc, input_norm, fc_norm, eps)
-    inner.forward = _draft_forward_wrapper(inner, state)
+    # class level, so that SGLang's compile trampolines (which call type(module).forward) reach it
+    wrap_class_forward(owner, _STATE_ATTR, _run_draft_forward)
     inner.__dict__[_STATE_ATTR] = state
     log.info("eagle3_ops: patched %s fc block (input_norm=%s, fc_norm=%s, fc %d->%d, bias=%s) -> one "
              "eagle3::draft_fc call, same weight storage; backend draft_fc=%s", name,
              "yes" if input_norm is not None else "no", "yes" if fc_norm is not None else "no",
              fc.in_features, fc.out_features, "yes" if fc.bias is not None else "no", backend["draft_fc"])
     return state
+
+
+def check_routing(model) -> Optional[str]:
+    """After SGLang's CUDA-graph / compile setup: None if a patched draft still routes its forward
+    through the plugin, else what replaced it (warned once per model)."""
+    inner = getattr(model, "model", None)
+    state = getattr(inner, "__dict__", {}).get(_STATE_ATTR) if inner is not None else None
+    if state is None:
+        return None
+    problem = routing_problem(inner, _STATE_ATTR)
+    if problem is not None and not state.routing_warned:
+        state.routing_warned = True
+        log.warning("eagle3_ops: draft %s: after SGLang's CUDA-graph/compile setup its forward no longer goes "
+                    "through the plugin: %s. Forwards that bypass it run SGLang's stock fc.",
+                    type(model).__name__, problem)
+    return problem
 
 
 def draft_fc_state(model) -> Optional[DraftFcState]:

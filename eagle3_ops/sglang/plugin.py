@@ -11,6 +11,11 @@ applies the hooks registered with its ``HookRegistry``. We register three:
   on that model instance.
 * AROUND ``AuxHiddenStateList.capture`` and ``AuxHiddenStatePacker.append`` — inert (one
   thread-local read) unless a model with an installed buffer is running its forward.
+* AFTER ``ModelRunner.init_cuda_graphs`` and ``ModelRunner.init_prefill_cuda_graph`` (the draft's
+  prefill graphs are set up by the latter) — a check only: SGLang's graph/compile setup may replace
+  a model's ``forward`` (``tc_piecewise``'s ``install_torch_compiled``); the plugin wraps the model
+  class's forward, which that trampoline still calls, and warns once if a patched model no longer
+  routes through it.
 
 ``EAGLE3_OPS_SGLANG=0`` makes :func:`register` return before touching anything (SGLang runs
 byte-for-byte stock), as does leaving ``eagle3_ops`` out of ``SGLANG_PLUGINS`` (SGLang then never
@@ -29,6 +34,8 @@ CONFIGURE_TARGET = ("sglang.srt.model_executor.model_runner_components.attention
                     "configure_aux_hidden_state_capture")
 LIST_CAPTURE_TARGET = "sglang.srt.layers.aux_hidden_states.AuxHiddenStateList.capture"
 PACKER_APPEND_TARGET = "sglang.srt.layers.aux_hidden_states.AuxHiddenStatePacker.append"
+GRAPHS_TARGETS = ("sglang.srt.model_executor.model_runner.ModelRunner.init_cuda_graphs",
+                  "sglang.srt.model_executor.model_runner.ModelRunner.init_prefill_cuda_graph")
 
 _registered = False
 _warned_version = False
@@ -50,6 +57,23 @@ def _on_configure_aux_hidden_state_capture(result, *args, **kwargs):
             install_draft_fc(model)
     except Exception:  # never stop SGLang; the model keeps whatever stock path it had
         log.exception("eagle3_ops: could not patch %s; it runs stock", type(model).__name__)
+    return None
+
+
+def _after_graph_setup(result, *args, **kwargs):
+    """AFTER hook on ModelRunner's graph setup: warn once if a patched model no longer routes
+    through the plugin (its forward was replaced by something that does not call the class's)."""
+    runner = kwargs.get("self", args[0] if args else None)
+    model = getattr(runner, "model", None)
+    try:
+        if model is not None:
+            from .capture_hooks import check_routing as check_target
+            from .draft_fc_hooks import check_routing as check_draft
+
+            check_target(model)
+            check_draft(model)
+    except Exception:  # a check only: never stop SGLang
+        log.exception("eagle3_ops: could not check %s after graph setup", type(model).__name__)
     return None
 
 
@@ -82,6 +106,8 @@ def register() -> None:
         HookRegistry.register(CONFIGURE_TARGET, _on_configure_aux_hidden_state_capture, HookType.AFTER)
         HookRegistry.register(LIST_CAPTURE_TARGET, _around_list_capture, HookType.AROUND)
         HookRegistry.register(PACKER_APPEND_TARGET, _around_packer_append, HookType.AROUND)
+        for target in GRAPHS_TARGETS:
+            HookRegistry.register(target, _after_graph_setup, HookType.AFTER)
     except Exception:
         log.exception("eagle3_ops: could not register the SGLang hooks; SGLang is left unchanged")
         return

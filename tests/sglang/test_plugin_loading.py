@@ -16,6 +16,8 @@ ROOT = os.path.dirname(os.path.dirname(HERE))
 OUR_TARGETS = [
     "sglang.srt.layers.aux_hidden_states.AuxHiddenStateList.capture",
     "sglang.srt.layers.aux_hidden_states.AuxHiddenStatePacker.append",
+    "sglang.srt.model_executor.model_runner.ModelRunner.init_cuda_graphs",
+    "sglang.srt.model_executor.model_runner.ModelRunner.init_prefill_cuda_graph",
     "sglang.srt.model_executor.model_runner_components.attention_backend_setup.configure_aux_hidden_state_capture",
 ]
 
@@ -66,7 +68,7 @@ def test_discovered_through_entry_point_and_patches_each_site(worker_runs):
     assert all("backend " in m for m in sites)
     assert sum("input_layernorm" in m for m in sites) == 3
     assert r["eagle3_warnings"] == []
-    assert len(r["sglang_applied"]) == 3
+    assert len(r["sglang_applied"]) == len(OUR_TARGETS)
 
 
 def test_off_switch_leaves_sglang_stock(worker_runs):
