@@ -24,8 +24,11 @@ reader is SGLang's ``return_hidden_states`` readback, which runs on a copy strea
 forward does not wait for: where the server lets requests return hidden states, or in capture-only
 mode (``--enable-return-aux-hidden-states``), the target is left stock (:func:`hidden_states_readback`).
 
-A forward the buffer cannot hold (more rows than ``max_tokens``, an unexpected dtype/width) runs
-the stock path unchanged, with one log line per reason.
+The buffer is allocated after SGLang sized its KV cache, so it is outside SGLang's memory budget
+(``--mem-fraction-static``): its size is logged as a WARNING with how to cap it
+(``EAGLE3_OPS_SGLANG_MAX_TOKENS``). A forward the buffer cannot hold (more rows than
+``max_tokens``, an unexpected dtype/width) runs the stock path unchanged, with one log line per
+reason.
 
 The model's ``forward`` is wrapped on its class (routing.py), keyed on the instance's state, so
 SGLang's compile trampolines, which call the class's forward, still reach it; after SGLang's
@@ -477,6 +480,12 @@ def install_target_capture(model, max_tokens: Optional[int] = None) -> Optional[
         log.info("eagle3_ops: patched %s model.layers.%d.input_layernorm: add+RMSNorm writes capture slot %d "
                  "(eagle3::fused_add_rmsnorm_capture); backend fused_add_rmsnorm_capture=%s",
                  name, i, state.slot_of_layer[i], backend["fused_add_rmsnorm_capture"])
+    from .version import ENV_MAX_TOKENS
+
+    log.warning("eagle3_ops: %s capture buffer: %.1f MiB on %s (%d tokens x %d x %d %s), allocated after SGLang "
+                "sized its KV cache, so outside --mem-fraction-static; cap it with %s=N (tokens; a forward "
+                "with more tokens uses SGLang's stock capture)", name, mib, device, state.max_tokens,
+                state.num_captures, hidden_size, str(dtype).replace("torch.", ""), ENV_MAX_TOKENS)
     return state
 
 

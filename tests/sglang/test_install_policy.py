@@ -131,6 +131,24 @@ def test_readback_possible_keeps_the_target_stock(sglang_cpu, monkeypatch, caplo
     assert first.hidden_states.data_ptr() != second.hidden_states.data_ptr()  # fresh per forward
 
 
+# ---- the buffer's size is announced ----------------------------------------------------------------
+def test_buffer_size_is_a_warning_with_the_cap(sglang_cpu, caplog):
+    h = sglang_cpu
+    cfg = h.FAMILIES["llama"].make_config()
+    model = h.sglang_model("llama", cfg, torch.float32, seed=9)
+    with caplog.at_level("WARNING", logger="eagle3_ops.sglang"):
+        h.configure_capture(model, LAYER_IDS)
+    from eagle3_ops.sglang.capture_hooks import capture_state
+    from eagle3_ops.sglang.version import ENV_MAX_TOKENS
+
+    state = capture_state(model)
+    warnings = _records(caplog, "WARNING")
+    assert len(warnings) == 1, warnings
+    mib = state.max_tokens * len(LAYER_IDS) * cfg.hidden_size * 4 / 2**20  # 16384 rows (no server args)
+    assert f"{mib:.1f} MiB" in warnings[0] and f"{ENV_MAX_TOKENS}=" in warnings[0]
+    assert "--mem-fraction-static" in warnings[0]
+
+
 # ---- weights are read per call ---------------------------------------------------------------------
 def test_fused_norm_reads_the_current_weight(sglang_cpu):
     """A reload that replaces a norm's Parameter (and eps) after the plugin installed is honoured:
