@@ -18,6 +18,7 @@ TARGETS = (
     ("sglang.srt.layers.aux_hidden_states", "AuxHiddenStateList"),
     ("sglang.srt.layers.aux_hidden_states", "AuxHiddenStatePacker"),
 )
+RUNNER_METHODS = ("init_cuda_graphs", "init_prefill_cuda_graph")
 
 
 def _digest(t) -> str:
@@ -46,6 +47,12 @@ def main(mode: str) -> None:
         originals[(module, name)] = obj
     list_capture = originals[TARGETS[1]].capture
     packer_append = originals[TARGETS[2]].append
+    # ModelRunner calls configure_aux_hidden_state_capture through its own module-level name (a
+    # ``from ... import``): that binding, not only the defining module's, must be the hooked one.
+    model_runner = importlib.import_module("sglang.srt.model_executor.model_runner")
+    runner_configure = model_runner.configure_aux_hidden_state_capture
+    runner_methods = {m: getattr(model_runner.ModelRunner, m) for m in RUNNER_METHODS}
+    assert runner_configure is originals[TARGETS[0]]
 
     from sglang.srt.plugins import load_plugins
     from sglang.srt.plugins.hook_registry import HookRegistry
@@ -54,9 +61,16 @@ def main(mode: str) -> None:
     ours = sorted(t for t, hooks in HookRegistry._hooks.items()
                   for _, hook, _ in hooks if getattr(hook, "__module__", "").startswith("eagle3_ops"))
     configure_now = getattr(importlib.import_module(TARGETS[0][0]), TARGETS[0][1])
+    runner_configure_now = model_runner.configure_aux_hidden_state_capture
     unchanged = (configure_now is originals[TARGETS[0]]
+                 and runner_configure_now is runner_configure
                  and originals[TARGETS[1]].capture is list_capture
-                 and originals[TARGETS[2]].append is packer_append)
+                 and originals[TARGETS[2]].append is packer_append
+                 and all(getattr(model_runner.ModelRunner, m) is f for m, f in runner_methods.items()))
+    runner_configure_hooked = (runner_configure_now is configure_now and configure_now is not runner_configure
+                               and getattr(runner_configure_now, "__wrapped__", None) is runner_configure)
+    runner_methods_hooked = all(getattr(getattr(model_runner.ModelRunner, m), "__wrapped__", None) is f
+                                for m, f in runner_methods.items())
 
     import harness as h
     import torch
@@ -95,6 +109,8 @@ def main(mode: str) -> None:
         "mode": mode,
         "our_hooks": ours,
         "sglang_functions_unchanged": unchanged,
+        "model_runner_configure_hooked": runner_configure_hooked,
+        "model_runner_graph_setup_hooked": runner_methods_hooked,
         "model_attrs_added": sorted(after - before),
         "target_patched": state is not None,
         "draft_patched": draft_fc_state(draft) is not None,

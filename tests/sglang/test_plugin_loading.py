@@ -59,6 +59,8 @@ def test_entry_point_is_installed():
 def test_discovered_through_entry_point_and_patches_each_site(worker_runs):
     r = worker_runs["default"]
     assert r["our_hooks"] == OUR_TARGETS and not r["sglang_functions_unchanged"]
+    # the name ModelRunner actually calls (its own ``from ... import`` binding) is the hooked one
+    assert r["model_runner_configure_hooked"] and r["model_runner_graph_setup_hooked"]
     assert r["target_patched"] and r["draft_patched"] and r["aux_in_buffer"]
     log = r["eagle3_log"]
     assert sum("plugin registered" in m for m in log) == 1
@@ -76,7 +78,7 @@ def test_discovered_through_entry_point_and_patches_each_site(worker_runs):
 def test_off_switch_leaves_sglang_stock(worker_runs):
     off, excluded = worker_runs["off"], worker_runs["excluded"]
     for r in (off, excluded):
-        assert r["our_hooks"] == [] and r["sglang_functions_unchanged"]
+        assert r["our_hooks"] == [] and r["sglang_functions_unchanged"] and not r["model_runner_configure_hooked"]
         assert r["model_attrs_added"] == [] and not r["target_patched"] and not r["draft_patched"]
         assert r["eagle3_log"] == [] and r["sglang_applied"] == []
     # the same bits as a process in which SGLang never called the plugin
