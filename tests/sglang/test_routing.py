@@ -8,7 +8,6 @@ init_cuda_graphs`` / ``init_prefill_cuda_graph``) it warns once if an instance n
 through it."""
 import types
 
-import pytest
 import torch
 
 LAYER_IDS = [0, 1, 2]
