@@ -51,11 +51,12 @@ def kernel_demo(device: torch.device) -> list:
     print(f"eagle3_ops demo on {device_label(device)}: T={T}, H={H}, K={K}, dtype={dtype}")
     print("backends:", dispatch.backends(device))
     print(f"capture buffer max rel err vs fp64: {cap_err:.2e}")
-    _print_table(rows)
+    print_table(rows)
     return rows
 
 
-def _print_table(rows: list) -> None:
+def print_table(rows: list) -> None:
+    """A GitHub-style table of dict rows (tabulate when installed)."""
     try:
         from tabulate import tabulate
 

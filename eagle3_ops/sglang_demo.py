@@ -14,6 +14,8 @@ from typing import List
 
 import torch
 
+from .demo import print_table
+
 LAYER_IDS = [0, 1, 2]
 
 
@@ -113,22 +115,10 @@ def run_sglang_demo(dtype: torch.dtype = torch.bfloat16, hidden_size: int = 128,
           f"H={hidden_size}, K={len(LAYER_IDS)}): stock vs eagle3_ops plugin")
     print(f"capture buffer: {tuple(state.buffer.buffer.shape)} {str(state.buffer.dtype)[6:]}, "
           f"one storage for every forward; stats {state.stats}; draft fc stats {dstate.stats}")
-    _print_table(rows)
+    print_table(rows)
     print("(CPU milliseconds of whole tiny forwards, reference/interpreted ops: a smoke check, not the GPU "
           "speed-up; the benchmarks measure that)")
     return rows
-
-
-def _print_table(rows: List[dict]) -> None:
-    try:
-        from tabulate import tabulate
-
-        print(tabulate(rows, headers="keys", tablefmt="github"))
-    except ImportError:
-        keys = list(rows[0])
-        print(" | ".join(keys))
-        for r in rows:
-            print(" | ".join(str(r[k]) for k in keys))
 
 
 if __name__ == "__main__":
