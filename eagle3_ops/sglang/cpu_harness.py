@@ -94,34 +94,28 @@ def configure_capture(model, layer_ids: Optional[Sequence[int]], eagle: bool = T
 
 
 # ---- tiny models ----------------------------------------------------------------------------------
+# Shared by the tiny llama/qwen configs (decoder sizes small enough for CPU tests).
+_TINY_DECODER = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+                     num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                     rms_norm_eps=1e-6, tie_word_embeddings=False)
+
+
 def _llama_cfg(**kw):
     from transformers import LlamaConfig
 
-    base = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
-                num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-                rms_norm_eps=1e-6, tie_word_embeddings=False)
-    base.update(kw)
-    return LlamaConfig(**base)
+    return LlamaConfig(**{**_TINY_DECODER, **kw})
 
 
 def _qwen2_cfg(**kw):
     from transformers import Qwen2Config
 
-    base = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
-                num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-                rms_norm_eps=1e-6, tie_word_embeddings=False)
-    base.update(kw)
-    return Qwen2Config(**base)
+    return Qwen2Config(**{**_TINY_DECODER, **kw})
 
 
 def _qwen3_cfg(**kw):
     from transformers import Qwen3Config
 
-    base = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
-                num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=256,
-                rms_norm_eps=1e-6, tie_word_embeddings=False)
-    base.update(kw)
-    return Qwen3Config(**base)
+    return Qwen3Config(**{**_TINY_DECODER, "head_dim": 16, **kw})
 
 
 def _qwen3_moe_cfg(**kw):
