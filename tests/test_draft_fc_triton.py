@@ -178,15 +178,23 @@ def test_out_of_range_rows_give_nan_rows_and_no_out_of_bounds_access(path, rows_
     assert matmul_rel_err(out[~bad], want[~bad]) <= MATMUL_TOL[torch.float32]
 
 
-@pytest.mark.parametrize("path", ["skinny", "tiled", "cublas"])
-def test_strided_rows_bias_and_norm_weight_views_are_read_correctly(path):
-    """Validation accepts any stride for the 1-D arguments; the kernels must not assume stride 1."""
+def strided_1d_problem():
+    """(x, w, bias, rows, chunk_norm_weight, input_norm_weight) with bias, rows and the input norm
+    weight as stride-2 views (validation accepts any stride for 1-D arguments)."""
     R, H, K, N = 12, 64, 2, 40
     x, w, _, _, cn, _ = make_problem(R, H, K, N, torch.float32, seed=4, chunk=True)
     gen = torch.Generator().manual_seed(4)
     bias = randn(2 * N, dtype=torch.float32, gen=gen)[::2]
     rows = torch.tensor([11, 0, 5, 5, 3, 9, 1, 2], dtype=torch.int64)[::2]
     inw = (torch.rand(2 * K * H, generator=gen, dtype=torch.float64) + 0.5).float()[::2]
+    return x, w, bias, rows, cn, inw
+
+
+@pytest.mark.parametrize("path", ["skinny", "tiled", "cublas"])
+def test_strided_rows_bias_and_norm_weight_views_are_read_correctly(path):
+    """Validation accepts any stride for the 1-D arguments; the kernels must not assume stride 1."""
+    x, w, bias, rows, cn, inw = strided_1d_problem()
+    N = w.shape[0]
     assert not (bias.is_contiguous() or rows.is_contiguous() or inw.is_contiguous())
     out = run_into_canaried_out(draft_fc.PATHS[path], (x, w, bias, rows, cn, inw), rows.numel(), N, torch.float32)
     want = reference.draft_fc_ref(x, w, bias, rows, cn, inw, 1e-6, acc_dtype=torch.float64)
@@ -323,12 +331,8 @@ def test_draft_fc_out_reuses_its_scratch_and_grows_only_for_a_larger_problem(pat
 def test_strided_views_are_copied_into_scratch_not_new_tensors(path, fresh_workspace):
     """The rare strided 1-D views get a unit-stride copy in scratch: one allocation per kind on the
     first call, none after (contiguous views, the usual case, use no scratch at all)."""
-    R, H, K, N = 12, 64, 2, 40
-    x, w, _, _, cn, _ = make_problem(R, H, K, N, torch.float32, seed=4, chunk=True)
-    gen = torch.Generator().manual_seed(4)
-    bias = randn(2 * N, dtype=torch.float32, gen=gen)[::2]
-    rows = torch.tensor([11, 0, 5, 5, 3, 9, 1, 2], dtype=torch.int64)[::2]
-    inw = (torch.rand(2 * K * H, generator=gen, dtype=torch.float64) + 0.5).float()[::2]
+    x, w, bias, rows, cn, inw = strided_1d_problem()
+    N = w.shape[0]
     args = (x, w, bias, rows, cn, inw)
     run_into_canaried_out(draft_fc.PATHS[path], args, rows.numel(), N, torch.float32)
     warm, n = _ptrs(), workspace.allocations

@@ -171,18 +171,23 @@ FAMILIES: Dict[str, Family] = {
 
 
 
+def _construct(cls, config, dtype: torch.dtype):
+    """``cls(config)`` with ``dtype`` as the default dtype (SGLang creates parameters in it)."""
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        return cls(config)
+    finally:
+        torch.set_default_dtype(previous)
+
+
 def sglang_model(family: str, config, dtype: torch.dtype, weights=None, seed: int = 0):
     """The SGLang model class, built with ``dtype`` as default dtype; ``weights`` (name, tensor)
     pairs in checkpoint naming go through its ``load_weights``, else parameters are seeded."""
     import importlib
 
     cls = getattr(importlib.import_module(FAMILIES[family].sglang_module), FAMILIES[family].sglang_class)
-    previous = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)
-    try:
-        model = cls(config)
-    finally:
-        torch.set_default_dtype(previous)
+    model = _construct(cls, config, dtype)
     if weights is not None:
         model.load_weights(list(weights))
     else:
@@ -228,12 +233,7 @@ def fill_random(model, seed: int) -> None:
 def eagle3_draft(config, dtype: torch.dtype, seed: int = 1):
     from sglang.srt.models.llama_eagle3 import LlamaForCausalLMEagle3
 
-    previous = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)
-    try:
-        model = LlamaForCausalLMEagle3(config)
-    finally:
-        torch.set_default_dtype(previous)
+    model = _construct(LlamaForCausalLMEagle3, config, dtype)
     fill_random(model, seed)
     return model.eval()
 
