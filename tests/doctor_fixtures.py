@@ -140,7 +140,7 @@ def tiny_states(tiny_pair):
     if not out.exists():
         tmp = tiny_pair.root / "states.partial.safetensors"
         rc = cli.capture_states_main(["--model", str(tiny_pair.target_dir), "--prompts", str(tiny_pair.prompts_file),
-                                      "--out", str(tmp)])
+                                      "--out", str(tmp), "--dtype", "float32"])
         assert rc == 0
         shutil.move(str(tmp), str(out))
     return out

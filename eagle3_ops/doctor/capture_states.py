@@ -16,21 +16,23 @@ of token ids; or plain text with one prompt per non-empty line.
 """
 from __future__ import annotations
 
+import contextlib
+import importlib.util
 import json
+import os
+import re
 from pathlib import Path
 from typing import List, Union
 
 import torch
 
-from .configs import DoctorInputError
+from .configs import DoctorInputError, check_file
 
 FORMAT = "eagle3_ops.doctor.states/1"
 
 
 def read_prompts(path) -> List[Union[str, List[int]]]:
-    p = Path(path)
-    if not p.is_file():
-        raise DoctorInputError(f"prompts: {p} does not exist")
+    p = check_file(path, "prompts", "a prompts file (JSON list or one prompt per line)")
     try:
         text = p.read_text()
     except (OSError, UnicodeDecodeError) as e:
@@ -70,41 +72,117 @@ def _decoder_layers(model):
     raise DoctorInputError("capture-states: cannot find the decoder layers of this model (expected model.layers)")
 
 
+def _missing_weights(model, info) -> List[str]:
+    """Parameters and persistent buffers the checkpoint did not provide (randomly initialised), less the ones tied
+    to a loaded tensor (``lm_head.weight`` with ``tie_word_embeddings``) and the ones the model declares optional."""
+    missing = set(info.get("missing_keys") or ()) | {k[0] if isinstance(k, tuple) else k
+                                                    for k in info.get("mismatched_keys") or ()}
+    if not missing:
+        return []
+    tensors = dict(model.named_parameters(remove_duplicate=False))
+    tensors.update(model.named_buffers(remove_duplicate=False))
+    loaded = [t for n, t in tensors.items() if n not in missing]
+    loaded_ids = {id(t) for t in loaded}
+    loaded_storage = {t.data_ptr() for t in loaded if t.numel() > 0 and t.data_ptr() != 0}
+    optional = [re.compile(p) for p in (getattr(model, "_keys_to_ignore_on_load_missing", None) or ())]
+    out = []
+    for name in sorted(missing):
+        t = tensors.get(name)
+        if t is not None and (id(t) in loaded_ids or t.data_ptr() in loaded_storage):
+            continue  # tied to a tensor that was loaded
+        if any(p.search(name) for p in optional):
+            continue
+        out.append(name)
+    return out
+
+
+def _accelerate_available() -> bool:
+    return importlib.util.find_spec("accelerate") is not None
+
+
+@contextlib.contextmanager
+def _quiet_transformers(transformers):
+    """transformers logs its own missing-weights report; this command reports them itself, on one line."""
+    level = transformers.utils.logging.get_verbosity()
+    transformers.utils.logging.set_verbosity_error()
+    try:
+        yield
+    finally:
+        transformers.utils.logging.set_verbosity(level)
+
+
+def _load_model(model_dir: Path, torch_dtype, *, device_map, trust_remote_code: bool):
+    from transformers import AutoModelForCausalLM
+
+    # trust_remote_code is always a bool: None would make transformers prompt y/N on a terminal (and fail without
+    # one) for a config with auto_map.
+    kwargs = dict(trust_remote_code=bool(trust_remote_code), output_loading_info=True)
+    if device_map is not None:
+        kwargs["device_map"] = device_map
+    try:
+        return AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch_dtype, **kwargs)
+    except TypeError:  # transformers < 4.56 spells it torch_dtype
+        return AutoModelForCausalLM.from_pretrained(str(model_dir), torch_dtype=torch_dtype, **kwargs)
+
+
 @torch.no_grad()
-def capture_states(model_dir, prompts, out_path, *, dtype: str = "float32", max_tokens: int = 512,
-                   device: str = "cpu") -> dict:
+def capture_states(model_dir, prompts, out_path, *, dtype: str = "bfloat16", max_tokens: int = 512,
+                   device: str = "cpu", device_map=None, trust_remote_code: bool = False) -> dict:
     try:
         import transformers  # noqa: F401
-        from transformers import AutoModelForCausalLM
     except ImportError:
         raise DoctorInputError("capture-states needs Hugging Face transformers (pip install transformers)") from None
     from safetensors.torch import save_file
 
+    if device_map is not None and not _accelerate_available():
+        raise DoctorInputError("capture-states: --device-map needs accelerate (pip install accelerate)")
     model_dir = Path(model_dir)
-    if not (model_dir / "config.json").is_file():
+    if not model_dir.is_dir():
+        check_file(model_dir, "capture-states", "a model directory")  # missing, a FIFO, unreadable
+        raise DoctorInputError(f"capture-states: {model_dir} is a file; expected a model directory (with config.json)")
+    cfg_path = model_dir / "config.json"
+    if not os.path.lexists(cfg_path):
         raise DoctorInputError(f"capture-states: no config.json in {model_dir}")
+    check_file(cfg_path, "capture-states", "a config.json file")
+    try:
+        has_auto_map = "auto_map" in json.loads(cfg_path.read_text())
+    except (OSError, ValueError, TypeError):
+        has_auto_map = False  # transformers reports the broken config below
     transformers.utils.logging.disable_progress_bar()
     torch_dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[dtype]
     try:
-        try:
-            model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch_dtype)
-        except TypeError:  # transformers < 4.56 spells it torch_dtype
-            model = AutoModelForCausalLM.from_pretrained(str(model_dir), torch_dtype=torch_dtype)
-        model = model.to(device).eval()
+        with _quiet_transformers(transformers):
+            model, info = _load_model(model_dir, torch_dtype, device_map=device_map,
+                                      trust_remote_code=trust_remote_code)
+        if device_map is None:
+            model = model.to(device)
+        model = model.eval()
     except Exception as e:
-        raise DoctorInputError(f"capture-states: cannot load {model_dir} with transformers: {e}") from None
+        if not trust_remote_code and "trust_remote_code" in str(e):
+            why = " (its config.json has auto_map)" if has_auto_map else ""
+            raise DoctorInputError(f"capture-states: this model needs --trust-remote-code{why}; pass it only if "
+                                   f"you trust the code in {model_dir}") from None
+        raise DoctorInputError(f"capture-states: cannot load {model_dir} with transformers: "
+                               f"{str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__}") from None
+    missing = _missing_weights(model, info)
+    if missing:  # states of a half-random model would make replay blame the wiring
+        more = f" and {len(missing) - 10} more" if len(missing) > 10 else ""
+        raise DoctorInputError(f"capture-states: {model_dir} lacks {len(missing)} weight(s) the model needs (they "
+                               f"would be random): {', '.join(missing[:10])}{more}")
     tokenizer = None
     if any(isinstance(p, str) for p in prompts):
         try:
             from transformers import AutoTokenizer
 
-            tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
+            tokenizer = AutoTokenizer.from_pretrained(str(model_dir), trust_remote_code=bool(trust_remote_code))
         except Exception as e:
             raise DoctorInputError(f"capture-states: text prompts need a tokenizer in {model_dir}: {e}") from None
 
     layers = _decoder_layers(model)
+    if device_map is not None:  # inputs go where the embedding is
+        device = model.get_input_embeddings().weight.device
     threads = torch.get_num_threads()
-    if device == "cpu" and model.config.get_text_config().hidden_size < 1024:
+    if str(device) == "cpu" and model.config.get_text_config().hidden_size < 1024:
         torch.set_num_threads(1)  # tiny models: a second OpenMP thread only adds waiting on a busy machine
     try:
         return _capture(model, layers, tokenizer, prompts, out_path, model_dir, torch_dtype, max_tokens, device,

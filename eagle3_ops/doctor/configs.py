@@ -29,6 +29,7 @@ import dataclasses
 import glob
 import json
 import os
+import stat
 from pathlib import Path
 from typing import TYPE_CHECKING, Dict, List, Optional, Tuple
 
@@ -63,18 +64,51 @@ def index_to_convention(conv: str, index: int) -> int:
     return index - 1 if conv == LAYER_OUTPUT else index
 
 
+_FILE_KINDS = ((stat.S_ISFIFO, "a FIFO"), (stat.S_ISSOCK, "a socket"), (stat.S_ISCHR, "a character device"),
+               (stat.S_ISBLK, "a block device"))
+
+
+def check_file(path, what: str, expected: str = "a file") -> Path:
+    """Refuse, with one clear line, a path that is missing, a directory, not a regular file (opening a FIFO
+    would block forever) or unreadable. Returns the path."""
+    p = Path(path)
+    try:
+        mode = os.stat(p).st_mode
+    except FileNotFoundError:
+        raise DoctorInputError(f"{what}: {p} does not exist") from None
+    except OSError as e:
+        raise DoctorInputError(f"{what}: cannot read {p}: {(e.strerror or str(e)).lower()}") from None
+    if stat.S_ISDIR(mode):
+        raise DoctorInputError(f"{what}: {p} is a directory; expected {expected}")
+    if not stat.S_ISREG(mode):
+        kind = next((k for test, k in _FILE_KINDS if test(mode)), "not a regular file")
+        raise DoctorInputError(f"{what}: {p} is {kind}, not a regular file; expected {expected}")
+    try:
+        os.close(os.open(p, os.O_RDONLY))
+    except OSError as e:
+        raise DoctorInputError(f"{what}: cannot read {p}: {(e.strerror or str(e)).lower()}") from None
+    return p
+
+
 def read_config(path, what: str) -> Tuple[Path, dict]:
     """``path`` is a model directory (or a config.json); returns (dir, parsed config)."""
     p = Path(path)
-    if not p.exists():
-        raise DoctorInputError(f"{what}: {p} does not exist")
-    cfg_path = p / "config.json" if p.is_dir() else p
-    model_dir = p if p.is_dir() else p.parent
-    if not cfg_path.is_file():
+    try:
+        is_dir = p.is_dir()
+    except OSError as e:
+        raise DoctorInputError(f"{what}: cannot read {p}: {(e.strerror or str(e)).lower()}") from None
+    cfg_path = p / "config.json" if is_dir else p
+    model_dir = p if is_dir else p.parent
+    if is_dir and not os.path.lexists(cfg_path):
+        try:
+            os.listdir(p)
+        except OSError as e:  # an unsearchable directory hides its files: say so, not "no config.json"
+            raise DoctorInputError(f"{what}: cannot read {p}: {(e.strerror or str(e)).lower()}") from None
         raise DoctorInputError(f"{what}: no config.json in {p}")
+    check_file(cfg_path, what, "a model directory or its config.json")
     try:
         text = cfg_path.read_text()
-    except OSError as e:
+    except (OSError, UnicodeDecodeError) as e:
         raise DoctorInputError(f"{what}: cannot read {cfg_path}: {e}") from None
     try:
         cfg = json.loads(text)
@@ -262,13 +296,21 @@ class TensorInfo:
 
 def _weight_files(model_dir: Path) -> List[str]:
     index = model_dir / "model.safetensors.index.json"
-    if index.is_file():
+    if os.path.lexists(index):
+        check_file(index, "draft", "a JSON index of the safetensors shards")
         try:
-            weight_map = json.loads(index.read_text()).get("weight_map", {})
-        except (OSError, json.JSONDecodeError) as e:
+            data = json.loads(index.read_text())
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
             raise DoctorInputError(f"draft: cannot read {index}: {e}") from None
+        if not isinstance(data, dict):
+            raise DoctorInputError(f"draft: {index} must hold a JSON object, found {type(data).__name__}")
+        weight_map = data.get("weight_map")
+        if not isinstance(weight_map, dict) or not all(isinstance(f, str) for f in weight_map.values()):
+            found = "none" if weight_map is None else type(weight_map).__name__
+            raise DoctorInputError(f"draft: in {index}, weight_map must be a JSON object mapping tensor names to "
+                                   f"files, found {found}")
         files = sorted({str(model_dir / f) for f in weight_map.values()})
-        missing = [f for f in files if not os.path.isfile(f)]
+        missing = [f for f in files if not os.path.lexists(f)]
         if missing:
             raise DoctorInputError(f"draft: {index.name} lists missing files: {', '.join(missing)}")
         return files
@@ -287,6 +329,7 @@ def read_weight_headers(model_dir) -> Dict[str, TensorInfo]:
                                f"*.safetensors with model.safetensors.index.json, or pytorch_model.bin)")
     out: Dict[str, TensorInfo] = {}
     for f in files:
+        check_file(f, "draft", "a weights file")  # a FIFO would hang safe_open / torch.load
         if f.endswith(".bin"):
             out.update(_bin_headers(f))
             continue
@@ -308,6 +351,7 @@ def read_weight_headers(model_dir) -> Dict[str, TensorInfo]:
 def _bin_headers(f: str) -> Dict[str, TensorInfo]:
     import torch
 
+    check_file(f, "draft", "a weights file")
     try:
         sd = torch.load(f, map_location="cpu", mmap=True, weights_only=True)
     except Exception as e:

@@ -128,15 +128,27 @@ class _Attention(nn.Module):
         return self.o_proj(o.transpose(-2, -3).reshape(*lead, t, s.num_heads * s.head_dim))
 
 
+# hidden_act values (Hugging Face names) the draft MLP computes; anything else is refused, never approximated.
+ACTIVATIONS = {
+    "silu": F.silu,
+    "swish": F.silu,
+    "gelu": F.gelu,
+    "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
+    "gelu_new": lambda x: F.gelu(x, approximate="tanh"),  # HF NewGELUActivation is the tanh approximation
+    "relu": F.relu,
+}
+
+
 class _MLP(nn.Module):
     def __init__(self, spec: DraftSpec):
         super().__init__()
         self.gate_proj = nn.Linear(spec.hidden_size, spec.intermediate_size, bias=False)
         self.up_proj = nn.Linear(spec.hidden_size, spec.intermediate_size, bias=False)
         self.down_proj = nn.Linear(spec.intermediate_size, spec.hidden_size, bias=False)
-        act = spec.hidden_act
-        self.act = {"silu": F.silu, "swish": F.silu, "gelu": F.gelu,
-                    "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"), "relu": F.relu}.get(act, F.silu)
+        if spec.hidden_act not in ACTIVATIONS:  # a silent stand-in would score a different model
+            raise ValueError(f"hidden_act {spec.hidden_act!r} is not supported "
+                             f"(supported: {', '.join(ACTIVATIONS)})")
+        self.act = ACTIVATIONS[spec.hidden_act]
 
     def forward(self, x):
         return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
