@@ -41,7 +41,8 @@ def test_sglang_rules_from_source():
     assert m("sglang", engines.GPT_OSS, [1, 17, 36], 36)[0] == [1, 17, 36]    # max id == L: as is
     assert m("sglang", engines.GPT_OSS, [1, 17, 33], 36)[0] == [2, 18, 34]
     assert m("vllm", engines.PLUS_ONE, [2, 16, 29], 32)[0] == [2, 16, 29]
-    assert m("trtllm", engines.PLUS_ONE, [-1, 1, 15], 32)[0] == [0, 2, 16]
+    # TensorRT-LLM: id k = output of layer k; -1 = the final state after the last norm (not the embeddings)
+    assert m("trtllm", engines.PLUS_ONE, [-1, 1, 15], 32)[0] == [engines.POST_NORM(32), 2, 16]
     assert engines.pp_stage_ranges(32, 2) == [(0, 16), (16, 32)]
     assert engines.pp_stage_ranges(10, 3) == [(0, 3), (3, 6), (6, 10)]  # extra layers go to the last stages
 
@@ -143,7 +144,7 @@ def test_layer_output_ids_read_as_layer_input_by_vllm(tmp_path, llama):
     rc, rep = doctor(bad, llama, "--engine", "vllm")[:2]
     assert rc == 1
     msg = finding(rep, "E_CONVENTION_MISMATCH")["message"]
-    assert "output of layer k" in msg and "entering layer k" in msg and "[2, 16, 29]" in msg
+    assert "one layer earlier" in msg and "every reading" in msg and "[2, 16, 29]" in msg
     assert [s["capture_index"] for s in rep["slots"]] == [1, 15, 28]
     assert [s["trained_index"] for s in rep["slots"]] == [2, 16, 29]
 
@@ -154,25 +155,32 @@ def test_layer_input_ids_read_as_layer_output_by_sglang(tmp_path, llama):
     rc, rep = doctor(bad, llama, "--engine", "sglang")[:2]
     assert rc == 1
     msg = finding(rep, "E_CONVENTION_MISMATCH")["message"]
-    assert "one layer (later)" in msg and "[1, 15, 28]" in msg
+    assert "one layer later" in msg and "[1, 15, 28]" in msg
     good = write_draft(tmp_path / "good", dialect="speculators", ids=[2, 16, 29], top_ids=[1, 15, 28])
     assert_clean(*doctor(good, llama, "--engine", "sglang")[:2])
 
 
 def test_layer_input_ids_on_trtllm(tmp_path, llama):
+    # TensorRT-LLM never reads the draft config's ids: it captures what eagle3_layers_to_capture says, or its
+    # default (1, L//2-1, L-4) = boundaries [2, 16, 29] (Eagle3OneModelSpecMetadata.__post_init__).
     d = write_draft(tmp_path / "d", dialect="speculators", ids=[2, 16, 29])
-    rc, rep = doctor(d, llama, "--engine", "trtllm")[:2]
-    assert rc == 1 and "E_CONVENTION_MISMATCH" in codes(rep)
+    assert_clean(*doctor(d, llama, "--engine", "trtllm")[:2])
+    rc, rep = doctor(d, llama, "--engine", "trtllm", "--trtllm-layers", "2,16,29")[:2]
+    assert rc == 1
+    assert "[1, 15, 28]" in finding(rep, "E_CONVENTION_MISMATCH")["message"]
+    assert_clean(*doctor(d, llama, "--engine", "trtllm", "--trtllm-layers", "1,15,28")[:2])
     assert_clean(*doctor(d, llama, "--engine", "vllm")[:2])
 
 
 def test_deepseek_first_id_rule(tmp_path):
     t = write_target(tmp_path / "ds", model_type="deepseek_v3", num_layers=61)
-    # SpecForge ids whose first id is not 1: SGLang's deepseek rule reads them as boundaries (no +1).
-    rc, rep = doctor(write_draft(tmp_path / "bad", ids=[2, 30, 58]), t)[:2]
-    assert rc == 1
-    msg = finding(rep, "E_CONVENTION_MISMATCH")["message"]
-    assert "[3, 31, 59]" in msg  # ids that make SGLang's deepseek rule capture what the draft was trained on
+    # SpecForge ids whose first id is not 1: SGLang's deepseek rule reads them as boundaries (no +1). A draft
+    # trained through that same function is right as configured; one trained on "outputs of layers 2, 30, 58"
+    # needs [3, 31, 59]. The config cannot tell: a warning with both readings, never an error.
+    rc, rep = doctor(write_draft(tmp_path / "amb", ids=[2, 30, 58]), t)[:2]
+    assert rc == 0
+    msg = finding(rep, "W_TRAINING_AMBIGUOUS")["message"]
+    assert "[3, 31, 59]" in msg and "keep the ids" in msg and "--replay" in msg
     assert_clean(*doctor(write_draft(tmp_path / "good", ids=[1, 29, 57]), t)[:2])
     assert_clean(*doctor(write_draft(tmp_path / "good2", ids=[2, 30, 58]), t, "--trained-convention",
                          "layer-input")[:2])
@@ -200,7 +208,7 @@ def test_last_layer_id_never_captured_by_sglang(tmp_path, llama):
     assert "E_FC_WIDTH" not in codes(rep)  # one root cause, one error... plus the slot count it implies
     assert_clean(*doctor(write_draft(tmp_path / "good", ids=[1, 15, L - 2]), llama)[:2])
     # TensorRT-LLM captures after the named layer, so the same ids are fine there.
-    assert_clean(*doctor(bad, llama, "--engine", "trtllm")[:2])
+    assert_clean(*doctor(bad, llama, "--engine", "trtllm", "--trtllm-layers", f"1,15,{L - 1}")[:2])
 
 
 def test_gpt_oss_captures_the_final_boundary(tmp_path):
@@ -220,8 +228,11 @@ def test_pipeline_parallel_stage_without_captures(tmp_path, llama):
     # All captured boundaries on the last stage: fine with pp=2 (even split and explicit partition).
     assert_clean(*doctor(write_draft(tmp_path / "late", ids=[15, 20, 28]), llama, "--pp", "2")[:2])
     assert_clean(*doctor(d, llama, "--pp", "2", "--pp-partition", "2,30")[:2])
+    # vLLM 0.33.0: the V2 runner relays earlier stages' captures for llama; the V1 runner relays none
     rc, rep = doctor(d, llama, "--pp", "2", "--engine", "vllm", "--trained-convention", "layer-output")[:2]
-    assert "W_PP_UNVERIFIED" in codes(rep, "warning")
+    assert "E_PP_NOT_CAPTURED" not in codes(rep)
+    rc, rep = doctor(d, llama, "--pp", "2", "--engine", "vllm", "--vllm-runner", "v1")[:2]
+    assert "E_PP_NOT_CAPTURED" in codes(rep, "error")
 
 
 # -------------------------------------------------------------------- fault: partial sums before all-reduce
@@ -234,7 +245,10 @@ def test_tp_partial_sums(tmp_path, llama):
     assert_clean(rc, rep)
     assert "stream.complete" in finding(rep, "I_TP_CAPTURE_OK")["message"]
     rc, rep = doctor(d, llama, "--tp", "4", "--engine", "trtllm")[:2]
-    assert rc == 0 and "W_TP_CAPTURE_UNVERIFIED" in codes(rep, "warning")
+    assert rc == 0 and "maybe_capture_hidden_states" in finding(rep, "I_TP_CAPTURE_OK")["message"]
+    other = write_target(tmp_path / "other", model_type="mamba_x", num_layers=32)
+    rc, rep = doctor(d, other, "--tp", "4", "--engine", "trtllm")[:2]
+    assert "W_TP_CAPTURE_UNVERIFIED" in codes(rep, "warning")
 
 
 # ------------------------------------------------------------------------------- fault: fc width

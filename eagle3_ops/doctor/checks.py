@@ -49,12 +49,43 @@ class Finding:
 
 
 @dataclasses.dataclass
+class Reading:
+    """One plausible account of how the draft's ids were turned into hidden states during training."""
+    key: str                 # stable: sglang-capture | output-of-layer | entering-layer | default | given
+    label: str               # who trains this way, in words
+    boundaries: List[int]    # in fc slot order
+    plausible: bool = True   # False: the trainer could not have captured these (the reading is ruled out)
+    why_not: str = ""
+
+
+@dataclasses.dataclass
 class Training:
-    """What the draft was trained on, as far as its config (or the user) says."""
-    boundaries: List[int]            # in fc slot order
+    """What the draft was trained on, as far as its config (or the user) can say: one reading per way the
+    ids may have been read by the trainer. Where the readings disagree, only replay can tell."""
     ids: Optional[List[int]]
-    convention: Optional[str]
     source: str
+    readings: List[Reading]
+    assumed_default: bool = False    # the config records no ids: the default is an assumption
+
+    @property
+    def plausible(self) -> List[Reading]:
+        return [r for r in self.readings if r.plausible]
+
+    @property
+    def agreed(self) -> Optional[List[int]]:
+        """The boundaries when *every* reading (ruled out ones too) gives the same ones, else None: a
+        reading that is ruled out still says the config may not describe the training (a hand edit)."""
+        first = self.readings[0].boundaries if self.readings else None
+        if first is None or any(r.boundaries != first for r in self.readings):
+            return None
+        return list(first)
+
+    @property
+    def boundaries(self) -> List[int]:
+        """The agreed boundaries, else the first plausible reading's (candidates for replay)."""
+        if self.agreed is not None:
+            return self.agreed
+        return list((self.plausible or self.readings)[0].boundaries)
 
 
 @dataclasses.dataclass
@@ -66,6 +97,8 @@ class Options:
     trained_convention: str = "auto"   # auto | layer-output | layer-input
     trained_ids: Optional[List[int]] = None
     capture_point: str = "auto"        # auto | after-allreduce | before-allreduce
+    vllm_runner: str = "v2"            # v2 (vLLM 0.33.0's default) | v1 (VLLM_USE_V2_MODEL_RUNNER=0, P-EAGLE)
+    trtllm_layers: Optional[List[int]] = None  # eagle3_layers_to_capture passed to TensorRT-LLM (None: default)
 
 
 @dataclasses.dataclass
@@ -110,24 +143,80 @@ class Report:
 
 
 # ------------------------------------------------------------------------------------ training
+SGLANG_TRAINER = ("trained through SGLang's set_eagle3_layers_to_capture with the ids as written (SpecForge 0.2.0: "
+                  "its only backend, offline and online; rule of SGLang 0.5.23 for this family: {rule})")
+OUTPUT_OF_LAYER = ("id k = the output of layer k, -1 = the embeddings (Hugging Face output_hidden_states[k + 1]: "
+                   "SpecForge's HF backend before its SGLang-only cutover, the EAGLE-3 reference training code)")
+ENTERING_LAYER = "id k = the residual stream entering layer k, 0 = the embeddings (vLLM's capture point)"
+SPECULATORS = ("speculators 0.9.0 (hidden states from vLLM's extract_hidden_states: id k = the residual stream "
+               "entering layer k, 0 = the embeddings)")
+
+
+def training_readings(dialect: str, ids: List[int], target: TargetInfo) -> List[Reading]:
+    """Every plausible reading of ``ids`` for a draft config of ``dialect`` (merged where they agree)."""
+    from .engines import detect_family, map_ids, rule_text, uncapturable_reason
+
+    L = target.num_layers
+    family = detect_family(target)[0]
+    out: List[Reading] = []
+    if dialect == "specforge":
+        b, _ = map_ids("sglang", family, ids, L)
+        bad = [x for x in b if uncapturable_reason("sglang", family, x, L)]
+        out.append(Reading("sglang-capture", SGLANG_TRAINER.format(rule=rule_text("sglang", family)), b,
+                           not bad and len(set(b)) == len(b),
+                           f"SGLang never captures boundary {bad[0]}" if bad else
+                           ("SGLang captures a repeated boundary once" if len(set(b)) != len(b) else "")))
+        out.append(_bounded(Reading("output-of-layer", OUTPUT_OF_LAYER, [i + 1 for i in ids]), L))
+    elif dialect == "speculators":
+        out.append(_bounded(Reading("entering-layer", SPECULATORS, list(ids)), L))
+    else:  # top-level ids of an unknown trainer
+        out.append(_bounded(Reading("entering-layer", ENTERING_LAYER, list(ids)), L))
+        out.append(_bounded(Reading("output-of-layer", OUTPUT_OF_LAYER, [i + 1 for i in ids]), L))
+    merged: List[Reading] = []
+    for r in out:
+        twin = next((m for m in merged if m.boundaries == r.boundaries), None)
+        if twin is None:
+            merged.append(r)
+        else:
+            twin.label += "; or " + r.label
+            twin.plausible = twin.plausible or r.plausible
+    return merged
+
+
+def _bounded(r: Reading, L: int) -> Reading:
+    bad = [b for b in r.boundaries if not 0 <= b <= L]
+    if bad:
+        r.plausible, r.why_not = False, f"boundary {bad[0]} does not exist (boundaries are 0..{L})"
+    return r
+
+
 def resolve_training(draft: DraftInfo, target: TargetInfo, opts: Options) -> Training:
     L = target.num_layers
-    conv = None if opts.trained_convention == "auto" else opts.trained_convention
     if opts.trained_ids is not None:
-        conv = conv or draft.dialect_convention or LAYER_OUTPUT
-        return Training([convention_to_index(conv, i) for i in opts.trained_ids], list(opts.trained_ids), conv,
-                        f"--trained-ids {opts.trained_ids}, read as: {CONVENTION_TEXT[conv]}")
+        ids = list(opts.trained_ids)
+        if opts.trained_convention != "auto":
+            conv = opts.trained_convention
+            r = _bounded(Reading("given", f"--trained-ids read as: {CONVENTION_TEXT[conv]}",
+                                 [convention_to_index(conv, i) for i in ids]), L)
+            return Training(ids, f"--trained-ids {ids} (--trained-convention {conv})", [r])
+        return Training(ids, f"--trained-ids {ids}, read as the draft config's dialect ({draft.dialect})",
+                        training_readings(draft.dialect, ids, target))
     ids = draft.training_ids
     if ids is None:
-        return Training(default_boundaries(L), None, None,
-                        f"no layer ids in the draft config: EAGLE-3 drafts without ids are trained on the default "
-                        f"boundaries {default_boundaries(L)} (2, L//2, L-3)")
-    conv = conv or draft.dialect_convention
+        d = default_boundaries(L)
+        return Training(None, "no layer ids in the draft config", [Reading(
+            "default", f"the default every trainer and engine uses without ids: boundaries {d} = (2, L//2, L-3) "
+                       f"(SpecForge's default ids [1, L//2-1, L-4] through SGLang; speculators' and vLLM's "
+                       f"(2, L//2, L-3)); assumed, since the config records nothing", d)], assumed_default=True)
     where = "eagle_config.eagle_aux_hidden_state_layer_ids" if draft.dialect == "specforge" else \
         "eagle_aux_hidden_state_layer_ids"
-    how = "from --trained-convention" if opts.trained_convention != "auto" else f"{draft.dialect} config"
-    return Training([convention_to_index(conv, i) for i in ids], list(ids), conv,
-                    f"{where} = {ids}, read as: {CONVENTION_TEXT[conv]} ({how})")
+    if opts.trained_convention != "auto":
+        conv = opts.trained_convention
+        r = _bounded(Reading("given", f"read as: {CONVENTION_TEXT[conv]} (--trained-convention)",
+                             [convention_to_index(conv, i) for i in ids]), L)
+        return Training(list(ids), f"{where} = {ids}", [r])
+    return Training(list(ids), f"{where} = {ids} ({draft.dialect} config)",
+                    training_readings(draft.dialect, ids, target))
 
 
 # -------------------------------------------------------------------------------------- checks
@@ -156,7 +245,8 @@ def run_checks(target: TargetInfo, draft: DraftInfo, weights: Dict[str, TensorIn
         _check_vocab(rep, target, draft, weights)
         return rep
 
-    wiring = resolve_wiring(opts.engine, target, draft, pp=opts.pp, pp_partition=opts.pp_partition)
+    wiring = resolve_wiring(opts.engine, target, draft, pp=opts.pp, pp_partition=opts.pp_partition,
+                            vllm_runner=opts.vllm_runner, trtllm_layers=opts.trtllm_layers)
     training = resolve_training(draft, target, opts)
     rep.wiring, rep.training = wiring, training
 
@@ -184,8 +274,10 @@ def run_checks(target: TargetInfo, draft: DraftInfo, weights: Dict[str, TensorIn
                     f"but the draft's fc weight takes {fc_in} = {fc_slots} x {H} inputs: it was trained on "
                     f"{fc_slots} layer outputs, without an embedding capture. Remove {emb_id} "
                     f"(ids {rest}); an embedding slot shifts every other slot and the draft reads garbage.")
-            training = Training([b for p, b in enumerate(training.boundaries) if p != emb_pos[0]], rest,
-                                training.convention, training.source + f", without the embedding id {emb_id}")
+            for r in training.readings:
+                r.boundaries = [b for p, b in enumerate(r.boundaries) if p != emb_pos[0]]
+            training = Training(rest, training.source + f", without the embedding id {emb_id}", training.readings,
+                                training.assumed_default)
             rep.training = training
         else:
             rep.add("error", "E_FC_WIDTH",
@@ -219,12 +311,13 @@ def run_checks(target: TargetInfo, draft: DraftInfo, weights: Dict[str, TensorIn
                     f"{s.why_not}: this slot stays empty, the draft gets {len(wiring.captured_boundaries)} of "
                     f"{len(wiring.slots)} slots and serving fails or reads garbage. {fix}")
         elif wiring.pp_last_stage is not None and 0 <= s.boundary < wiring.pp_last_stage[0]:
-            sev = "error" if opts.engine == "sglang" else "warning"
-            code = "E_PP_NOT_CAPTURED" if sev == "error" else "W_PP_UNVERIFIED"
-            rep.add(sev, code,
+            vllm_note = ""
+            if opts.engine == "vllm":
+                vllm_note = (" (vLLM 0.33.0: the V2 runner relays earlier stages' captures only for llama/qwen2 and "
+                             "raises for other models; the V1 runner relays none)")
+            rep.add("error", "E_PP_NOT_CAPTURED",
                     f"Slot {s.slot}: {idtxt} -> boundary {s.boundary} ({describe_boundary(s.boundary, L)}). With "
-                    f"--pp {opts.pp}, {s.why_not}, so it is never captured"
-                    f"{'' if sev == 'error' else ' (vLLM versions checked; newer ones may forward captures)'}. "
+                    f"--pp {opts.pp}, {s.why_not}, so it is never captured{vllm_note}. "
                     f"Serve with a smaller --pp"
                     + (f", or set SGLANG_PP_LAYER_PARTITION so that the last stage starts at layer "
                        f"{min(b.boundary for b in wiring.slots if b.boundary >= 0)} or earlier."
@@ -249,8 +342,8 @@ def run_checks(target: TargetInfo, draft: DraftInfo, weights: Dict[str, TensorIn
     # ---- ids this engine does not read
     if wiring.ignored_ids is not None:
         loc, ids = wiring.ignored_ids
-        same = wiring.captured_boundaries == training.boundaries
-        if same:
+        same = all(wiring.captured_boundaries == r.boundaries for r in training.plausible)
+        if same and training.plausible:
             rep.add("warning", "W_IDS_IGNORED",
                     f"{eng} does not read {loc} = {ids}; it uses its default boundaries "
                     f"{default_boundaries(L)}, which happen to be the ones the draft was trained on. Write the ids "
@@ -270,8 +363,10 @@ def run_checks(target: TargetInfo, draft: DraftInfo, weights: Dict[str, TensorIn
                 f"number of eagle_config ids, else 3) but the checkpoint's fc.weight takes {fc_slots} slots: loading "
                 f"fails with a shape mismatch. Make the config describe {fc_slots} slots.")
 
-    # ---- the wiring itself: engine slot k vs trained slot k
+    # ---- the wiring itself: engine slot k vs trained slot k, under every reading of the ids
     _compare_slots(rep, wiring, training, opts, L)
+    if opts.engine == "vllm":
+        _check_other_vllm_runner(rep, target, draft, wiring, opts)
 
     # ---- draft math the engine does not support
     if opts.engine == "sglang" and draft.norm_before_residual:
@@ -305,16 +400,93 @@ def _suggest_last_layer_fix(engine: str, family: str, L: int) -> str:
                    "that captures it, e.g. TensorRT-LLM) to get its accuracy back.")
 
 
+def replay_command(rep: "Report") -> str:
+    """The exact commands that settle what the config cannot: record STATES, then replay."""
+    o = rep.options
+    engine = f" --engine {o.engine}" if o.engine != "sglang" else ""
+    return (f"record states with the target: in SGLang with the eagle3_ops plugin, serve with "
+            f"EAGLE3_OPS_DUMP_STATES=states.safetensors and --disable-prefill-cuda-graph and send a few prompts; or "
+            f"`python -m eagle3_ops capture-states --model {rep.target.path} --prompts prompts.txt --out "
+            f"states.safetensors --trust-remote-code --device-map auto`; then `python -m eagle3_ops doctor --draft "
+            f"{rep.draft.path} --target {rep.target.path}{engine} --replay states.safetensors`")
+
+
+def _fix_candidates(engine: str, family: str, boundaries: List[int], L: int) -> List[List[int]]:
+    """Id lists that make ``engine`` capture exactly ``boundaries`` in this order."""
+    from .engines import POST_NORM
+
+    out = []
+    for ids in ([(-1 if b == POST_NORM(L) else b - 1) for b in boundaries], list(boundaries)):
+        if ids not in out and ids_for_boundaries(engine, family, boundaries, L) is not None \
+                and map_ids(engine, family, ids, L)[0] == list(boundaries):
+            out.append(ids)
+    return out
+
+
+def verified_fix(rep: "Report", boundaries: List[int], check_readings: bool = True) -> Optional[List[int]]:
+    """Ids that make the engine feed ``boundaries`` and that the doctor itself passes: the engine captures
+    every slot, in order, the fc width fits, and (``check_readings``: evidence from the config alone) every
+    plausible reading of the new ids gives the same boundaries, else the re-run would warn that the config
+    cannot tell. With replay as the evidence the readings need not agree. None when no such ids exist."""
+    from .engines import resolve_wiring
+
+    o, t, d = rep.options, rep.target, rep.draft
+    family = rep.wiring.family
+    for ids in _fix_candidates(o.engine, family, boundaries, t.num_layers):
+        if o.engine == "sglang":
+            nd, layers = dataclasses.replace(d, nested_ids=ids), o.trtllm_layers
+        elif o.engine == "vllm":
+            nd, layers = dataclasses.replace(d, top_ids=ids), o.trtllm_layers
+        else:
+            nd, layers = d, ids
+        w = resolve_wiring(o.engine, t, nd, pp=o.pp, pp_partition=o.pp_partition, vllm_runner=o.vllm_runner,
+                           trtllm_layers=layers)
+        if w.duplicates or w.reordered or not all(s.captured for s in w.slots) or \
+                w.captured_boundaries != list(boundaries) or \
+                (rep.fc_slots is not None and len(w.slots) != rep.fc_slots):
+            continue
+        if check_readings and o.trained_ids is None and o.engine != "trtllm":
+            nt = resolve_training(nd, t, o)
+            if any(r.boundaries != list(boundaries) for r in nt.plausible):
+                continue
+        return ids
+    return None
+
+
+def _readings_text(rep: "Report", training: Training, L: int) -> str:
+    """Each reading: its boundaries and the ids to set under it for this engine."""
+    eng = rep.wiring.name
+    parts = []
+    for n, r in enumerate(training.readings):
+        tag = chr(ord("A") + n)
+        if not r.plausible:
+            parts.append(f"({tag}) {r.label}: boundaries {r.boundaries}, ruled out ({r.why_not})")
+            continue
+        fed = rep.wiring.captured_boundaries == r.boundaries and all(s.captured for s in rep.wiring.slots)
+        if fed:
+            todo = "what it feeds now: keep the ids"
+        else:
+            cands = _fix_candidates(rep.options.engine, rep.wiring.family, r.boundaries, L)
+            todo = (f"set {IDS_LOCATION[rep.options.engine]} to {cands[0]}" if cands else
+                    f"{eng} cannot capture these boundaries in this order")
+        parts.append(f"({tag}) {r.label}: trained on {r.boundaries} = "
+                     f"{', '.join(short_boundary(b, L) for b in r.boundaries)}; {todo}")
+    return "; ".join(parts)
+
+
 def _compare_slots(rep: Report, wiring: EngineWiring, training: Training, opts: Options, L: int) -> None:
     eng = wiring.name
     engine_b = [s.boundary for s in wiring.slots]
-    trained_b = training.boundaries
-    n = max(len(engine_b), len(trained_b))
-    mismatched = []
+    plausible = training.plausible
+    agreed = training.agreed
+    n = max([len(engine_b)] + [len(r.boundaries) for r in training.readings])
     for k in range(n):
         s = wiring.slots[k] if k < len(wiring.slots) else None
-        tb = trained_b[k] if k < len(trained_b) else None
-        row = {
+        per = {r.key: (r.boundaries[k] if k < len(r.boundaries) else None) for r in plausible}
+        tb = agreed[k] if agreed is not None and k < len(agreed) else None
+        if tb is None and len(set(per.values())) == 1:
+            tb = next(iter(per.values()))
+        rep.slots.append({
             "slot": k,
             "config_id": s.config_id if s else None,
             "capture_index": s.boundary if s else None,
@@ -324,66 +496,124 @@ def _compare_slots(rep: Report, wiring: EngineWiring, training: Training, opts: 
             "captured": bool(s and s.captured),
             "not_captured_reason": s.why_not if s and not s.captured else None,
             "trained_index": tb,
-            "draft_trained_on": describe_boundary(tb, L) if tb is not None else "no such slot in training",
-            "match": bool(s and s.captured and tb is not None and s.boundary == tb),
-        }
-        rep.slots.append(row)
-        if s is not None and tb is not None and s.captured and s.boundary != tb:
-            mismatched.append((k, s, tb))
+            "trained_by_reading": per,
+            "draft_trained_on": describe_boundary(tb, L) if tb is not None else
+            ("no such slot in training" if not any(v is not None for v in per.values()) else
+             "depends on the reading: " + ", ".join(f"{key} {v}" for key, v in per.items())),
+            "match": bool(s and s.captured and per and all(v == s.boundary for v in per.values())),
+        })
 
     if wiring.reordered:
-        if opts.engine == "trtllm" and wiring.ids == sorted(wiring.ids):
-            why = (f"TensorRT-LLM sorts the ids and moves -1 (the embeddings) to the last slot, so with ids "
-                   f"{wiring.ids} slot k is not the k-th id")
+        if opts.engine == "trtllm":
+            why = (f"TensorRT-LLM keeps eagle3_layers_to_capture as a set and concatenates it in ascending id order "
+                   f"(id -1 first), so with ids {wiring.ids} slot k is not the k-th id")
         else:
-            why = (f"the ids {wiring.ids} are not in layer order and {eng} concatenates captures in layer order"
-                   f"{' (embeddings last)' if opts.engine == 'trtllm' else ''}, so slot k is not the k-th id")
+            why = (f"the ids {wiring.ids} are not in layer order and {eng} concatenates captures in layer order, so "
+                   f"slot k is not the k-th id")
         rep.add("warning", "W_SLOT_ORDER",
                 f"{why[0].upper() + why[1:]}. If the draft was trained with the ids' order, its slots are permuted; "
                 f"check with --replay.")
-    if not mismatched or len(engine_b) != len(trained_b):
+    if any(len(r.boundaries) != len(engine_b) for r in training.readings) or not all(s.captured for s in
+                                                                                     wiring.slots):
+        if not plausible or (agreed is None and len(training.readings) > 1):
+            rep.add("info", "I_TRAINING_READINGS", "What the draft may have been trained on: "
+                    + _readings_text(rep, training, L) + f". To settle it, {replay_command(rep)}.")
+        return
+    if not plausible:
+        rep.add("error", "E_WIRING_MISMATCH",
+                f"No reading of the draft config's ids {training.ids} is something a trainer could have captured: "
+                + _readings_text(rep, training, L) + f". The config was likely edited after training: restore the "
+                f"ids the checkpoint was published with, or {replay_command(rep)}.")
+        return
+    matching = [r for r in plausible if r.boundaries == engine_b]
+    if len(matching) == len(plausible):
+        if training.assumed_default:
+            rep.add("warning", "W_NO_TRAINING_IDS",
+                    f"The draft config records no layer ids, so the doctor assumes it was trained on the common "
+                    f"default boundaries {engine_b}, which is what {eng} feeds. That is an assumption: drafts trained "
+                    f"on other layers are published without ids too (a vLLM user reported 1.2% acceptance with the "
+                    f"defaults on such a Llama-3.3-70B draft). To check, {replay_command(rep)}.")
+        elif len(training.readings) > 1:
+            rep.add("info", "I_WIRING_MATCHES",
+                    f"{eng} feeds {engine_b}, which is what the draft was trained on under every plausible reading of "
+                    f"its ids: " + _readings_text(rep, training, L) + ".")
         return
 
-    fix_ids = ids_for_boundaries(opts.engine, wiring.family, trained_b, L)
-    if fix_ids is not None:
-        fix_rule = map_ids(opts.engine, wiring.family, fix_ids, L)[1]
-        fix = f"Set {IDS_LOCATION[opts.engine]} to {fix_ids} ({eng}: boundary = {fix_rule})."
-        if opts.engine == "sglang" and wiring.family == DEEPSEEK:
-            fix = (f"Set {IDS_LOCATION[opts.engine]} to {fix_ids} (SGLang's deepseek rule adds 1 only when the "
-                   f"first id is 1).")
-    else:
-        fix = (f"{eng} cannot capture exactly {trained_b} in this order; serve with an engine that can, or "
-               f"retrain the draft on boundaries {eng} captures.")
+    details_for = (lambda tb: "; ".join(f"slot {k} gets {short_boundary(s.boundary, L)} but was trained on "
+                                        f"{short_boundary(b, L)}" for k, (s, b) in enumerate(zip(wiring.slots, tb))
+                                        if s.boundary != b))
     ignored = ""
     if wiring.ignored_ids is not None:
         loc, ids = wiring.ignored_ids
         ignored = f" ({eng} does not read {loc} = {ids}, so it falls back to its default boundaries.)"
 
-    details = "; ".join(f"slot {k} gets {short_boundary(s.boundary, L)} but was trained on "
-                        f"{short_boundary(tb, L)}" for k, s, tb in mismatched)
-    emb = [(k, s, tb) for k, s, tb in mismatched if s.boundary == 0]
-    deltas = {s.boundary - tb for _, s, tb in mismatched}
+    if matching:  # some readings agree with the engine, some do not: the config cannot decide
+        keep = " and ".join(chr(ord("A") + training.readings.index(r)) for r in matching)
+        rep.add("warning", "W_TRAINING_AMBIGUOUS",
+                f"The draft config cannot tell which hidden states the draft was trained on, and the readings "
+                f"disagree about this deployment: {eng} feeds {engine_b} "
+                f"({', '.join(short_boundary(b, L) for b in engine_b)}). " + _readings_text(rep, training, L)
+                + f". Under reading {keep} the deployment is right as configured; do not change the ids on the "
+                f"doctor's word. To settle it, {replay_command(rep)}.")
+        return
+
+    # no plausible reading matches: an error; a fix only from evidence (every reading agrees)
+    if agreed is not None:
+        fix_ids = verified_fix(rep, agreed)
+        if fix_ids is not None:
+            fix_rule = map_ids(opts.engine, wiring.family, fix_ids, L)[1]
+            fix = f"Set {IDS_LOCATION[opts.engine]} to {fix_ids} ({eng}: boundary = {fix_rule})."
+            if opts.engine == "sglang" and wiring.family == DEEPSEEK:
+                fix = (f"Set {IDS_LOCATION[opts.engine]} to {fix_ids} (SGLang's deepseek rule adds 1 only when the "
+                       f"first id is 1).")
+        else:
+            fix = (f"No ids make {eng} feed exactly {agreed} (in this order) in a configuration the doctor can "
+                   f"confirm; serve with an engine that can, or retrain the draft on boundaries {eng} captures.")
+        details = details_for(agreed)
+    else:
+        fix = ("The readings disagree on what the draft was trained on, and none is what the engine feeds: "
+               + _readings_text(rep, training, L) + f". To find out which, {replay_command(rep)}.")
+        details = " | ".join(f"reading {chr(ord('A') + training.readings.index(r))}: {details_for(r.boundaries)}"
+                             for r in plausible)
+    emb = [k for k, s in enumerate(wiring.slots) if s.boundary == 0 and all(r.boundaries[k] != 0 for r in plausible)]
+    deltas = {s.boundary - b for r in plausible for s, b in zip(wiring.slots, r.boundaries) if s.boundary != b}
     if emb:
         rep.add("error", "E_EMBEDDING_CAPTURE",
-                f"Slot {emb[0][0]} receives the token embeddings, but the draft was trained on "
-                f"{short_boundary(emb[0][2], L)} there ({details}).{ignored} {fix}")
-    elif len(mismatched) == len(trained_b) and len(deltas) == 1 and deltas <= {1, -1}:
+                f"Slot {emb[0]} receives the token embeddings, but the draft was not trained on them there "
+                f"({details}).{ignored} {fix}")
+    elif agreed is not None and len(deltas) == 1 and deltas <= {1, -1} and \
+            all(s.boundary != b for s, b in zip(wiring.slots, agreed)):
         d = deltas.pop()
-        if training.convention == LAYER_OUTPUT and d == -1:
-            why = (f"the ids are written as 'output of layer k' ({training.source.split(', read as')[0]}) "
-                   f"but {eng} reads them as 'residual stream entering layer k' ({wiring.rule})")
-        elif training.convention == LAYER_INPUT and d == 1:
-            why = (f"the ids are written as 'residual stream entering layer k' but {eng} reads them as "
-                   f"'output of layer k' ({wiring.rule})")
-        else:
-            why = f"every slot is one layer {'later' if d > 0 else 'earlier'} than the draft was trained on"
         rep.add("error", "E_CONVENTION_MISMATCH",
-                f"Every slot is off by one layer ({'later' if d > 0 else 'earlier'}): {why}.{ignored} {details}. "
-                f"{fix}")
+                f"Every slot is one layer {'later' if d > 0 else 'earlier'} than the draft was trained on under "
+                f"every reading of its ids: {eng} reads them by '{wiring.rule}'.{ignored} {details}. {fix}")
     else:
         rep.add("error", "E_WIRING_MISMATCH",
-                f"{len(mismatched)} of {len(trained_b)} slots get other hidden states than the draft was trained on: "
-                f"{details}.{ignored} {fix}")
+                f"{eng} feeds the draft other hidden states than it was trained on: {details}.{ignored} {fix}")
+
+
+def _check_other_vllm_runner(rep: Report, target: TargetInfo, draft: DraftInfo, wiring: EngineWiring,
+                             opts: Options) -> None:
+    """vLLM 0.33.0 reads ids differently per model runner; say what the other one feeds when it differs."""
+    from .engines import resolve_wiring
+
+    other = "v1" if opts.vllm_runner == "v2" else "v2"
+    w = resolve_wiring("vllm", target, draft, pp=opts.pp, pp_partition=opts.pp_partition, vllm_runner=other)
+    if w.captured_boundaries == wiring.captured_boundaries:
+        return
+    how = {"v1": "the V1 runner (VLLM_USE_V2_MODEL_RUNNER=0, and what vLLM falls back to for P-EAGLE parallel "
+                 "drafting): gpu_model_runner._get_eagle3_aux_layers_from_config reads the top-level ids, then "
+                 "eagle_config's, as given",
+           "v2": "the V2 runner (vLLM 0.33.0's default): eagle3_utils.get_eagle3_aux_layers_from_config reads the "
+                 "top-level ids only"}[other]
+    ok = [r for r in (rep.training.plausible if rep.training else []) if r.boundaries == w.captured_boundaries]
+    rep.add("warning", "W_VLLM_RUNNER",
+            f"This report is for vLLM's {opts.vllm_runner.upper()} runner (--vllm-runner). Under {how}, vLLM feeds "
+            f"{w.captured_boundaries} instead ({w.ids_source}), which "
+            + ("is what the draft was trained on under some reading" if ok else
+               "matches no reading of what the draft was trained on")
+            + f". Write the top-level eagle_aux_hidden_state_layer_ids so both runners agree; rerun with "
+              f"--vllm-runner {other} to see that case in full.")
 
 
 def _check_tp(rep: Report, wiring: EngineWiring, opts: Options) -> None:

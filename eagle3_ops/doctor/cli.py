@@ -7,7 +7,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
+import re
 import sys
 import textwrap
 from typing import List, Optional
@@ -44,6 +46,27 @@ def _ids(text: str) -> List[int]:
     return out
 
 
+# Options whose value may start with '-' (``--trained-ids -1,4,6``): argparse would read such a value as an
+# option, so it is attached with '=' before parsing (``--trained-ids=-1,4,6`` works as is).
+_INT_LIST_OPTIONS = ("--trained-ids", "--pp-partition", "--trtllm-layers")
+_INT_LIST = re.compile(r"^\s*-\d+\s*(,\s*-?\d+\s*)*,?\s*$")
+
+
+def _join_negative_lists(argv: List[str]) -> List[str]:
+    out, i = [], 0
+    while i < len(argv):
+        a = argv[i]
+        if a == "--":
+            return out + argv[i:]
+        if a in _INT_LIST_OPTIONS and i + 1 < len(argv) and _INT_LIST.match(argv[i + 1]):
+            out.append(f"{a}={argv[i + 1]}")
+            i += 2
+            continue
+        out.append(a)
+        i += 1
+    return out
+
+
 def _doctor_parser() -> argparse.ArgumentParser:
     p = _Parser(prog="python -m eagle3_ops doctor", description=DOCTOR_DESCRIPTION,
                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -70,6 +93,12 @@ def _doctor_parser() -> argparse.ArgumentParser:
                         "auto: from the config dialect")
     p.add_argument("--trained-ids", type=_ids, default=None, metavar="N,N,..",
                    help="ids the draft was actually trained with, if its config.json was edited since")
+    p.add_argument("--vllm-runner", choices=("v2", "v1"), default="v2",
+                   help="with --engine vllm: vLLM 0.33.0's model runner. v2 (default) reads only the top-level ids; "
+                        "v1 (VLLM_USE_V2_MODEL_RUNNER=0, or P-EAGLE parallel drafting) falls back to eagle_config's")
+    p.add_argument("--trtllm-layers", type=_ids, default=None, metavar="N,N,..",
+                   help="with --engine trtllm: the eagle3_layers_to_capture you pass to TensorRT-LLM (it never reads "
+                        "the draft config's ids); default: none passed, TensorRT-LLM's default (1, L//2-1, L-4)")
     p.add_argument("--capture-point", choices=("auto", "after-allreduce", "before-allreduce"), default="auto",
                    help="where captures are taken relative to the TP all-reduce (for custom capture hooks); "
                         "auto: the engine's stock path")
@@ -84,9 +113,15 @@ def _capture_parser() -> argparse.ArgumentParser:
     p.add_argument("--prompts", required=True, metavar="FILE",
                    help="JSON list of strings or token-id lists, or text with one prompt per line")
     p.add_argument("--out", required=True, metavar="STATES.safetensors")
-    p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32")
+    p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="bfloat16",
+                   help="dtype the model runs and the states are stored in (default bfloat16)")
     p.add_argument("--max-tokens", type=int, default=512, metavar="N", help="tokens kept per prompt")
-    p.add_argument("--device", default="cpu")
+    p.add_argument("--device", default=None, help="device the model runs on (default cpu)")
+    p.add_argument("--device-map", default=None, metavar="MAP",
+                   help="passed to from_pretrained as device_map (e.g. auto) to spread a large model over "
+                        "devices; needs accelerate; replaces --device")
+    p.add_argument("--trust-remote-code", action="store_true",
+                   help="run the model's own code (config.json auto_map); only for checkpoints you trust")
     return p
 
 
@@ -125,14 +160,24 @@ def main(argv: Optional[List[str]] = None) -> int:
     return _guard(_doctor, list(sys.argv[1:] if argv is None else argv))
 
 
-def build_report(args):
-    from .checks import Options, run_checks
-    from .configs import parse_draft, parse_target, read_weight_headers
-
+def _check_numbers(args) -> None:
+    """Numeric options, before any file is read."""
     if args.tp < 1:
         raise _UsageError(f"--tp must be >= 1, got {args.tp}")
     if args.pp < 1:
         raise _UsageError(f"--pp must be >= 1, got {args.pp}")
+    if args.replay_max_tokens < 1:
+        raise _UsageError(f"--replay-max-tokens must be >= 1, got {args.replay_max_tokens}")
+    m = args.replay_margin
+    if not math.isfinite(m) or not 0 <= m < 1:  # an absolute gain in top-1 accuracy; nan would never fire
+        raise _UsageError(f"--replay-margin must be an accuracy gain in [0, 1), e.g. 0.02, got {m}")
+
+
+def build_report(args):
+    from .checks import Options, run_checks
+    from .configs import parse_draft, parse_target, read_weight_headers
+
+    _check_numbers(args)
     target = parse_target(args.target)
     draft = parse_draft(args.draft)
     if args.pp > target.num_layers:
@@ -145,20 +190,19 @@ def build_report(args):
     weights = read_weight_headers(draft.path)
     opts = Options(engine=args.engine, tp=args.tp, pp=args.pp, pp_partition=args.pp_partition,
                    trained_convention=args.trained_convention, trained_ids=args.trained_ids,
+                   vllm_runner=args.vllm_runner, trtllm_layers=args.trtllm_layers,
                    capture_point=args.capture_point)
     report = run_checks(target, draft, weights, opts)
     if args.replay:
         from .replay import run_replay
 
-        if args.replay_max_tokens < 1:
-            raise _UsageError("--replay-max-tokens must be >= 1")
         run_replay(report, weights, args.replay, margin=args.replay_margin, max_tokens=args.replay_max_tokens,
                    device=args.device, sweep=args.replay_sweep)
     return report
 
 
 def _doctor(argv) -> int:
-    args = _parse(_doctor_parser(), argv)
+    args = _parse(_doctor_parser(), _join_negative_lists(argv))
     report = build_report(args)
     status = 0 if report.ok else 1
     try:
@@ -200,6 +244,9 @@ def format_report(report) -> str:
         out.append(_wrap(f"engine : {eng}, tp={o.tp}, pp={o.pp}; {eng} rule: boundary = {rule}; {ids}", "  "))
     if report.training is not None:
         out.append(_wrap(f"trained: {report.training.source}", "  "))
+        for n, r in enumerate(report.training.readings):
+            state = "" if r.plausible else f"  [ruled out: {r.why_not}]"
+            out.append(_wrap(f"reading {chr(ord('A') + n)}: {r.boundaries} if {r.label}{state}", "    "))
     out.append("")
     out.append(_wrap(f"How to read the table: layers count from 0 to {L - 1}. Boundary i is the residual stream "
                      f"entering layer i, which is the output of layer i-1 (Hugging Face output_hidden_states[i]); "
@@ -210,9 +257,17 @@ def format_report(report) -> str:
             cid = "default" if s["config_id"] is None and s["capture_index"] is not None else \
                 ("-" if s["config_id"] is None else str(s["config_id"]))
             cap = "-" if s["capture_index"] is None else str(s["capture_index"])
+            per = s.get("trained_by_reading") or {}
+            letters = {r.key: chr(ord("A") + n) for n, r in enumerate(report.training.readings)} \
+                if report.training is not None else {}
+            if s["trained_index"] is not None:
+                trained = str(s["trained_index"])
+            else:
+                trained = " ".join(f"{letters.get(k, k)}:{v}" for k, v in per.items()) or "-"
             trained_on = "(same)" if s["match"] else s["draft_trained_on"]
-            rows.append([s["slot"], cid, cap, s["engine_reads"], "-" if s["trained_index"] is None else
-                         s["trained_index"], trained_on, "yes" if s["match"] else "NO"])
+            ok = "yes" if s["match"] else ("NO" if not any(v == s["capture_index"] for v in per.values()) else
+                                          "depends")
+            rows.append([s["slot"], cid, cap, s["engine_reads"], trained, trained_on, ok])
         out.append("")
         out.append(_table(rows, ["slot", "id", f"{eng} boundary", f"what {eng} feeds the draft",
                                  "trained", "what the draft was trained on", "ok"]))
@@ -234,7 +289,9 @@ def format_report(report) -> str:
         out.append(_wrap(f"{f.severity.upper():7s} {f.code}: {f.message}", "  "))
     out.append("")
     out.append(f"Result: {errors} error(s), {warns} warning(s): "
-               + ("the wiring looks right." if errors == 0 else "fix the errors above (exit status 1)."))
+               + ("fix the errors above (exit status 1)." if errors else
+                  "no error; read the warnings above before relying on the wiring." if warns else
+                  "the wiring looks right."))
     return "\n".join(out)
 
 
@@ -250,9 +307,14 @@ def _capture(argv) -> int:
 
     if args.max_tokens < 2:
         raise _UsageError("--max-tokens must be >= 2")
+    if args.device_map is not None and args.device is not None:
+        raise _UsageError("use either --device or --device-map, not both")
+    if os.path.isdir(args.out):
+        raise _UsageError(f"--out {args.out} is a directory; expected a STATES .safetensors file path")
     prompts = read_prompts(args.prompts)
     summary = capture_states(args.model, prompts, args.out, dtype=args.dtype, max_tokens=args.max_tokens,
-                             device=args.device)
+                             device=args.device or "cpu", device_map=args.device_map,
+                             trust_remote_code=args.trust_remote_code)
     print(f"wrote {summary['out']}: {summary['prompts']} prompts, {summary['tokens']} tokens, "
           f"{summary['num_layers'] + 1} boundaries x hidden {summary['hidden_size']}")
     return 0

@@ -25,16 +25,21 @@ SGLang (``srt/model_executor/model_runner_components/spec_aux_hidden_state.py`` 
 - the captured value is taken after the layer boundary completes the deferred tensor-parallel
   all-reduce (``srt/layers/layer_boundary/stage.py::_prepare_attention``: ``stream.complete``).
 
-vLLM (``get_eagle3_aux_layers_from_config`` reads the *top-level*
-``eagle_aux_hidden_state_layer_ids``; models' ``aux_hidden_state_layers``): boundary = id
-(``0`` = embeddings), captured as ``hidden_states + residual`` at the entry of layer ``id``;
-default ``(2, L//2, L-3)``; boundary ``L`` is never captured. Captures produced on pipeline
-stages other than the last are not forwarded in the vLLM versions checked.
+vLLM 0.33.0 (read from its wheel): the V2 model runner (the default;
+``v1/worker/gpu/spec_decode/eagle/eagle3_utils.get_eagle3_aux_layers_from_config``) reads the
+*top-level* ``eagle_aux_hidden_state_layer_ids`` only; the V1 runner (``VLLM_USE_V2_MODEL_RUNNER=0``,
+and P-EAGLE parallel drafting; ``gpu_model_runner._get_eagle3_aux_layers_from_config``) falls back to
+``eagle_config``'s ids, as given. Boundary = id, captured as ``hidden_states + residual`` at the entry
+of layer ``id`` (``0`` = embeddings) or after the last layer (``id == L``); ids are sorted and
+de-duplicated (``EagleModelMixin._set_aux_hidden_state_layers``); ids outside 0..L are skipped
+silently; deepseek_v2 raises on id 0 (``residual`` is still None). Default ``(2, L//2, L-3)``. With
+``--pp > 1`` the V2 runner relays earlier stages' captures for llama/qwen2 only.
 
-TensorRT-LLM (``Eagle3SpecMetadata``, ``speculative_config.eagle3_layers_to_capture``): the hidden
-state is captured *after* layer ``id`` (boundary = id + 1), ``-1`` = embeddings; ids are sorted and
-``-1`` is moved to the end; default ``(1, L//2 - 1, L - 4)`` = boundaries ``(2, L//2, L-3)``. The
-doctor assumes ``eagle3_layers_to_capture`` is set to the draft's ids.
+TensorRT-LLM (its sources around 1.2.1; ``EagleDecodingConfig.eagle3_layers_to_capture``): it never
+reads the draft config's ids; id k is captured *after* layer k (boundary k + 1) by
+``maybe_capture_hidden_states``, after the layer's all-reduce; ``-1`` is the final state after the
+model's last norm (``POST_NORM``); ids are a set, concatenated in ascending id order (``-1`` first);
+default ``(1, L//2 - 1, L - 4)`` = boundaries ``(2, L//2, L-3)``.
 """
 from __future__ import annotations
 
@@ -63,7 +68,7 @@ _PLUS_ONE_TYPES = {"llama", "llama4_text", "mistral", "qwen2", "qwen3", "qwen2_m
 
 ENGINE_RULE = {
     "vllm": "id (0 = embeddings)",
-    "trtllm": "id + 1 (captured after layer id; -1 = embeddings)",
+    "trtllm": "id + 1 (captured after layer id; -1 = the final state after the last norm)",
 }
 
 FAMILY_RULE = {
@@ -77,7 +82,7 @@ FAMILY_RULE = {
 IDS_LOCATION = {
     "sglang": "eagle_config.eagle_aux_hidden_state_layer_ids in the draft's config.json",
     "vllm": "the top-level eagle_aux_hidden_state_layer_ids in the draft's config.json",
-    "trtllm": "speculative_config.eagle3_layers_to_capture",
+    "trtllm": "eagle3_layers_to_capture in TensorRT-LLM's speculative_config (Eagle3DecodingConfig)",
 }
 
 
@@ -99,6 +104,12 @@ def detect_family(target: TargetInfo) -> Tuple[str, str]:
         if a.startswith(("Llama", "Mistral", "Qwen", "Gemma", "Glm4Moe", "MiniMax", "Phi3")):
             return PLUS_ONE, f"architecture '{a}'"
     return UNKNOWN, f"model_type '{types[0] if types else '?'}'"
+
+
+def POST_NORM(num_layers: int) -> int:  # noqa: N802 - a numbering constant that depends on L
+    """The doctor's number for TensorRT-LLM's id -1: the final hidden state *after* the model's last norm
+    (``SpecDecOneEngineForCausalLM`` captures the output of ``self.model``), one past boundary L."""
+    return num_layers + 1
 
 
 def default_boundaries(num_layers: int) -> List[int]:
@@ -127,6 +138,8 @@ def short_boundary(i: int, num_layers: int) -> str:
     """Short form: 'the embeddings' / 'the output of layer i-1'."""
     if i == 0:
         return "the embeddings"
+    if i == POST_NORM(num_layers):
+        return "the final state after the last norm"
     if 0 < i <= num_layers:
         return f"the output of layer {i - 1}"
     return f"boundary {i} (does not exist)"
@@ -141,6 +154,8 @@ def describe_boundary(i: int, num_layers: int) -> str:
         return f"residual stream entering layer {i} = output of layer {i - 1}"
     if i == L:
         return f"output of the last layer (layer {L - 1}), before the final norm"
+    if i == POST_NORM(L):
+        return f"output of the last layer (layer {L - 1}) after the final norm (TensorRT-LLM id -1)"
     return f"nothing: boundary {i} does not exist (this model has boundaries 0..{L})"
 
 
@@ -179,25 +194,38 @@ class EngineWiring:
         return [s.boundary for s in self.slots if s.captured]
 
 
-def _engine_ids(engine: str, draft: DraftInfo) -> Tuple[Optional[List[int]], str, Optional[Tuple[str, List[int]]]]:
+VLLM_RUNNERS = ("v2", "v1")
+VLLM_PP_RELAY_TYPES = {"llama", "qwen2"}  # vLLM 0.33.0 models with supports_aux_hidden_states_over_pp = True
+
+
+def _engine_ids(engine: str, draft: DraftInfo, vllm_runner: str = "v2", trtllm_layers: Optional[List[int]] = None
+                ) -> Tuple[Optional[List[int]], str, Optional[Tuple[str, List[int]]]]:
+    """(ids the engine uses or None for its default, where they come from, ids it ignores)."""
     nested_loc = "eagle_config.eagle_aux_hidden_state_layer_ids"
     top_loc = "top-level eagle_aux_hidden_state_layer_ids"
-    if engine == "sglang":
+    if engine == "sglang":  # spec_aux_hidden_state.py: eagle_config only
         if draft.nested_ids is not None:
             return draft.nested_ids, nested_loc, None
         return None, "SGLang's default (the draft config has no eagle_config.eagle_aux_hidden_state_layer_ids)", \
             ((top_loc, draft.top_ids) if draft.top_ids is not None else None)
     if engine == "vllm":
+        # V2 runner (default in 0.33.0): eagle3_utils.get_eagle3_aux_layers_from_config reads the top level only;
+        # V1 runner: gpu_model_runner._get_eagle3_aux_layers_from_config falls back to eagle_config, as given.
         if draft.top_ids is not None:
             return draft.top_ids, top_loc, None
-        return None, "vLLM's default (the draft config has no top-level eagle_aux_hidden_state_layer_ids)", \
+        if vllm_runner == "v1" and draft.nested_ids is not None:
+            return draft.nested_ids, f"{nested_loc} (vLLM's V1 runner falls back to it)", None
+        return None, (f"vLLM's default (the draft config has no top-level eagle_aux_hidden_state_layer_ids"
+                      f"{'' if vllm_runner == 'v1' else ', the only place the V2 runner reads'})"), \
             ((nested_loc, draft.nested_ids) if draft.nested_ids is not None else None)
-    # trtllm: the user passes eagle3_layers_to_capture; assume the draft's ids
-    if draft.nested_ids is not None:
-        return draft.nested_ids, f"eagle3_layers_to_capture (assumed = the draft's {nested_loc})", None
-    if draft.top_ids is not None:
-        return draft.top_ids, f"eagle3_layers_to_capture (assumed = the draft's {top_loc})", None
-    return None, "TensorRT-LLM's default (the draft config has no ids to pass as eagle3_layers_to_capture)", None
+    # trtllm (llm_args.EagleDecodingConfig.eagle3_layers_to_capture): only what the user passes; it never reads
+    # the draft's config.json ids
+    if trtllm_layers is not None:
+        return list(trtllm_layers), "eagle3_layers_to_capture (--trtllm-layers)", None
+    present = (nested_loc, draft.nested_ids) if draft.nested_ids is not None else \
+        ((top_loc, draft.top_ids) if draft.top_ids is not None else None)
+    return None, ("TensorRT-LLM's default (no eagle3_layers_to_capture given with --trtllm-layers; TensorRT-LLM "
+                  "never reads the draft config's ids)"), present
 
 
 def map_ids(engine: str, family: str, ids: Optional[List[int]], num_layers: int) -> Tuple[List[int], str]:
@@ -208,7 +236,7 @@ def map_ids(engine: str, family: str, ids: Optional[List[int]], num_layers: int)
     if engine == "vllm":
         return list(ids), "id"
     if engine == "trtllm":
-        return [i + 1 for i in ids], "id + 1"
+        return [POST_NORM(L) if i == -1 else i + 1 for i in ids], "id + 1 (-1 = the final state after the last norm)"
     if family == DEEPSEEK:
         if ids and ids[0] == 1:
             return [i + 1 for i in ids], "id + 1 (first id is 1)"
@@ -220,18 +248,51 @@ def map_ids(engine: str, family: str, ids: Optional[List[int]], num_layers: int)
     return [i + 1 for i in ids], "id + 1"
 
 
+def last_capturable(engine: str, family: str, num_layers: int) -> int:
+    """The highest boundary ``engine`` can capture: SGLang captures at each layer's entry (boundary L only
+    for gpt_oss, at its final norm); vLLM 0.33.0 also after the last layer (``idx + 1`` / ``end_layer``
+    checks); TensorRT-LLM after each layer."""
+    if engine == "sglang" and family != GPT_OSS:
+        return num_layers - 1
+    return num_layers
+
+
+def uncapturable_reason(engine: str, family: str, b: int, num_layers: int) -> str:
+    """Why ``engine`` never fills a slot for boundary ``b`` ("" when it does)."""
+    L = num_layers
+    if engine == "trtllm" and b == POST_NORM(L):
+        return ""
+    if b < 0 or b > L:
+        if engine == "vllm":
+            return (f"boundary {b} does not exist (boundaries are 0..{L}); vLLM's layer loop never matches it and "
+                    f"skips it silently")
+        if engine == "sglang" and family == DEEPSEEK:
+            return (f"boundary {b} does not exist (boundaries are 0..{L}): SGLang's deepseek_v2 uses ids as given "
+                    f"when the first id is not 1, and no layer has index {b}")
+        return f"boundary {b} does not exist (boundaries are 0..{L})"
+    if b > last_capturable(engine, family, L):
+        return (f"{ENGINE_NAMES[engine]} captures at the entry of each layer, so boundary {L} (the output of the "
+                f"last layer) is never captured")
+    if engine == "vllm" and family == DEEPSEEK and b == 0:
+        return ("vLLM 0.33.0's DeepseekV2Model.forward captures id 0 as hidden_states + residual while residual is "
+                "still None: the forward raises a TypeError")
+    return ""
+
+
 def resolve_wiring(engine: str, target: TargetInfo, draft: DraftInfo, *, pp: int = 1,
-                   pp_partition: Optional[List[int]] = None) -> EngineWiring:
+                   pp_partition: Optional[List[int]] = None, vllm_runner: str = "v2",
+                   trtllm_layers: Optional[List[int]] = None) -> EngineWiring:
     family, evidence = detect_family(target)
     L = target.num_layers
-    ids, source, ignored = _engine_ids(engine, draft)
+    ids, source, ignored = _engine_ids(engine, draft, vllm_runner, trtllm_layers)
     config_order, rule = map_ids(engine, family, ids, L)
 
-    # Which boundaries the engine can capture at all.
-    last_cap = L if (engine == "trtllm" or (engine == "sglang" and family == GPT_OSS)) else L - 1
     stage = None
     first_cap = 0
-    if pp > 1:
+    # vLLM 0.33.0's V2 runner relays earlier stages' captures (pp_utils.relay_aux_hidden_states) for models with
+    # supports_aux_hidden_states_over_pp (llama, qwen2, ...); other models raise, and V1 relays nothing.
+    relayed = engine == "vllm" and vllm_runner == "v2" and target.text_model_type in VLLM_PP_RELAY_TYPES
+    if pp > 1 and not relayed:
         stage = pp_stage_ranges(L, pp, pp_partition)[-1]
         first_cap = stage[0]
 
@@ -244,7 +305,7 @@ def resolve_wiring(engine: str, target: TargetInfo, draft: DraftInfo, *, pp: int
         seen.add(b)
         order.append((pos, b))
     if engine == "trtllm" and ids is not None:
-        order.sort(key=lambda pb: (pb[1] == 0, pb[1]))
+        order.sort(key=lambda pb: ids[pb[0]])  # a Set[int], sorted: id -1 (post-norm) comes first
     else:
         order.sort(key=lambda pb: pb[1])
     reordered = [p for p, _ in order] != sorted(p for p, _ in order)
@@ -252,13 +313,8 @@ def resolve_wiring(engine: str, target: TargetInfo, draft: DraftInfo, *, pp: int
     slots = []
     for k, (pos, b) in enumerate(order):
         cid = ids[pos] if ids is not None else None
-        why = ""
-        if b < 0 or b > L:
-            why = f"boundary {b} does not exist (boundaries are 0..{L})"
-        elif b > last_cap:
-            why = (f"{ENGINE_NAMES[engine]} captures at the entry of each layer, so boundary {L} (the output of the "
-                   f"last layer) is never captured")
-        elif b < first_cap:
+        why = uncapturable_reason(engine, family, b, L)
+        if not why and b < first_cap:
             why = (f"only the last pipeline stage captures, and it runs layers {stage[0]}..{stage[1] - 1}: "
                    f"boundary {b} is computed on an earlier stage")
         slots.append(SlotCapture(k, cid, b, not why, why))
@@ -281,6 +337,11 @@ def capture_point(engine: str, family: str) -> Tuple[str, str]:
         return ("after-allreduce",
                 "vLLM captures hidden_states + residual between layers, after each layer's row-parallel "
                 "all-reduce")
+    if engine == "trtllm" and family in (PLUS_ONE, DEEPSEEK, GPT_OSS):
+        return ("after-allreduce",
+                "TensorRT-LLM's maybe_capture_hidden_states stores hidden_states + residual after the layer's "
+                "all-reduce (for capture layers the fused all-reduce+norm is switched off and a plain all-reduce "
+                "runs; read from its GitHub sources around 1.2.1, not the 1.2.1 wheel)")
     return ("unknown", f"the doctor has no source-verified capture point for {ENGINE_NAMES[engine]} with this "
                        f"model family")
 
@@ -294,14 +355,12 @@ def ids_for_boundaries(engine: str, family: str, boundaries: List[int], num_laye
         if mapped != list(boundaries):
             continue
         if engine == "trtllm":
-            order = sorted(range(len(ids)), key=lambda p: (mapped[p] == 0, mapped[p]))
+            order = sorted(range(len(ids)), key=lambda p: ids[p])
         else:
             order = sorted(range(len(ids)), key=lambda p: mapped[p])
         if order != list(range(len(ids))) or len(set(mapped)) != len(mapped):
             continue  # the engine would reorder or merge them
-        last_cap = num_layers if (engine == "trtllm" or (engine == "sglang" and family == GPT_OSS)) \
-            else num_layers - 1
-        if all(0 <= b <= last_cap for b in mapped):
+        if not any(uncapturable_reason(engine, family, b, num_layers) for b in mapped):
             return ids
     return None
 

@@ -19,80 +19,75 @@ from typing import Dict, List, Optional, Tuple
 
 import torch
 
-from .checks import Report
-from .configs import DoctorInputError, TensorInfo, load_tensors
-from .draft import DraftSpec, Eagle3Draft, count_draft_layers
-from .engines import ENGINE_NAMES, describe_boundary, default_boundaries, ids_for_boundaries
-from .capture_states import FORMAT
+from .checks import Report, verified_fix
+from .configs import DoctorInputError, TensorInfo, check_file, load_tensors
+from .draft import ACTIVATIONS, DraftSpec, Eagle3Draft, count_draft_layers
+from .engines import ENGINE_NAMES, describe_boundary, default_boundaries
+from .states import StatesError, read_states
 
 
 class States:
     """Recorded prompts, grouped by length so that each group runs as one batch.
 
-    Each group: ``ids`` [B, T], ``hidden`` [L+1, B, T, H], ``last`` [B, T, H] or None (pre-norm output
-    of the last layer), ``next`` [B, T] or None (the target's greedy next tokens)."""
+    Each group: ``ids`` [B, T], ``bounds`` {boundary: [B, T, H]} (boundary L = the last layer's output
+    before the final norm), ``next`` [B, T] or None (the target's greedy next tokens). ``available``:
+    the boundaries every prompt holds (an engine-side dump holds a subset)."""
 
-    def __init__(self, path, num_layers: int, hidden_size: int, groups: List[dict]):
+    def __init__(self, path, num_layers: int, hidden_size: int, groups: List[dict], available: List[int],
+                 source: str = ""):
         self.path = Path(path)
         self.num_layers = num_layers
         self.hidden_size = hidden_size
         self.groups = groups
+        self.available = list(available)
+        self.source = source
 
     def boundary(self, g: dict, b: int) -> torch.Tensor:
-        """Boundary ``b`` of a group, [B, T, H]. Boundary L is the pre-final-norm output when recorded."""
-        if b == self.num_layers and g.get("last") is not None:
-            return g["last"]
-        return g["hidden"][b]
+        return g["bounds"][b]
+
+    @classmethod
+    def from_file(cls, f) -> "States":
+        by_len: Dict[Tuple[int, bool], List[dict]] = {}
+        for p in f.prompts:
+            by_len.setdefault((p["input_ids"].numel(), p["next_token"] is not None), []).append(p)
+        groups = []
+        for (_, has_next), items in sorted(by_len.items()):
+            groups.append({"ids": torch.stack([it["input_ids"] for it in items]),
+                           "bounds": {b: torch.stack([it["boundaries"][b] for it in items]) for b in f.boundaries},
+                           "next": torch.stack([it["next_token"] for it in items]) if has_next else None})
+        return cls(f.path, f.num_layers, f.hidden_size, groups, f.boundaries, f.source)
 
 
 def load_states(path, target) -> States:
-    p = Path(path)
-    if not p.is_file():
-        raise DoctorInputError(f"replay: {p} does not exist")
+    """A STATES file (capture-states or the SGLang plugin's dump) for this target."""
+    p = check_file(path, "replay", "a STATES .safetensors file (capture-states, or the SGLang plugin's "
+                                   "EAGLE3_OPS_DUMP_STATES)")
     try:
-        from safetensors import safe_open
-
-        with safe_open(str(p), framework="pt") as f:
-            meta = f.metadata() or {}
-            keys = set(f.keys())
-            tensors = {k: f.get_tensor(k) for k in keys}
-    except Exception as e:
-        raise DoctorInputError(f"replay: cannot read {p} as safetensors: {e}") from None
-    if meta.get("format") not in (None, FORMAT):
-        raise DoctorInputError(f"replay: {p} has format {meta.get('format')!r}, expected {FORMAT!r}")
-    idx = sorted({int(k.split(".")[1]) for k in keys if k.startswith("prompt.") and k.endswith(".hidden_states")})
-    if not idx:
-        raise DoctorInputError(f"replay: {p} holds no prompt.N.hidden_states tensors (make it with capture-states)")
-    L, H = target.num_layers, target.hidden_size
-    by_len: Dict[Tuple[int, bool, bool], List[dict]] = {}
-    for i in idx:
-        hs = tensors[f"prompt.{i}.hidden_states"].float()
-        ids = tensors.get(f"prompt.{i}.input_ids")
-        if ids is None:
-            raise DoctorInputError(f"replay: prompt {i} has hidden_states but no input_ids")
-        if hs.dim() != 3 or hs.shape[0] != L + 1 or hs.shape[2] != H or hs.shape[1] != ids.numel():
-            raise DoctorInputError(
-                f"replay: prompt {i} hidden_states has shape {list(hs.shape)}; the target needs "
-                f"[{L + 1}, T, {H}] with T = {ids.numel()} tokens (states from another model?)")
-        last = tensors.get(f"prompt.{i}.last_layer_output")
-        nxt = tensors.get(f"prompt.{i}.next_token")
-        key = (ids.numel(), last is not None, nxt is not None)
-        by_len.setdefault(key, []).append({"ids": ids.long(), "hidden": hs,
-                                           "last": last.float() if last is not None else None,
-                                           "next": nxt.long() if nxt is not None else None})
-    groups = []
-    for (_, has_last, has_next), items in sorted(by_len.items()):
-        groups.append({"ids": torch.stack([it["ids"] for it in items]),
-                       "hidden": torch.stack([it["hidden"] for it in items], dim=1),
-                       "last": torch.stack([it["last"] for it in items]) if has_last else None,
-                       "next": torch.stack([it["next"] for it in items]) if has_next else None})
-    return States(p, L, H, groups)
+        f = read_states(p, num_layers=target.num_layers, hidden_size=target.hidden_size)
+    except StatesError as e:
+        raise DoctorInputError(f"replay: {e}") from None
+    return States.from_file(f)
 
 
 def build_draft(report: Report, weights: Dict[str, TensorInfo]) -> Eagle3Draft:
     """Instantiate the plain-PyTorch draft from the checkpoint (shapes from weights, rest from config)."""
     draft, target = report.draft, report.target
     lc = draft.layer_config
+    # Replay runs a llama_eagle3 draft (SGLang's and vLLM's names): another architecture would be scored by a
+    # model it is not, ranking wirings by noise.
+    archs, layer_type = draft.architectures, str(lc.get("model_type", ""))
+    if not (any(a in ("LlamaForCausalLMEagle3", "Eagle3LlamaForCausalLM") for a in archs)
+            or (draft.dialect == "speculators" and layer_type == "llama")  # Eagle3Speculator over a llama layer
+            or (not archs and "layers.0.self_attn.q_proj.weight" in weights)):  # no architectures, llama tensors
+        this = ", ".join(archs) if archs else ("of unknown architecture (no architectures in config.json, no "
+                                               "midlayer.* / layers.0.* llama_eagle3 tensors)")
+        if draft.dialect == "speculators":
+            this += f" with a {layer_type or 'untyped'} transformer_layer_config"
+        raise DoctorInputError(f"replay runs LlamaForCausalLMEagle3 drafts only; this draft is {this}")
+    act = lc.get("hidden_act") or "silu"  # Llama's default
+    if not isinstance(act, str) or act not in ACTIVATIONS:
+        raise DoctorInputError(f"replay: the draft's hidden_act {act!r} is not supported (supported: "
+                               f"{', '.join(ACTIVATIONS)}); a stand-in activation would score a different model")
     fc = weights["fc.weight"]
     K = report.fc_slots
     if K is None:
@@ -121,7 +116,7 @@ def build_draft(report: Report, weights: Dict[str, TensorInfo]) -> Eagle3Draft:
     spec = DraftSpec(hidden_size=hidden, target_hidden_size=target.hidden_size, num_aux=K, vocab_size=vocab,
                      draft_vocab_size=draft_vocab, num_layers=n_layers, num_heads=heads, num_kv_heads=kv_heads,
                      head_dim=head_dim, intermediate_size=weights["layers.0.mlp.gate_proj.weight"].shape[0],
-                     hidden_act=lc.get("hidden_act", "silu"), rms_norm_eps=float(lc.get("rms_norm_eps", 1e-6)),
+                     hidden_act=act, rms_norm_eps=float(lc.get("rms_norm_eps", 1e-6)),
                      rope_theta=float(rope), norm_before_fc="input_norm.weight" in weights,
                      fc_norm="fc_norm.0.weight" in weights, fc_bias="fc.bias" in weights,
                      norm_before_residual=draft.norm_before_residual,
@@ -166,7 +161,7 @@ def score(model: Eagle3Draft, states: States, boundaries: List[int], max_tokens:
             break
         aux = torch.cat([states.boundary(g, b)[:rows, :n] for b in boundaries], dim=-1)
         if model.uses_target_embeddings:
-            embeds = g["hidden"][0][:rows, 1:n + 1]
+            embeds = g["bounds"][0][:rows, 1:n + 1]
         else:
             embeds = model.embed_tokens(ids[:rows, 1:n + 1])
         logits = model(aux, embeds)
@@ -178,14 +173,16 @@ def score(model: Eagle3Draft, states: States, boundaries: List[int], max_tokens:
     return torch.cat(out)
 
 
-def candidate_wirings(configured: Optional[List[int]], trained: List[int], L: int,
-                      sweep: bool = False) -> List[Tuple[str, List[int]]]:
+def candidate_wirings(configured: Optional[List[int]], trained: List[int], L: int, sweep: bool = False,
+                      readings: Optional[List[Tuple[str, List[int]]]] = None) -> List[Tuple[str, List[int]]]:
     base = configured if configured is not None else trained
     K = len(base)
     cands: List[Tuple[str, List[int]]] = []
     if configured is not None:
         cands.append(("configured", list(configured)))
-    cands.append(("trained (per draft config)", list(trained)))
+    for label, b in readings or [("trained (per draft config)", list(trained))]:
+        if len(b) == K:
+            cands.append((label, list(b)))
     if len(default_boundaries(L)) == K:
         cands.append(("engine default", default_boundaries(L)))
     cands.append(("all slots one layer earlier", [b - 1 for b in base]))
@@ -262,12 +259,24 @@ def _replay(report: Report, model: Eagle3Draft, states: States, *, margin: float
     trained = list(report.training.boundaries)
     if len(trained) != K:
         trained = configured if configured is not None else default_boundaries(L)[:K]
-    cands = candidate_wirings(configured, trained, L, sweep=sweep)
+    readings = [(f"reading {chr(ord('A') + n)} of the draft config", list(r.boundaries))
+                for n, r in enumerate(report.training.readings) if r.plausible]
+    cands = candidate_wirings(configured, trained, L, sweep=sweep, readings=readings)
+    have = set(states.available)
+    if 0 not in have and getattr(model, "uses_target_embeddings", False):
+        raise DoctorInputError(f"replay: {states.path} has no boundary 0 (the token embeddings), which the draft "
+                               f"takes as its embedding input; record with the embeddings")
+    unscored = [(label, b) for label, b in cands if not set(b) <= have]
+    cands = [(label, b) for label, b in cands if set(b) <= have]
+    if not cands or (configured is not None and cands[0][1] != configured):
+        raise DoctorInputError(f"replay: {states.path} holds boundaries {sorted(have)}, which cannot form the "
+                               f"configured wiring {configured}; record the boundaries it needs (the SGLang dump "
+                               f"records each configured boundary and its neighbours)")
 
     results = []
     for label, bnds in cands:
         correct = score(model, states, bnds, max_tokens)
-        ids = ids_for_boundaries(opts.engine, wiring.family, bnds, L)
+        ids = verified_fix(report, bnds, check_readings=False)
         results.append({"label": label, "boundaries": bnds, "accuracy": float(correct.float().mean()),
                         "ids": ids, "_correct": correct})
     n = int(results[0]["_correct"].numel())
@@ -279,9 +288,18 @@ def _replay(report: Report, model: Eagle3Draft, states: States, *, margin: float
     def public(r):
         return {k: v for k, v in r.items() if not k.startswith("_")}
 
-    report.replay = {"states": str(states.path), "tokens": n, "margin": margin,
+    report.replay = {"states": str(states.path), "source": states.source, "tokens": n, "margin": margin,
+                     "boundaries_recorded": states.available,
                      "configured": public(conf_res) if conf_res else None, "best": public(best),
-                     "candidates": [public(results[i]) for i in order]}
+                     "candidates": [public(results[i]) for i in order],
+                     "unscored": [{"label": label, "boundaries": b, "missing": sorted(set(b) - have)}
+                                  for label, b in unscored]}
+    if unscored:
+        report.add("info", "I_REPLAY_UNSCORED",
+                   f"Replay could not score {len(unscored)} wiring(s) the STATES file lacks boundaries for: "
+                   + "; ".join(f"{label} {b} (missing {sorted(set(b) - have)})" for label, b in unscored[:8])
+                   + (" ..." if len(unscored) > 8 else "") + ". Record them (EAGLE3_OPS_DUMP_BOUNDARIES=all, or "
+                   "capture-states) to score them too.")
     if n < 200:
         report.add("warning", "W_REPLAY_FEW_TOKENS",
                    f"Replay scored only {n} positions; differences of a few points are noise. Record more prompts.")
@@ -313,10 +331,35 @@ def _replay(report: Report, model: Eagle3Draft, states: States, *, margin: float
                    f"Replay on {n} positions: the configured wiring {conf_res['boundaries']} scores "
                    f"{100 * conf_res['accuracy']:.1f}% top-1; the best alternative, {fmt(runner)}, is not clearly "
                    f"better (margin {100 * margin:.0f} points and 3 standard errors).")
+    _settle(report, results, conf_res, margin, n)
     if best["accuracy"] < 0.05:
         report.add("warning", "W_REPLAY_LOW_ACCURACY",
                    f"The draft predicts under {100 * best['accuracy']:.0f}% of next tokens with every wiring tried: "
                    f"the problem is likely not the wiring (vocab maps, the draft/target pairing, or the states file).")
+
+
+def _settle(report: Report, results: List[dict], conf_res: dict, margin: float, n: int) -> None:
+    """Replay is the evidence the config lacks: when the configured wiring beats every other reading of the
+    ids (W_TRAINING_AMBIGUOUS) or every other candidate (W_NO_TRAINING_IDS) clearly, the warning is settled."""
+    def clearly_better(a: dict, b: dict) -> bool:
+        diff = a["_correct"].float() - b["_correct"].float()
+        gain = float(diff.mean())
+        se = float(diff.std(unbiased=True)) / math.sqrt(n) if n > 1 else float("inf")
+        return gain >= margin and gain >= 3 * se
+
+    for code, rivals in (("W_TRAINING_AMBIGUOUS", [r for r in results if r["label"].startswith("reading ")]),
+                         ("W_NO_TRAINING_IDS", results)):
+        found = [f for f in report.findings if f.code == code]
+        others = [r for r in rivals if r is not conf_res and r["boundaries"] != conf_res["boundaries"]]
+        if not found or not others or not all(clearly_better(conf_res, r) for r in others):
+            continue
+        report.findings.remove(found[0])
+        report.add("info", "I_REPLAY_SETTLED",
+                   f"Replay settles what the config could not ({code}): the configured wiring "
+                   f"{conf_res['boundaries']} scores {100 * conf_res['accuracy']:.1f}% top-1 on {n} positions, clearly "
+                   f"above every alternative scored (best of them: "
+                   f"{max(others, key=lambda r: r['accuracy'])['label']} "
+                   f"{100 * max(r['accuracy'] for r in others):.1f}%). Keep the ids.")
 
 
 def _ids_location(engine: str) -> str:
