@@ -21,6 +21,10 @@ applies the hooks registered with its ``HookRegistry``. We register three:
 byte-for-byte stock), as does leaving ``eagle3_ops`` out of ``SGLANG_PLUGINS`` (SGLang then never
 calls it). An unsupported SGLang version gets one warning and no hooks. No error in here may stop
 SGLang: every failure is logged and leaves SGLang stock.
+
+With ``EAGLE3_OPS_DUMP_STATES=PATH`` (off by default) the target also records a STATES file for
+``doctor --replay`` (dump_states.py), through one more hook: AROUND SGLang's
+``residual_batch.final_norm``, inert (one thread-local read) outside a recorded forward.
 """
 from __future__ import annotations
 
@@ -34,6 +38,7 @@ CONFIGURE_TARGET = ("sglang.srt.model_executor.model_runner_components.attention
                     "configure_aux_hidden_state_capture")
 LIST_CAPTURE_TARGET = "sglang.srt.layers.aux_hidden_states.AuxHiddenStateList.capture"
 PACKER_APPEND_TARGET = "sglang.srt.layers.aux_hidden_states.AuxHiddenStatePacker.append"
+FINAL_NORM_TARGET = "sglang.srt.layers.layer_boundary.residual.batch.final_norm"  # the states dump only
 GRAPHS_TARGETS = ("sglang.srt.model_executor.model_runner.ModelRunner.init_cuda_graphs",
                   "sglang.srt.model_executor.model_runner.ModelRunner.init_prefill_cuda_graph")
 
@@ -51,6 +56,7 @@ def _on_configure_aux_hidden_state_capture(result, *args, **kwargs):
             from .capture_hooks import install_target_capture
 
             install_target_capture(model)
+            _install_dump(model)
         else:
             from .draft_fc_hooks import install_draft_fc
 
@@ -58,6 +64,27 @@ def _on_configure_aux_hidden_state_capture(result, *args, **kwargs):
     except Exception:  # never stop SGLang; the model keeps whatever stock path it had
         log.exception("eagle3_ops: could not patch %s; it runs stock", type(model).__name__)
     return None
+
+
+def _install_dump(model) -> None:
+    """The engine-side STATES dump for ``doctor --replay`` (EAGLE3_OPS_DUMP_STATES; off by default)."""
+    from ..doctor.states import DumpSettings, StatesSettingError
+
+    try:
+        settings = DumpSettings.from_env()
+    except StatesSettingError as e:
+        log.error("eagle3_ops: %s; the states dump is off", e)
+        return
+    if settings is not None:
+        from .dump_states import install_dump
+
+        install_dump(model, settings)
+
+
+def _around_final_norm(original, *args, **kwargs):
+    from .dump_states import final_norm_hook
+
+    return final_norm_hook(original, *args, **kwargs)
 
 
 def _after_graph_setup(result, *args, **kwargs):
@@ -108,6 +135,7 @@ def register() -> None:
         HookRegistry.register(PACKER_APPEND_TARGET, _around_packer_append, HookType.AROUND)
         for target in GRAPHS_TARGETS:
             HookRegistry.register(target, _after_graph_setup, HookType.AFTER)
+        HookRegistry.register(FINAL_NORM_TARGET, _around_final_norm, HookType.AROUND)
     except Exception:
         log.exception("eagle3_ops: could not register the SGLang hooks; SGLang is left unchanged")
         return

@@ -1,0 +1,395 @@
+"""Engine-side STATES for ``doctor --replay``: record, during normal serving, the hidden states
+SGLang itself captures, at the boundaries the replay needs.
+
+Switched on by ``EAGLE3_OPS_DUMP_STATES=PATH`` (off by default). For the first
+``EAGLE3_OPS_DUMP_TOKENS`` (default 2048) prefill tokens of sequences that start at position 0
+(EXTEND/MIXED forwards; decode, verify and draft forwards are never recorded) the plugin keeps:
+
+* each boundary the replay needs: every configured boundary (``layers_to_capture``) and its two
+  neighbours, the embeddings (boundary 0) and the last layer's output before the final norm
+  (boundary L); ``EAGLE3_OPS_DUMP_BOUNDARIES=all`` records every boundary 0..L;
+* the token ids, where each sequence starts, and the target's greedy next token at every position
+  (argmax of the lm_head over the final-normed hidden state; at TP > 1 each rank scores its vocab
+  shard and the ranks agree through one all-gather of (max, index) per chunk).
+
+Where the values come from: the same capture callbacks SGLang uses for its own EAGLE-3 captures
+(``capture_output`` for llama/qwen2/qwen3, ``captured_last_layer_outputs`` for qwen2_moe/qwen3_moe
+and deepseek_v2/V3/Kimi), passed into the decoder layers the dump needs, so each value is taken
+after the layer boundary completed the tensor-parallel all-reduce, exactly as SGLang captures it;
+boundary L comes from the ``capture`` argument of SGLang's ``residual_batch.final_norm`` (where
+gpt_oss takes its own capture of boundary L). Only TP rank 0 keeps values (copied to host memory
+at once); every rank takes part in the next-token all-gather.
+
+What it costs and what it changes:
+* host memory: tokens x boundaries x hidden x 2 bytes (logged at install), freed after writing;
+* a device-to-host copy per recorded boundary, only in recorded forwards (never during CUDA-graph
+  capture: those forwards are skipped);
+* served outputs: a layer that gets a dump capture completes its deferred all-reduce before its
+  input norm, as SGLang does for its own captured layers. At TP = 1 that changes nothing (tested
+  bitwise on CPU); at TP > 1 with SGLang's fused all-reduce+add+RMSNorm (FlashInfer, sm_90/sm_100)
+  that layer's add+norm runs unfused in the recorded forwards only, which can change rounding there.
+* forwards replayed from a prefill CUDA graph do not run Python, so they are not recorded: serve
+  with ``--disable-prefill-cuda-graph`` while dumping (logged at install when it is on).
+
+When the budget is full (or at process exit with anything recorded) rank 0 writes one
+safetensors file, format ``eagle3_ops.doctor.states/2`` (see ``eagle3_ops.doctor.states``), and
+logs one line saying where and what.
+"""
+from __future__ import annotations
+
+import atexit
+import inspect
+import logging
+import threading
+from typing import Dict, List, Optional
+
+import torch
+
+from ..doctor.states import ENV_DUMP_STATES, DumpSettings, needed_boundaries, write_states
+from .capture_hooks import resolve_causal_lm
+
+log = logging.getLogger("eagle3_ops.sglang")
+
+_STATE_ATTR = "_eagle3_ops_dump"
+NEXT_TOKEN_CHUNK = 256  # rows per lm_head chunk: bounds the transient logits to 256 x vocab/tp floats
+
+_tls = threading.local()
+_recorders: List["StatesRecorder"] = []
+
+
+def _compiling() -> bool:
+    try:
+        return bool(torch.compiler.is_compiling())
+    except Exception:  # pragma: no cover
+        return False
+
+
+def _capturing_graph() -> bool:
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+
+
+class _Forward:
+    """One target forward being recorded (or skipped: ``rows`` is None)."""
+
+    def __init__(self, forward_batch, rows: Optional[torch.Tensor], seq_lens: List[int], num_tokens: int):
+        self.forward_batch = forward_batch
+        self.rows = rows                 # rows of the forward's T tokens that are kept (host int64), or None
+        self.rows_dev: Optional[torch.Tensor] = None
+        self.seq_lens = seq_lens         # kept tokens per recorded sequence
+        self.num_tokens = num_tokens     # T of the forward
+        self.values: Dict[int, torch.Tensor] = {}
+
+
+class _Accumulator:
+    """Duck-types SGLang's aux accumulator (``capture(value, owned=...)``) for the qwen-MoE and
+    DeepSeek layers: records boundary ``b`` and forwards to the layer's own accumulator, if any."""
+
+    def __init__(self, recorder: "StatesRecorder", boundary: int, inner):
+        self.recorder, self.boundary, self.inner = recorder, boundary, inner
+
+    def capture(self, value, *args, **kwargs):
+        self.recorder.record(self.boundary, value)
+        if self.inner is not None:
+            return self.inner.capture(value, *args, **kwargs)
+        return None
+
+    def __getattr__(self, name):  # anything else SGLang asks of its accumulator
+        if self.inner is None:
+            raise AttributeError(name)
+        return getattr(self.inner, name)
+
+
+class StatesRecorder:
+    def __init__(self, lm, inner, settings: DumpSettings, boundaries: List[int], tp_rank: int, tp_size: int):
+        self.lm, self.inner, self.settings = lm, inner, settings
+        self.num_layers = int(len(inner.layers)) if not hasattr(inner, "config") else \
+            int(getattr(inner.config, "num_hidden_layers", len(inner.layers)))
+        self.hidden_size = int(lm.config.hidden_size) if hasattr(lm, "config") else int(inner.config.hidden_size)
+        self.boundaries = boundaries
+        self.tp_rank, self.tp_size = tp_rank, tp_size
+        self.keep_values = tp_rank == 0
+        self.remaining = settings.tokens
+        self.prompts: List[dict] = []
+        self.configured = sorted(set(int(i) for i in inner.layers_to_capture))
+        self.missing_boundaries: set = set()
+        self.done = False
+        self.handles = []
+        self.lock = threading.Lock()
+
+    # ---- per forward -------------------------------------------------------------------------------
+    def begin(self, forward_batch) -> _Forward:
+        """Open (or re-use) the record of the forward ``forward_batch`` on this thread."""
+        cur = getattr(_tls, "forward", None)
+        if cur is not None and cur.forward_batch is forward_batch:
+            return cur
+        cur = self._plan(forward_batch)
+        _tls.forward = cur
+        return cur
+
+    def _plan(self, fb) -> _Forward:
+        skip = _Forward(fb, None, [], 0)
+        if self.done or self.remaining <= 0 or _compiling() or _capturing_graph():
+            return skip
+        mode = getattr(fb, "forward_mode", None)
+        if mode is None or not (mode.is_extend() and not mode.is_target_verify()) or \
+                mode.name not in ("EXTEND", "MIXED"):
+            return skip
+        ids = getattr(fb, "input_ids", None)
+        lens = getattr(fb, "extend_seq_lens_cpu", None)
+        prefix = getattr(fb, "extend_prefix_lens_cpu", None)
+        if ids is None or lens is None or prefix is None or sum(int(x) for x in lens) != ids.shape[0]:
+            return skip
+        rows, kept, start, budget = [], [], 0, self.remaining
+        for n, p in zip(lens, prefix):
+            n, p = int(n), int(p)
+            if p == 0 and budget > 0 and n >= 2:  # a sequence from its first token (no cached prefix)
+                take = min(n, budget)
+                rows.append(torch.arange(start, start + take))
+                kept.append(take)
+                budget -= take
+            start += n
+        if not rows:
+            return skip
+        return _Forward(fb, torch.cat(rows), kept, int(ids.shape[0]))
+
+    def record(self, boundary: int, value) -> None:
+        cur = getattr(_tls, "forward", None)
+        if cur is None or cur.rows is None or not self.keep_values or boundary in cur.values:
+            return
+        if not isinstance(value, torch.Tensor) or value.dim() != 2 or value.shape[0] != cur.num_tokens:
+            self.missing_boundaries.add(boundary)
+            return
+        if cur.rows_dev is None or cur.rows_dev.device != value.device:
+            cur.rows_dev = cur.rows.to(value.device)
+        cur.values[boundary] = value.index_select(0, cur.rows_dev).to("cpu", copy=True)
+
+    def finish(self, cur: _Forward, normed) -> None:
+        """After the final norm: the greedy next tokens, then keep the forward's sequences."""
+        _tls.forward = None
+        if cur.rows is None:
+            return
+        if not isinstance(normed, torch.Tensor) or normed.dim() != 2 or normed.shape[0] != cur.num_tokens:
+            return
+        nxt = self._greedy_next(normed, cur)
+        if not self.keep_values:
+            self.remaining -= int(cur.rows.numel())
+            return
+        ids = cur.forward_batch.input_ids.index_select(0, cur.rows.to(cur.forward_batch.input_ids.device)).cpu()
+        pos = 0
+        with self.lock:
+            for n in cur.seq_lens:
+                p = {"input_ids": ids[pos:pos + n].long(), "next_token": nxt[pos:pos + n].long(),
+                     "boundaries": {b: v[pos:pos + n] for b, v in cur.values.items()}}
+                self.prompts.append(p)
+                pos += n
+            self.remaining -= int(cur.rows.numel())
+            for b in self.boundaries:
+                if b not in cur.values:
+                    self.missing_boundaries.add(b)
+        if self.remaining <= 0:
+            self.write()
+
+    def _greedy_next(self, normed: torch.Tensor, cur: _Forward) -> torch.Tensor:
+        head = self.lm.lm_head
+        weight = head.weight
+        idx = getattr(head, "shard_indices", None)
+        lo = int(getattr(idx, "org_vocab_start_index", 0)) if idx is not None else 0
+        hi = int(getattr(idx, "org_vocab_end_index", weight.shape[0])) if idx is not None else weight.shape[0]
+        rows_dev = cur.rows.to(normed.device)
+        out = []
+        with torch.no_grad():
+            for s in range(0, rows_dev.numel(), NEXT_TOKEN_CHUNK):
+                x = normed.index_select(0, rows_dev[s:s + NEXT_TOKEN_CHUNK])
+                logits = torch.nn.functional.linear(x.to(weight.dtype), weight[: hi - lo]).float()
+                best, arg = logits.max(dim=-1)
+                if self.tp_size > 1:
+                    from sglang.srt.distributed import tensor_model_parallel_all_gather
+
+                    pair = torch.stack([best.double(), (arg + lo).double()], dim=-1)  # [n, 2]
+                    gathered = tensor_model_parallel_all_gather(pair, dim=-1).view(-1, self.tp_size, 2)
+                    pick = gathered[..., 0].argmax(dim=-1)  # ties: the lowest rank = the lowest token id
+                    arg = gathered[..., 1].gather(1, pick[:, None])[:, 0].long()
+                else:
+                    arg = arg + lo
+                out.append(arg.cpu())
+        return torch.cat(out) if out else torch.zeros(0, dtype=torch.long)
+
+    # ---- output --------------------------------------------------------------------------------------
+    def write(self) -> Optional[str]:
+        with self.lock:
+            if self.done:
+                return None
+            self.done = True
+            prompts, self.prompts = self.prompts, []
+        for h in self.handles:
+            h.remove()
+        self.handles = []
+        if not self.keep_values:
+            return None
+        if not prompts:
+            log.warning("eagle3_ops: %s=%s: no prefill was recorded (prefills replayed from a prefill CUDA "
+                        "graph are not seen; serve with --disable-prefill-cuda-graph while dumping); nothing "
+                        "written", ENV_DUMP_STATES, self.settings.path)
+            return None
+        recorded = sorted(set().union(*(p["boundaries"].keys() for p in prompts)))
+        try:
+            summary = write_states(self.settings.path, prompts, num_layers=self.num_layers,
+                                   hidden_size=self.hidden_size, boundaries=recorded,
+                                   meta={"source": "sglang (eagle3_ops plugin: post all-reduce, TP rank 0)",
+                                         "layers_to_capture": ",".join(map(str, self.configured)),
+                                         "model": type(self.lm).__name__})
+        except Exception as e:  # never stop SGLang
+            log.error("eagle3_ops: %s: could not write %s: %s", ENV_DUMP_STATES, self.settings.path, e)
+            return None
+        missing = sorted(set(self.boundaries) - set(recorded))
+        log.info("eagle3_ops: wrote %s: %d prefill tokens in %d sequences, boundaries %s (SGLang captures %s), "
+                 "%.1f MiB%s; check the draft with: python -m eagle3_ops doctor --draft DRAFT --target TARGET "
+                 "--replay %s", self.settings.path, summary["tokens"], summary["prompts"], recorded,
+                 self.configured, summary["bytes"] / 2**20,
+                 f"; not recorded: {missing}" if missing else "", self.settings.path)
+        return str(self.settings.path)
+
+
+# ---- installation ---------------------------------------------------------------------------------
+def _layer_capture_kind(layer) -> Optional[str]:
+    try:
+        params = inspect.signature(type(layer).forward).parameters
+    except (TypeError, ValueError):
+        return None
+    if "capture_output" in params:
+        return "capture_output"
+    if "captured_last_layer_outputs" in params:
+        return "captured_last_layer_outputs"
+    return None
+
+
+def _layer_pre_hook(recorder: StatesRecorder, boundary: int, kind: str):
+    def hook(module, args, kwargs):
+        if _compiling() or recorder.done:
+            return None
+        fb = kwargs.get("forward_batch", args[2] if len(args) > 2 else None)
+        if fb is None:
+            return None
+        if recorder.begin(fb).rows is None:
+            return None
+        existing = kwargs.get(kind)
+        if kind == "capture_output":
+            def capture(value, *a, **kw):
+                recorder.record(boundary, value)
+                if existing is not None:
+                    return existing(value, *a, **kw)
+                return None
+
+            kwargs[kind] = capture
+        else:
+            kwargs[kind] = _Accumulator(recorder, boundary, existing)
+        return args, kwargs
+
+    return hook
+
+
+def final_norm_hook(original, *args, **kwargs):
+    """AROUND SGLang's ``residual_batch.final_norm``: records boundary L and closes the forward."""
+    if _compiling():
+        return original(*args, **kwargs)
+    cur = getattr(_tls, "forward", None)
+    if cur is None:
+        return original(*args, **kwargs)
+    layernorm = kwargs.get("layernorm", args[2] if len(args) > 2 else None)
+    recorder = next((r for r in _recorders if r.inner.norm is layernorm and not r.done), None)
+    fb = kwargs.get("forward_batch", args[1] if len(args) > 1 else None)
+    if recorder is None or fb is not cur.forward_batch:
+        return original(*args, **kwargs)
+    if recorder.num_layers in recorder.boundaries:
+        existing = kwargs.pop("capture", args[3] if len(args) > 3 else None)
+        args = args[:3]
+
+        def capture(value, *a, **kw):
+            recorder.record(recorder.num_layers, value)
+            if existing is not None:
+                return existing(value, *a, **kw)
+            return None
+
+        kwargs["capture"] = capture
+    out = original(*args, **kwargs)
+    try:
+        recorder.finish(cur, out)
+    except Exception:  # never stop SGLang; stop recording instead
+        log.exception("eagle3_ops: %s: recording failed; the dump is off", ENV_DUMP_STATES)
+        recorder.done = True
+    return out
+
+
+def install_dump(model, settings: Optional[DumpSettings] = None) -> Optional[StatesRecorder]:
+    """Start recording for a target configured for EAGLE-3 capture (when the dump is switched on).
+    Returns the recorder, or None (with one log line saying why)."""
+    settings = settings if settings is not None else DumpSettings.from_env()
+    if settings is None:
+        return None
+    lm = resolve_causal_lm(model)
+    if lm is None or not getattr(lm, "capture_aux_hidden_states", False):
+        return None
+    inner = lm.model
+    if inner.__dict__.get(_STATE_ATTR) is not None:
+        return inner.__dict__[_STATE_ATTR]
+    try:
+        from sglang.srt.distributed import get_tensor_model_parallel_rank, get_tensor_model_parallel_world_size
+
+        tp_rank, tp_size = get_tensor_model_parallel_rank(), get_tensor_model_parallel_world_size()
+    except Exception:
+        tp_rank, tp_size = 0, 1
+    num_layers = int(getattr(inner.config, "num_hidden_layers", len(inner.layers)))
+    start = getattr(inner, "start_layer", 0)
+    end = getattr(inner, "end_layer", len(inner.layers))
+    boundaries = needed_boundaries(inner.layers_to_capture, num_layers, settings.boundaries)
+    recorder = StatesRecorder(lm, inner, settings, [], tp_rank, tp_size)
+    unreachable = []
+    for b in boundaries:
+        if b == num_layers and end == num_layers and getattr(inner, "norm", None) is not None:
+            recorder.boundaries.append(b)
+            continue
+        if not (start <= b < end):
+            unreachable.append(b)
+            continue
+        kind = _layer_capture_kind(inner.layers[b])
+        if kind is None:
+            unreachable.append(b)
+            continue
+        recorder.handles.append(inner.layers[b].register_forward_pre_hook(
+            _layer_pre_hook(recorder, b, kind), with_kwargs=True))
+        recorder.boundaries.append(b)
+    if not recorder.boundaries:
+        log.warning("eagle3_ops: %s: no boundary of %s can be recorded on this rank; dump off", ENV_DUMP_STATES,
+                    type(model).__name__)
+        return None
+    inner.__dict__[_STATE_ATTR] = recorder
+    _recorders.append(recorder)
+    atexit.register(recorder.write)
+    itemsize = torch.empty((), dtype=next(inner.parameters()).dtype).element_size()
+    mib = settings.tokens * len(recorder.boundaries) * recorder.hidden_size * itemsize / 2**20
+    log.info("eagle3_ops: %s=%s: recording the first %d prefill tokens of %s at boundaries %s%s "
+             "(post all-reduce, TP rank %s keeps them: up to %.1f MiB host memory%s)", ENV_DUMP_STATES,
+             settings.path, settings.tokens, type(model).__name__, recorder.boundaries,
+             f", not reachable here: {unreachable}" if unreachable else "", 0,
+             mib if tp_rank == 0 else 0.0, _prefill_graph_note())
+    return recorder
+
+
+def _prefill_graph_note() -> str:
+    try:
+        from sglang.srt.runtime_context import get_server_args
+
+        sa = get_server_args()
+    except Exception:
+        return ""
+    if sa is None or getattr(sa, "disable_prefill_cuda_graph", True) or getattr(sa, "disable_cuda_graph", False):
+        return ""
+    return ("; prefill CUDA graphs are on: prefills they replay are not recorded, serve with "
+            "--disable-prefill-cuda-graph while dumping")
+
+
+def dump_state(model) -> Optional[StatesRecorder]:
+    lm = resolve_causal_lm(model)
+    return lm.model.__dict__.get(_STATE_ATTR) if lm is not None else None
+
+

@@ -1,0 +1,198 @@
+"""The engine-side STATES dump (EAGLE3_OPS_DUMP_STATES) on SGLang's own model classes (CPU).
+
+- what it records are the engine's own captures: at the configured boundaries, bitwise the aux
+  states SGLang hands the draft; every boundary equals Hugging Face's ``output_hidden_states``
+  (boundary L: the last layer's output before the final norm); next tokens = HF's greedy argmax;
+- served outputs (logits and aux states) are bitwise unchanged by recording;
+- only prefill tokens of sequences that start at position 0 are kept, up to the token budget;
+- end to end: the tiny target served mis-wired, dumped, and ``doctor --replay`` on the dump finds
+  the wiring the draft was trained on.
+"""
+import json
+
+import pytest
+import torch
+
+from eagle3_ops.doctor.states import needed_boundaries, read_states
+
+PROMPTS = [[5, 17, 3, 99, 42, 8], [7, 1, 64, 23, 88, 120, 11]]
+
+
+@pytest.fixture
+def dump_env(monkeypatch, tmp_path):
+    def set_env(tokens=None, boundaries=None):
+        path = tmp_path / "states.safetensors"
+        monkeypatch.setenv("EAGLE3_OPS_DUMP_STATES", str(path))
+        if tokens is not None:
+            monkeypatch.setenv("EAGLE3_OPS_DUMP_TOKENS", str(tokens))
+        if boundaries is not None:
+            monkeypatch.setenv("EAGLE3_OPS_DUMP_BOUNDARIES", boundaries)
+        return path
+    return set_env
+
+
+def _extend(h, model, cfg, dtype, prompts):
+    kv = h.KVCache(cfg, dtype)
+    reqs = [h.Req(kv.new_req()) for _ in prompts]
+    out = h.run(model, h.extend_batch(kv, reqs, prompts), kv)
+    return out, out.hidden_states.clone(), out.next_token_logits.clone(), kv, reqs
+
+
+def _hf_reference(hf, prompts):
+    """Per prompt: HF boundaries 0..L-1, the last layer's pre-norm output (boundary L), greedy next tokens."""
+    grabbed = {}
+    hook = hf.model.layers[-1].register_forward_hook(
+        lambda _m, _i, out: grabbed.__setitem__("last", out[0] if isinstance(out, tuple) else out))
+    refs = []
+    try:
+        with torch.no_grad():
+            for p in prompts:
+                o = hf(torch.tensor(p)[None], output_hidden_states=True)
+                hs = [t[0] for t in o.hidden_states]
+                refs.append({"hidden": hs[:-1] + [grabbed["last"][0]], "next": o.logits[0].argmax(-1)})
+    finally:
+        hook.remove()
+    return refs
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3_moe"])
+def test_dump_records_engine_captures_and_changes_nothing(sglang_cpu, dump_env, family):
+    h = sglang_cpu
+    dtype = torch.float32
+    cfg = h.FAMILIES[family].make_config()
+    hf = h.hf_model(family, cfg, dtype)
+    model = h.sglang_from_hf(family, cfg, dtype, hf)
+    L = cfg.num_hidden_layers
+
+    model.set_eagle3_layers_to_capture([0, 1])  # stock: SGLang captures boundaries [1, 2]
+    _, stock_aux, stock_logits, _, _ = _extend(h, model, cfg, dtype, PROMPTS)
+
+    budget = len(PROMPTS[0]) + 4  # the second prompt is cut at 4 tokens
+    path = dump_env(tokens=budget)
+    h.configure_capture(model, [0, 1])  # the plugin installs capture and the dump here
+    from eagle3_ops.sglang.dump_states import dump_state
+
+    rec = dump_state(model)
+    assert rec is not None and rec.boundaries == needed_boundaries([1, 2], L) == list(range(L + 1))
+    _, aux, logits, _, _ = _extend(h, model, cfg, dtype, PROMPTS)
+    assert rec.done and path.is_file(), "the file is written when the budget is full"
+    assert torch.equal(aux, stock_aux) and torch.equal(logits, stock_logits), "recording changed served outputs"
+
+    states = read_states(path, num_layers=L, hidden_size=cfg.hidden_size)
+    assert states.boundaries == list(range(L + 1))
+    assert [p["input_ids"].tolist() for p in states.prompts] == [PROMPTS[0], PROMPTS[1][:4]]
+    # the configured boundaries are bitwise what SGLang packed for the draft
+    H = cfg.hidden_size
+    first = states.prompts[0]["boundaries"]
+    T0 = len(PROMPTS[0])
+    for k, b in enumerate([1, 2]):
+        assert torch.equal(first[b], stock_aux[:T0, k * H:(k + 1) * H].float()), f"boundary {b}"
+    # every boundary is the hidden state HF calls by that index; next tokens are the target's greedy ones
+    refs = _hf_reference(hf, PROMPTS)
+    for p, ref in zip(states.prompts, refs):
+        T = p["input_ids"].numel()
+        for b in range(L + 1):
+            torch.testing.assert_close(p["boundaries"][b], ref["hidden"][b][:T].float(), **h.tolerances(dtype),
+                                       msg=f"boundary {b}")
+        assert torch.equal(p["next_token"], ref["next"][:T])
+
+    # once written, the recorder is inert: later forwards are stock and nothing is rewritten
+    mtime = path.stat().st_mtime_ns
+    _, aux2, logits2, _, _ = _extend(h, model, cfg, dtype, PROMPTS)
+    assert torch.equal(aux2, stock_aux) and torch.equal(logits2, stock_logits)
+    assert path.stat().st_mtime_ns == mtime
+
+
+def test_dump_deepseek_packer_path(sglang_cpu, dump_env):
+    """DeepSeek/Kimi layers take ``captured_last_layer_outputs`` accumulators: the dump records through
+    the same argument; the configured boundaries are bitwise the packed aux states."""
+    h = sglang_cpu
+    dtype = torch.float32
+    cfg = h.FAMILIES["deepseek_v2"].make_config()
+    model = h.sglang_model("deepseek_v2", cfg, dtype, seed=3)
+    L = cfg.num_hidden_layers
+    path = dump_env(tokens=sum(map(len, PROMPTS)))
+    h.configure_capture(model, [1, 2])  # deepseek rule: first id is 1 -> boundaries [2, 3]
+    assert list(model.model.layers_to_capture) == [2, 3]
+    _, aux, _, _, _ = _extend(h, model, cfg, dtype, PROMPTS)
+    states = read_states(path, num_layers=L, hidden_size=cfg.hidden_size)
+    assert states.boundaries == needed_boundaries([2, 3], L)
+    H = cfg.hidden_size
+    got = torch.cat([p["boundaries"][2] for p in states.prompts])
+    assert torch.equal(got, aux[:, :H].float())
+    got = torch.cat([p["boundaries"][3] for p in states.prompts])
+    assert torch.equal(got, aux[:, H:2 * H].float())
+
+
+def test_dump_skips_verify_decode_and_cached_prefixes(sglang_cpu, dump_env):
+    h = sglang_cpu
+    dtype = torch.float32
+    cfg = h.FAMILIES["llama"].make_config()
+    model = h.sglang_model("llama", cfg, dtype, seed=5)
+    path = dump_env(tokens=1000, boundaries="all")
+    h.configure_capture(model, [0, 1])
+    from eagle3_ops.sglang.dump_states import dump_state
+
+    rec = dump_state(model)
+    kv = h.KVCache(cfg, dtype)
+    reqs = [h.Req(kv.new_req()) for _ in PROMPTS]
+    h.run(model, h.extend_batch(kv, reqs, PROMPTS), kv)
+    h.run(model, h.extend_batch(kv, reqs, [[3, 4, 5], [6, 7, 8]], mode="TARGET_VERIFY"), kv)
+    h.run(model, h.extend_batch(kv, reqs, [[9, 10], [11, 12]]), kv)   # continuation: cached prefix
+    h.run(model, h.decode_batch(kv, reqs, [13, 14]), kv)
+    assert [p["input_ids"].tolist() for p in rec.prompts] == PROMPTS
+    assert not path.exists()  # budget not full: written at exit
+    assert rec.write() == str(path)
+    states = read_states(path, num_layers=cfg.num_hidden_layers, hidden_size=cfg.hidden_size)
+    assert states.boundaries == list(range(cfg.num_hidden_layers + 1))
+
+
+@pytest.mark.parametrize("env,needle", [
+    ({"EAGLE3_OPS_DUMP_TOKENS": "abc"}, "EAGLE3_OPS_DUMP_TOKENS='abc'"),
+    ({"EAGLE3_OPS_DUMP_TOKENS": "0"}, "positive whole number"),
+    ({"EAGLE3_OPS_DUMP_BOUNDARIES": "some"}, "EAGLE3_OPS_DUMP_BOUNDARIES='some'"),
+])
+def test_bad_dump_settings_are_named_and_leave_the_dump_off(sglang_cpu, dump_env, monkeypatch, caplog, env,
+                                                           needle):
+    h = sglang_cpu
+    dump_env()
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    cfg = h.FAMILIES["llama"].make_config()
+    model = h.sglang_model("llama", cfg, torch.float32, seed=5)
+    with caplog.at_level("ERROR", logger="eagle3_ops.sglang"):
+        h.configure_capture(model, [0, 1])
+    from eagle3_ops.sglang.dump_states import dump_state
+
+    assert dump_state(model) is None
+    assert any(needle in r.getMessage() and "dump is off" in r.getMessage() for r in caplog.records)
+
+
+def test_replay_on_engine_dump_finds_the_trained_wiring(sglang_cpu, dump_env, tmp_path):
+    """The tiny target (trained draft: ids [2, 4, 6] -> boundaries [3, 5, 7]) served by SGLang's llama with the
+    ids edited to [1, 3, 5]; the engine-side dump lets replay find the trained wiring."""
+    from doctor_fixtures import copy_draft_with_ids, run_doctor
+    from eagle3_ops.doctor.tiny import build_tiny_pair
+    from safetensors.torch import load_file
+    from transformers import LlamaConfig
+
+    pair = build_tiny_pair(tmp_path.parent.parent / "doctor_tiny_pair")
+    h = sglang_cpu
+    cfg = LlamaConfig.from_pretrained(pair.target_dir)
+    weights = load_file(str(pair.target_dir / "model.safetensors"))
+    model = h.sglang_model("llama", cfg, torch.float32, weights=weights.items())
+    prompts = json.loads(pair.prompts_file.read_text())
+    path = dump_env(tokens=sum(map(len, prompts)))
+    h.configure_capture(model, [1, 3, 5])  # mis-wired: SGLang captures boundaries [2, 4, 6]
+    kv = h.KVCache(cfg, torch.float32, size=sum(map(len, prompts)) + 8, max_reqs=len(prompts) + 1)
+    for s in range(0, len(prompts), 16):
+        chunk = prompts[s:s + 16]
+        reqs = [h.Req(kv.new_req()) for _ in chunk]
+        h.run(model, h.extend_batch(kv, reqs, chunk), kv)
+    assert path.is_file()
+    draft = copy_draft_with_ids(pair, tmp_path / "miswired", nested=[1, 3, 5])
+    rc, rep, err = run_doctor("--draft", draft, "--target", pair.target_dir, "--replay", path)
+    assert rc == 1, err
+    assert rep["replay"]["configured"]["boundaries"] == [2, 4, 6]
+    assert rep["replay"]["best"]["boundaries"] == [3, 5, 7] and rep["replay"]["best"]["ids"] == [2, 4, 6]
+    assert any(f["code"] == "E_REPLAY_BETTER_WIRING" for f in rep["findings"])
