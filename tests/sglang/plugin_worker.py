@@ -17,6 +17,7 @@ TARGETS = (
      "configure_aux_hidden_state_capture"),
     ("sglang.srt.layers.aux_hidden_states", "AuxHiddenStateList"),
     ("sglang.srt.layers.aux_hidden_states", "AuxHiddenStatePacker"),
+    ("sglang.srt.layers.layer_boundary.residual.batch", "final_norm"),
 )
 RUNNER_METHODS = ("init_cuda_graphs", "init_prefill_cuda_graph")
 
@@ -66,6 +67,7 @@ def main(mode: str) -> None:
                  and runner_configure_now is runner_configure
                  and originals[TARGETS[1]].capture is list_capture
                  and originals[TARGETS[2]].append is packer_append
+                 and getattr(importlib.import_module(TARGETS[3][0]), TARGETS[3][1]) is originals[TARGETS[3]]
                  and all(getattr(model_runner.ModelRunner, m) is f for m, f in runner_methods.items()))
     runner_configure_hooked = (runner_configure_now is configure_now and configure_now is not runner_configure
                                and getattr(runner_configure_now, "__wrapped__", None) is runner_configure)

@@ -16,6 +16,7 @@ ROOT = os.path.dirname(os.path.dirname(HERE))
 OUR_TARGETS = [
     "sglang.srt.layers.aux_hidden_states.AuxHiddenStateList.capture",
     "sglang.srt.layers.aux_hidden_states.AuxHiddenStatePacker.append",
+    "sglang.srt.layers.layer_boundary.residual.batch.final_norm",  # the states dump (inert unless recording)
     "sglang.srt.model_executor.model_runner.ModelRunner.init_cuda_graphs",
     "sglang.srt.model_executor.model_runner.ModelRunner.init_prefill_cuda_graph",
     "sglang.srt.model_executor.model_runner_components.attention_backend_setup.configure_aux_hidden_state_capture",
