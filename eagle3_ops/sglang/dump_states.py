@@ -131,8 +131,7 @@ class StatesRecorder:
         if self.done or self.remaining <= 0 or _compiling() or _capturing_graph():
             return skip
         mode = getattr(fb, "forward_mode", None)
-        if mode is None or not (mode.is_extend() and not mode.is_target_verify()) or \
-                mode.name not in ("EXTEND", "MIXED"):
+        if getattr(mode, "name", None) not in ("EXTEND", "MIXED"):  # never verify, decode or draft forwards
             return skip
         ids = getattr(fb, "input_ids", None)
         lens = getattr(fb, "extend_seq_lens_cpu", None)
