@@ -42,16 +42,17 @@ class BackendUnavailableError(RuntimeError):
 
 
 def forced_backend() -> Optional[str]:
-    name = os.environ.get("EAGLE3_OPS_BACKEND", "").strip().lower()
-    if not name or name == "auto":
-        return None
-    if name not in BACKENDS:
-        raise ValueError(f"EAGLE3_OPS_BACKEND={name!r} is not one of {', '.join(BACKENDS)} (or unset/auto)")
-    return name
+    """The backend EAGLE3_OPS_BACKEND forces, or None (auto). A bad value raises
+    ``settings.SettingError`` (a ValueError) naming the variable and the accepted values."""
+    from . import settings
+
+    return settings.get("EAGLE3_OPS_BACKEND")
 
 
 def verification_enabled() -> bool:
-    return os.environ.get("EAGLE3_OPS_VERIFY", "1") != "0"
+    from . import settings
+
+    return bool(settings.get_or_default("EAGLE3_OPS_VERIFY", log))
 
 
 @functools.lru_cache(maxsize=None)

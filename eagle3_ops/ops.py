@@ -6,7 +6,7 @@ Model code calls the thin Python functions at the bottom, never ``torch.ops.eagl
 """
 from __future__ import annotations
 
-import os
+import logging
 from typing import Optional
 
 import torch
@@ -31,7 +31,9 @@ DEVICE_KEYS = ("CPU", "CUDA")
 
 
 def _debug() -> bool:
-    return os.environ.get("EAGLE3_OPS_DEBUG", "0") == "1"
+    from . import settings
+
+    return bool(settings.get_or_default("EAGLE3_OPS_DEBUG", logging.getLogger("eagle3_ops")))
 
 
 # ---- capture -------------------------------------------------------------------------------------

@@ -134,7 +134,7 @@ def test_forced_backend_that_cannot_serve_raises(monkeypatch):
 
 def test_unknown_backend_name_raises(monkeypatch):
     monkeypatch.setenv("EAGLE3_OPS_BACKEND", "cublas")
-    with pytest.raises(ValueError, match="EAGLE3_OPS_BACKEND='cublas' is not one of"):
+    with pytest.raises(ValueError, match="EAGLE3_OPS_BACKEND='cublas' is not valid: expected auto, cuda, triton or reference"):
         eagle3_ops.capture(torch.randn(T, H), None, torch.zeros(T, K * H), 0)
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import logging
 import os
 import re
 import sys
@@ -148,7 +149,9 @@ def _guard(fn, argv) -> int:
     except KeyboardInterrupt:
         return 130
     except Exception as e:  # unreadable input of a kind not foreseen: still no traceback
-        if os.environ.get("EAGLE3_OPS_DEBUG") == "1":
+        from .. import settings
+
+        if settings.get_or_default("EAGLE3_OPS_DEBUG", logging.getLogger("eagle3_ops")):
             raise
         print(f"error: {type(e).__name__}: {e} (set EAGLE3_OPS_DEBUG=1 for a traceback)", file=sys.stderr)
         return 2

@@ -6,19 +6,26 @@ read and tested. Any other version gets one warning and SGLang is left exactly a
 """
 from __future__ import annotations
 
-import os
 from typing import Optional, Tuple
 
 SUPPORTED_SGLANG_VERSIONS = ("0.5.23",)
 
 ENV_SWITCH = "EAGLE3_OPS_SGLANG"            # "0" / "false" / "off" / "no": the plugin does nothing
 ENV_MAX_TOKENS = "EAGLE3_OPS_SGLANG_MAX_TOKENS"  # rows of the persistent capture buffer (optional)
-
-_OFF_VALUES = {"0", "false", "off", "no", "disable", "disabled"}
+ENV_SHARD_FC = "EAGLE3_OPS_SGLANG_SHARD_FC"      # "0": the draft fc stays replicated under TP > 1
 
 
 def plugin_enabled() -> bool:
-    return os.environ.get(ENV_SWITCH, "1").strip().lower() not in _OFF_VALUES
+    """The switch (eagle3_ops.settings); a bad value is reported once and keeps the plugin off."""
+    import logging
+
+    from ..settings import SettingError, get, report_once
+
+    try:
+        return bool(get(ENV_SWITCH))
+    except SettingError as e:
+        report_once(e, logging.getLogger("eagle3_ops.sglang"))
+        return False
 
 
 def installed_sglang_version() -> Optional[str]:

@@ -62,7 +62,9 @@ def _no_dynamo_in_sglang():
 @pytest.fixture(autouse=True)
 def _fresh_warn_once():
     """The plugin warns once per process per reason; each test starts with a clean slate."""
+    from eagle3_ops import settings
     from eagle3_ops.sglang import capture_hooks
 
     capture_hooks._warned.clear()
+    settings._reported.clear()
     yield
