@@ -331,11 +331,13 @@ def install_dump(model, settings: Optional[DumpSettings] = None) -> Optional[Sta
     inner = lm.model
     if inner.__dict__.get(_STATE_ATTR) is not None:
         return inner.__dict__[_STATE_ATTR]
-    try:
-        from sglang.srt.distributed import get_tensor_model_parallel_rank, get_tensor_model_parallel_world_size
+    # (sglang.srt.distributed does not re-export the rank/size getters: read the group itself)
+    from sglang.srt.distributed.parallel_state import get_tp_group
 
-        tp_rank, tp_size = get_tensor_model_parallel_rank(), get_tensor_model_parallel_world_size()
-    except Exception:
+    try:
+        group = get_tp_group()
+        tp_rank, tp_size = group.rank_in_group, group.world_size
+    except AssertionError:  # no model-parallel groups in this process (a script)
         tp_rank, tp_size = 0, 1
     num_layers = int(getattr(inner.config, "num_hidden_layers", len(inner.layers)))
     start = getattr(inner, "start_layer", 0)
