@@ -11,7 +11,20 @@ With this module installed the draft's forward computes ``draft_fc(h, fc.weight,
 chunk_norm_weight, input_norm_weight, eps)`` (norms folded, fp32 throughout, one rounding), puts the
 result where the draft reads its input (``forward_batch.spec_info.hidden_states``) for the duration
 of the call, and runs SGLang's own forward, which then sees an H-wide input and skips its fc block.
-Later draft steps (H-wide input) run stock. The forward is wrapped on llama_eagle3's LlamaModel
+Later draft steps (H-wide input) run stock.
+
+Under TP > 1 SGLang's llama_eagle3 replicates ``fc`` (3*7168 -> 7168 is 308 MB in bf16 on every
+rank, read in full by every rank on every draft extend). With sharding on (the default;
+``EAGLE3_OPS_SGLANG_SHARD_FC=0`` turns it off) the plugin replaces ``fc`` by a
+:class:`ColumnShardedFc` holding only this rank's output rows ``r*N/tp .. (r+1)*N/tp`` (and bias),
+releases the replicated weight, and the fused call computes the rank's ``[M, N/tp]`` slice (the input
+norms work on full input rows, which every rank has), followed by ONE all-gather along the last
+dimension through the draft's TP group: SGLang's ``tensor_model_parallel_all_gather``, the
+collective its ColumnParallelLinear(gather_output=True) uses, which SGLang's graph runners capture
+(NCCL; no host sync). Its own forward (the same slice + all-gather) keeps SGLang's stock fc path
+correct for any forward the fused call does not take. Uneven N stays replicated (one log line).
+
+The forward is wrapped on llama_eagle3's LlamaModel
 class, keyed on the instance's state (routing.py), so SGLang's compile trampolines still reach it;
 under ``torch.compile`` tracing it steps aside. The weights are the draft's own parameters: ``fc.weight``
 is passed as is, and the K ``fc_norm`` weights are re-pointed once to rows of one ``[K, H]`` tensor
@@ -35,8 +48,64 @@ _STATE_ATTR = "_eagle3_ops_draft_fc"
 DRAFT_MODULE = "sglang.srt.models.llama_eagle3"
 
 
+class ColumnShardedFc(torch.nn.Module):
+    """The draft's fc with only this TP rank's output rows (column-parallel): ``forward(x)`` is
+    ``all_gather(linear(x, weight_rows, bias_rows), dim=-1)``, i.e. the replicated fc's output.
+    Weight reloads (``load_weights`` with the checkpoint's full ``[N, K*H]`` tensor) go through the
+    parameters' ``weight_loader``, which keeps the rank's rows."""
+
+    def __init__(self, fc: torch.nn.Linear, tp_rank: int, tp_size: int):
+        super().__init__()
+        n = fc.out_features // tp_size
+        self.in_features, self.out_features = fc.in_features, fc.out_features
+        self.tp_rank, self.tp_size = tp_rank, tp_size
+        self.row_start, self.rows = tp_rank * n, n
+        self.weight = self._shard_parameter(fc.weight)
+        self.bias = self._shard_parameter(fc.bias) if fc.bias is not None else None
+
+    def _shard_parameter(self, full: torch.nn.Parameter) -> torch.nn.Parameter:
+        rows = full.data.narrow(0, self.row_start, self.rows).clone()  # its own storage: the full one can go
+        param = torch.nn.Parameter(rows, requires_grad=full.requires_grad)
+        param.weight_loader = self._load_rows
+        return param
+
+    def _load_rows(self, param: torch.nn.Parameter, loaded: torch.Tensor) -> None:
+        if loaded.shape[0] == self.out_features and param.shape[0] == self.rows:
+            loaded = loaded.narrow(0, self.row_start, self.rows)
+        if tuple(loaded.shape) != tuple(param.shape):
+            raise ValueError(f"eagle3_ops ColumnShardedFc (TP rank {self.tp_rank}/{self.tp_size}): checkpoint tensor "
+                             f"of shape {tuple(loaded.shape)} fits neither the full fc ({self.out_features} rows) "
+                             f"nor this rank's {tuple(param.shape)}")
+        param.data.copy_(loaded)
+
+    def check_group(self) -> None:
+        """The TP group a forward runs under must be the one the rows were cut for."""
+        from sglang.srt.distributed.parallel_state import get_tp_group
+
+        group = get_tp_group()
+        size, rank = group.world_size, group.rank_in_group
+        if (size, rank) != (self.tp_size, self.tp_rank):
+            raise RuntimeError(f"eagle3_ops: the draft fc was sharded for TP rank {self.tp_rank} of {self.tp_size}, "
+                               f"but this forward runs in a TP group where it is rank {rank} of {size}")
+
+    def gather(self, local: torch.Tensor) -> torch.Tensor:
+        """``[M, N/tp]`` slices of every rank -> ``[M, N]`` (one all-gather, rank order)."""
+        from sglang.srt.distributed.communication_op import tensor_model_parallel_all_gather
+
+        self.check_group()
+        return tensor_model_parallel_all_gather(local, dim=-1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.gather(torch.nn.functional.linear(x, self.weight, self.bias))
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features} (rows {self.row_start}.."
+                f"{self.row_start + self.rows} on TP rank {self.tp_rank}/{self.tp_size}), "
+                f"bias={self.bias is not None}")
+
+
 class DraftFcState:
-    def __init__(self, inner, fc: torch.nn.Linear, input_norm, fc_norm, eps: float):
+    def __init__(self, inner, fc, input_norm, fc_norm, eps: float):
         self.inner = inner
         self.fc = fc
         self.input_norm = input_norm
@@ -46,6 +115,7 @@ class DraftFcState:
         self.stats = {"fused_calls": 0, "stock_calls": 0}
         self.routing_warned = False
         self.chunk_norm_weight: Optional[torch.Tensor] = None
+        self.sharding: Optional[dict] = None    # set when the fc was sharded over TP ranks
         if fc_norm is not None:
             self._share_chunk_norm_storage()
 
@@ -118,6 +188,8 @@ def _run_draft_forward(state: DraftFcState, original, inner, args, kwargs):
         return original(inner, *args, **kwargs)
     input_norm_weight = state.input_norm.weight if state.input_norm is not None else None
     x = ops.draft_fc(h, fc.weight, fc.bias, None, state.chunk_weight(), input_norm_weight, state.eps)
+    if isinstance(fc, ColumnShardedFc):
+        x = fc.gather(x)  # [M, N/tp] -> [M, N]: the one collective sharding adds
     state.stats["fused_calls"] += 1
     spec.hidden_states = x
     try:
@@ -169,6 +241,7 @@ def install_draft_fc(model) -> Optional[DraftFcState]:
     if backend is None:
         return None
     eps = eps_values.pop() if eps_values else 1e-6
+    shard = _shard_plan(inner, fc, name)
     state = DraftFcState(inner, fc, input_norm, fc_norm, eps)
     # class level, so that SGLang's compile trampolines (which call type(module).forward) reach it
     wrap_class_forward(owner, _STATE_ATTR, _run_draft_forward)
@@ -177,7 +250,74 @@ def install_draft_fc(model) -> Optional[DraftFcState]:
              "eagle3::draft_fc call, same weight storage; backend draft_fc=%s", name,
              "yes" if input_norm is not None else "no", "yes" if fc_norm is not None else "no",
              fc.in_features, fc.out_features, "yes" if fc.bias is not None else "no", backend["draft_fc"])
+    if shard is not None:
+        del fc  # the replicated fc must have no reference left here when it is swapped out
+        _install_sharded_fc(state, name, *shard)
     return state
+
+
+def _shard_plan(inner, fc: torch.nn.Linear, name: str):
+    """(tp_rank, tp_size) to shard the draft fc over, or None to keep it replicated (one log line
+    when TP > 1 and it stays replicated)."""
+    from ..settings import SettingError, get, report_once
+    from .version import ENV_SHARD_FC
+
+    from sglang.srt.distributed.parallel_state import get_tp_group
+
+    try:
+        group = get_tp_group()
+    except AssertionError:  # no model-parallel groups in this process (a script): nothing to shard over
+        return None
+    tp_size, tp_rank = group.world_size, group.rank_in_group
+    if tp_size <= 1:
+        return None
+    try:
+        enabled = get(ENV_SHARD_FC)
+    except SettingError as e:
+        report_once(e, log)
+        return None
+    if not enabled:
+        log.info("eagle3_ops: draft %s fc stays replicated on each of the %d TP ranks (%s=0)", name, tp_size,
+                 ENV_SHARD_FC)
+        return None
+    if fc.out_features % tp_size:
+        log.info("eagle3_ops: draft %s fc stays replicated: its %d output rows do not split evenly over %d TP "
+                 "ranks", name, fc.out_features, tp_size)
+        return None
+    # The draft's own parallel layers were built in the TP group SGLang gives the draft; the fc rows
+    # must be cut for the same group its forwards run in.
+    qkv = getattr(getattr(getattr(inner, "layers", [None])[0], "self_attn", None), "qkv_proj", None)
+    built = (getattr(qkv, "tp_size", tp_size), getattr(qkv, "tp_rank", tp_rank))
+    if built != (tp_size, tp_rank):
+        log.info("eagle3_ops: draft %s fc stays replicated: its layers were built for TP rank %d of %d, but it is "
+                 "being configured in a group where this is rank %d of %d", name, built[1], built[0], tp_rank,
+                 tp_size)
+        return None
+    return tp_rank, tp_size
+
+
+def _install_sharded_fc(state: DraftFcState, name: str, tp_rank: int, tp_size: int) -> None:
+    """Replace the draft's replicated fc by this rank's rows and release the replicated weight."""
+    import weakref
+
+    inner, full = state.inner, state.fc
+    full_bytes = sum(p.numel() * p.element_size() for p in full.parameters())
+    gone = [weakref.ref(p) for p in full.parameters()]
+    sharded = ColumnShardedFc(full, tp_rank, tp_size)
+    inner.fc = sharded
+    state.fc = sharded
+    del full
+    shard_bytes = sum(p.numel() * p.element_size() for p in sharded.parameters())
+    released = all(ref() is None for ref in gone)
+    log.info("eagle3_ops: draft %s fc sharded over %d TP ranks: this rank (%d) keeps rows %d..%d (%.1f MiB of "
+             "%.1f MiB); each draft extend reads %.1f MiB of fc weight instead of %.1f MiB and adds one all-gather "
+             "of [M, %d] along the last dim through the draft's TP group; %s", name, tp_size, tp_rank,
+             sharded.row_start, sharded.row_start + sharded.rows, shard_bytes / 2**20, full_bytes / 2**20,
+             shard_bytes / 2**20, full_bytes / 2**20, sharded.out_features,
+             f"the replicated weight ({(full_bytes) / 2**20:.1f} MiB) was released" if released else
+             "the replicated weight is still referenced elsewhere and was NOT released")
+    state.sharding = {"tp_rank": tp_rank, "tp_size": tp_size, "released": released,
+                      "bytes_before": full_bytes, "bytes_after": shard_bytes}
 
 
 def check_routing(model) -> Optional[str]:

@@ -1,0 +1,126 @@
+"""TP=2 on CPU (two gloo processes running SGLang's llama_eagle3 draft): the draft fc sharded over
+the TP ranks (each rank keeps its rows, the replicated weight is gone) gives the draft outputs of
+the replicated fc, at TP=2 and at TP=1, with exactly one added all-gather per draft extend and none
+per decode step; ``EAGLE3_OPS_SGLANG_SHARD_FC=0`` keeps it replicated. Workers: tp2_draft_worker.py."""
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(os.path.dirname(HERE))
+LAYER_IDS = [0, 1, 2]
+
+
+def _checkpoint(draft, dcfg):
+    """The draft's weights in checkpoint naming (SGLang's fused qkv / gate_up split back)."""
+    heads, kv_heads = dcfg.num_attention_heads, dcfg.num_key_value_heads
+    head_dim = dcfg.hidden_size // heads
+    out = {}
+    for name, t in draft.state_dict().items():
+        t = t.detach().float().clone()
+        if name.endswith("qkv_proj.weight"):
+            q, k, v = t.split([heads * head_dim, kv_heads * head_dim, kv_heads * head_dim])
+            for part, w in (("q_proj", q), ("k_proj", k), ("v_proj", v)):
+                out[name.replace("qkv_proj", part)] = w.clone()
+        elif name.endswith("gate_up_proj.weight"):
+            gate, up = t.chunk(2)
+            out[name.replace("gate_up_proj", "gate_proj")] = gate.clone()
+            out[name.replace("gate_up_proj", "up_proj")] = up.clone()
+        else:
+            out[name] = t
+    return out
+
+
+def _tp1(h, dcfg, ckpt, aux, dtype, plugin):
+    from test_draft_fc import _draft_steps
+
+    draft = h.eagle3_draft(dcfg, dtype)
+    draft.load_weights([(n, t.to(dtype)) for n, t in ckpt.items()])
+    if plugin:
+        h.configure_capture(draft, None, eagle=False)
+    ext, dec, fc_out = _draft_steps(h, draft, dcfg, dtype, aux.to(dtype))
+    return {"fc_out": fc_out, "extend_logits": ext.next_token_logits, "extend_hidden": ext.hidden_states,
+            "decode_logits": dec.next_token_logits, "decode_hidden": dec.hidden_states}
+
+
+def _run_ranks(tmp_path):
+    import harness
+
+    port = harness.free_port()
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT, HERE, os.environ.get("PYTHONPATH", "")]),
+               SGLANG_NCCL_SO_PATH="/nonexistent", TORCHDYNAMO_DISABLE="1")
+    env.pop("SGLANG_USE_CPU_ENGINE", None)
+    env.pop("EAGLE3_OPS_SGLANG_SHARD_FC", None)
+    procs = [subprocess.Popen([sys.executable, os.path.join(HERE, "tp2_draft_worker.py"), str(r), str(port),
+                               str(tmp_path)], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+             for r in range(2)]
+    logs = []
+    for p in procs:
+        try:
+            out, _ = p.communicate(timeout=420)
+        except subprocess.TimeoutExpired:
+            for q in procs:
+                q.kill()
+            raise
+        logs.append(out.decode(errors="replace"))
+    for p, log in zip(procs, logs):
+        assert p.returncode == 0, f"TP=2 rank failed:\n{log[-4000:]}"
+    return [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(2)], logs
+
+
+OUTPUTS = ("fc_out", "extend_logits", "extend_hidden", "decode_logits", "decode_hidden")
+
+
+def test_tp2_sharded_draft_fc(sglang_cpu, tmp_path):
+    h = sglang_cpu
+    cfg = h.FAMILIES["llama"].make_config()
+    dcfg = h.eagle3_draft_config(cfg, layer_ids=LAYER_IDS, fc_norm=True, norm_before_fc=True)
+    dcfg.bias = True  # llama_eagle3 reads config.bias for fc: the bias rows are sharded too
+    source = h.eagle3_draft(dcfg, torch.float32, seed=3)
+    assert source.model.fc.bias is not None
+    ckpt = _checkpoint(source, dcfg)
+    gen = torch.Generator().manual_seed(11)
+    T = 12  # tokens of test_draft_fc.PROMPTS
+    aux = torch.randn(T, len(LAYER_IDS) * cfg.hidden_size, generator=gen)
+    torch.save({"ckpt": ckpt, "aux": aux, "dcfg": dcfg}, tmp_path / "inputs.pt")
+
+    ranks, logs = _run_ranks(tmp_path)
+    N, KH = ckpt["model.fc.weight"].shape
+    for dtype in (torch.float32, torch.bfloat16):
+        key = str(dtype)
+        tol = h.tolerances(dtype)
+        tp1_stock = _tp1(h, dcfg, ckpt, aux, dtype, plugin=False)
+        for r, res in enumerate(ranks):
+            stock, sharded, replicated = (res[(key, v)] for v in ("stock", "sharded", "replicated"))
+            # each rank holds only its rows; no tensor of the replicated fc's shape is left in the process
+            assert sharded["fc_class"] == "ColumnShardedFc", logs[r][-3000:]
+            assert sharded["rows"] == (r * N // 2, N // 2)
+            assert sharded["rows_match_checkpoint"]
+            assert sharded["param_shapes"]["model.fc.weight"] == (N // 2, KH)
+            assert sharded["param_shapes"]["model.fc.bias"] == (N // 2,)
+            assert sharded["full_fc_alive"] == 0
+            assert sharded["sharding"]["released"] and sharded["sharding"]["tp_size"] == 2
+            assert sharded["sharding"]["bytes_after"] * 2 == sharded["sharding"]["bytes_before"]
+            assert replicated["sharding"] is None and replicated["fc_weight_shape"] == (N, KH)
+            # exactly one added all-gather per draft extend, none per decode step
+            assert sharded["extend_gathers"] == stock["extend_gathers"] + 1, (sharded, stock)
+            assert sharded["decode_gathers"] == stock["decode_gathers"]
+            assert replicated["extend_gathers"] == stock["extend_gathers"]
+            for v in (sharded, replicated):
+                assert v["stats"] == {"fused_calls": 1, "stock_calls": 1}
+                assert v["fc_module_calls"] == 0  # the fused call ran, not the fc module
+            for name in OUTPUTS:
+                # sharded == replicated on the same rank: bitwise with the reference backend
+                h.assert_plugin_matches_stock(sharded[name], replicated[name], dtype, f"{key} rank{r} {name}",
+                                              reference=res["reference_only"])
+                # and == TP=1 stock SGLang within rounding (the TP=2 attention/MLP reduce in another order)
+                torch.testing.assert_close(sharded[name].float(), tp1_stock[name].float(), **tol,
+                                           msg=f"{key} rank{r} {name} vs TP=1")
+        for name in OUTPUTS:
+            assert torch.equal(ranks[0][(key, "sharded")][name], ranks[1][(key, "sharded")][name]), name
+    joined = "\n".join(logs)
+    assert "fc sharded over 2 TP ranks" in joined and "was released" in joined
+    assert "stays replicated on each of the 2 TP ranks (EAGLE3_OPS_SGLANG_SHARD_FC=0)" in joined

@@ -1,0 +1,140 @@
+"""One rank of the TP=2 draft-fc run (two gloo processes): ``python tp2_draft_worker.py RANK PORT DIR``.
+
+``DIR/inputs.pt`` (written by test_tp2_draft_fc.py) holds the draft's full checkpoint (checkpoint
+names, fp32), the target aux states and the draft config. Each rank loads the checkpoint through
+SGLang's own ``load_weights`` (which shards the draft's attention/MLP for TP=2; fc is replicated,
+as stock SGLang does) three times per dtype:
+
+* ``stock``: SGLang's llama_eagle3 as is (never configured through the plugin's hook);
+* ``sharded``: configured through ``configure_aux_hidden_state_capture`` (the plugin installs the
+  fused fc and, at TP=2, shards it);
+* ``replicated``: the same with ``EAGLE3_OPS_SGLANG_SHARD_FC=0``.
+
+Each runs one draft EXTEND (on the target's aux states) and one DECODE step, counting every
+all-gather SGLang's TP group performs, and saves outputs, counts and what the rank holds."""
+import gc
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import harness as h  # noqa: E402
+
+
+def _build(dcfg, dtype, ckpt_path):
+    import torch
+
+    draft = h.eagle3_draft(dcfg, dtype)
+    ckpt = torch.load(ckpt_path, weights_only=False)["ckpt"]
+    draft.load_weights([(name, t.to(dtype)) for name, t in ckpt.items()])
+    del ckpt
+    return draft
+
+
+def _full_fc_tensors(shape):
+    """Every live tensor in this process with the replicated fc's shape (storage pointers)."""
+    import torch
+
+    gc.collect()
+    found = set()
+    for obj in gc.get_objects():
+        try:
+            if isinstance(obj, torch.Tensor) and tuple(obj.shape) == tuple(shape):
+                found.add(obj.untyped_storage().data_ptr())
+        except Exception:  # objects that fail isinstance checks or lazy tensors
+            continue
+    return found
+
+
+def main(rank: int, port: int, outdir: str) -> None:
+    h.disable_dynamo()
+    import logging
+
+    import torch
+
+    logging.basicConfig(level=logging.WARNING, format="%(name)s %(levelname)s %(message)s")
+    logging.getLogger("eagle3_ops").setLevel(logging.INFO)
+    from sglang.srt.distributed.parallel_state import GroupCoordinator
+
+    h.init_distributed(tp_size=2, rank=rank, port=port)
+    assert h.plugin_install()
+    from eagle3_ops.sglang.draft_fc_hooks import ColumnShardedFc, draft_fc_state
+    from test_draft_fc import _draft_steps
+
+    inputs_path = os.path.join(outdir, "inputs.pt")
+    inputs = torch.load(inputs_path, weights_only=False)
+    dcfg, aux32 = inputs["dcfg"], inputs["aux"]
+    full_fc_shape = tuple(inputs["ckpt"]["model.fc.weight"].shape)
+    del inputs
+
+    gathers = [0]
+    original_all_gather = GroupCoordinator.all_gather
+
+    def counting_all_gather(self, *args, **kwargs):
+        if self.world_size > 1:
+            gathers[0] += 1
+        return original_all_gather(self, *args, **kwargs)
+
+    GroupCoordinator.all_gather = counting_all_gather
+
+    results = {"reference_only": h.reference_only(torch.float32)}
+    for dtype in (torch.float32, torch.bfloat16):
+        aux = aux32.to(dtype)
+        for variant in ("stock", "sharded", "replicated"):
+            draft = _build(dcfg, dtype, inputs_path)
+            rec = {}
+            if variant != "stock":
+                if variant == "replicated":
+                    os.environ["EAGLE3_OPS_SGLANG_SHARD_FC"] = "0"
+                try:
+                    h.configure_capture(draft, None, eagle=False)
+                finally:
+                    os.environ.pop("EAGLE3_OPS_SGLANG_SHARD_FC", None)
+                state = draft_fc_state(draft)
+                assert state is not None, variant
+                rec["sharding"] = state.sharding
+                fc = draft.model.fc
+                rec["fc_class"] = type(fc).__name__
+                rec["fc_weight_shape"] = tuple(fc.weight.shape)
+                rec["fc_bias_shape"] = tuple(fc.bias.shape) if fc.bias is not None else None
+                if isinstance(fc, ColumnShardedFc):
+                    rec["rows"] = (fc.row_start, fc.rows)
+                    # compared here: a full-shape copy kept for the parent would defeat the scan below
+                    ckpt = torch.load(inputs_path, weights_only=False)["ckpt"]
+                    rows = slice(fc.row_start, fc.row_start + fc.rows)
+                    rec["rows_match_checkpoint"] = (
+                        torch.equal(fc.weight, ckpt["model.fc.weight"][rows].to(dtype))
+                        and torch.equal(fc.bias, ckpt["model.fc.bias"][rows].to(dtype)))
+                    del ckpt
+                    rec["full_fc_alive"] = len(_full_fc_tensors(full_fc_shape))
+                rec["param_shapes"] = {n: tuple(p.shape) for n, p in draft.named_parameters()}
+            fc_calls = []
+            hook = draft.model.fc.register_forward_hook(lambda m, a, out: fc_calls.append(1))
+            counts = []
+            orig_run = h.run
+
+            def counted_run(model, fb, kv):
+                before = gathers[0]
+                out = orig_run(model, fb, kv)
+                counts.append(gathers[0] - before)
+                return out
+
+            h.run = counted_run
+            try:
+                ext, dec, fc_out = _draft_steps(h, draft, dcfg, dtype, aux)
+            finally:
+                h.run = orig_run
+                hook.remove()
+            rec.update(extend_gathers=counts[0], decode_gathers=counts[1], fc_module_calls=len(fc_calls),
+                       fc_out=fc_out, extend_logits=ext.next_token_logits.clone(),
+                       extend_hidden=ext.hidden_states.clone(), decode_logits=dec.next_token_logits.clone(),
+                       decode_hidden=dec.hidden_states.clone())
+            if variant != "stock":
+                rec["stats"] = dict(draft_fc_state(draft).stats)
+            results[(str(dtype), variant)] = rec
+            del draft
+    torch.save(results, os.path.join(outdir, f"rank{rank}.pt"))
+
+
+if __name__ == "__main__":
+    main(int(sys.argv[1]), int(sys.argv[2]), sys.argv[3])
