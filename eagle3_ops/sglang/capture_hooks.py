@@ -1,9 +1,9 @@
 """Target side: EAGLE-3 aux hidden states go into ONE persistent ``[max_tokens, K*H]`` buffer.
 
-Stock SGLang 0.5.23 collects the K captures of a forward in an ``AuxHiddenStateList`` (one
-``clone`` per capture, then ``torch.cat`` in ``pack_aux_hidden_states``) or, for DeepSeek-V2/V3
-and Kimi, an ``AuxHiddenStatePacker`` (a fresh ``[T, K*H]`` tensor per forward, or per CUDA-graph
-batch size). With this module installed on a model:
+Stock SGLang 0.5.23 collects the K captures of a forward in an ``AuxHiddenStateList`` (Llama,
+Qwen2/3 and Qwen MoE, gpt-oss, GLM-4.5/4.6; one ``clone`` per capture, then ``torch.cat`` in
+``pack_aux_hidden_states``) or, for DeepSeek-V2/V3 and Kimi, an ``AuxHiddenStatePacker`` (a fresh
+``[T, K*H]`` tensor per forward, or per CUDA-graph batch size). With this module installed on a model:
 
 * the model owns one :class:`eagle3_ops.AuxCaptureBuffer` allocated once, when SGLang configures
   the capture (``configure_aux_hidden_state_capture``, which runs before CUDA-graph capture), so
@@ -24,11 +24,15 @@ reader is SGLang's ``return_hidden_states`` readback, which runs on a copy strea
 forward does not wait for: where the server lets requests return hidden states, or in capture-only
 mode (``--enable-return-aux-hidden-states``), the target is left stock (:func:`hidden_states_readback`).
 
-The buffer is allocated after SGLang sized its KV cache, so it is outside SGLang's memory budget
-(``--mem-fraction-static``): its size is logged as a WARNING with how to cap it
-(``EAGLE3_OPS_SGLANG_MAX_TOKENS``). A forward the buffer cannot hold (more rows than
-``max_tokens``, an unexpected dtype/width) runs the stock path unchanged, with one log line per
-reason.
+The buffer counts against SGLang's memory budget (``--mem-fraction-static``): the plugin installs
+the capture BEFORE ``ModelRunner.alloc_memory_pool``, where SGLang sizes the KV cache
+(:func:`install_before_kv_sizing`, making SGLang's own ``set_eagle3_layers_to_capture`` call with the
+ids it passes later), and logs its size as INFO. Where that hook is not reached (a script calling
+``configure_aux_hidden_state_capture`` itself), the buffer is allocated at configuration and a
+WARNING says it is outside the budget. ``EAGLE3_OPS_SGLANG_MAX_TOKENS`` caps its rows. A forward the
+buffer cannot hold (more rows than ``max_tokens``, an unexpected dtype/width) runs SGLang's stock
+capture and still returns ONE packed tensor (SGLang's ``pack_aux_hidden_states`` of its list), so
+every CUDA-graph bucket returns the same structure; one log line per reason.
 
 The model's ``forward`` is wrapped on its class (routing.py), keyed on the instance's state, so
 SGLang's compile trampolines, which call the class's forward, still reach it; after SGLang's
@@ -58,7 +62,17 @@ SUPPORTED_TARGET_MODELS = (
     ("sglang.srt.models.qwen3", "Qwen3Model", "list"),
     ("sglang.srt.models.qwen2_moe", "Qwen2MoeModel", "list"),      # also Qwen3MoeModel
     ("sglang.srt.models.deepseek_v2", "DeepseekV2Model", "packer"),  # DeepSeek V2/V3, Kimi K2/K2.5
+    # gpt-oss and GLM-4.5/4.6: layer captures through attn_boundary.prepare(capture=...) like llama
+    # (gpt-oss's end-layer capture, at final_norm, is past the buffer's layers: that forward runs
+    # stock); GLM's TBO branch (CUDA only) captures nothing past first_k_dense_replace, stock too
+    ("sglang.srt.models.gpt_oss", "GptOssModel", "list"),
+    ("sglang.srt.models.glm4_moe", "Glm4MoeModel", "list"),
 )
+
+# Inner model classes that can also capture boundary L (the last layer's output, before the final
+# norm) through ``residual_batch.final_norm(..., capture=...)`` when ``end_layer`` is in
+# ``layers_to_capture``; for them that boundary is a buffer slot too (a copy: no add to fuse there).
+END_BOUNDARY_CAPTURE = (("sglang.srt.models.gpt_oss", "GptOssModel"),)
 
 _STATE_ATTR = "_eagle3_ops_capture"
 _tls = threading.local()
@@ -225,13 +239,21 @@ def _run_forward(state: TargetCaptureState, original, inner, args, kwargs):
         _tls.capture = current
     if cap.mode == "buffer":
         state.stats["buffer_forwards"] += 1
-        if (isinstance(out, tuple) and len(out) == 2 and out[1] is cap.owner
-                and isinstance(cap.owner, list) and cap.count == state.num_captures):
-            # the list holds slot views; hand over the packed view instead of cat-ing them
-            # (with fewer captures than slots the list goes on as is: views, cat-ed as stock)
-            out = (out[0], cap.packed())
     elif cap.mode == "stock":
         state.stats["stock_forwards"] += 1
+    if isinstance(out, tuple) and len(out) == 2 and isinstance(out[1], list):
+        if cap.mode == "buffer" and out[1] is cap.owner and cap.count == state.num_captures:
+            # the list holds slot views; hand over the packed view instead of cat-ing them
+            out = (out[0], cap.packed())
+        else:
+            # A forward that did not fit the buffer still returns ONE tensor, the one SGLang's
+            # pack_aux_hidden_states would make of its list: SGLang's breakable prefill graphs
+            # allocate their output buffer from the largest bucket's output and refuse a list in
+            # one bucket and a tensor in another (_copy_output_to_buffer: "Unsupported BCG output
+            # buffer pair").
+            from sglang.srt.layers.aux_hidden_states import pack_aux_hidden_states
+
+            out = (out[0], pack_aux_hidden_states(out[1]))
     return out
 
 
@@ -366,12 +388,9 @@ def hidden_states_readback() -> Optional[str]:
 
 
 def _default_max_tokens() -> int:
-    import os
-
-    from .version import ENV_MAX_TOKENS
-
-    if os.environ.get(ENV_MAX_TOKENS):
-        return int(os.environ[ENV_MAX_TOKENS])
+    """Rows of the buffer when EAGLE3_OPS_SGLANG_MAX_TOKENS is unset: SGLang's chunked_prefill_size
+    (else max_prefill_tokens, else 16384), at least the largest decode CUDA-graph batch times the
+    draft tokens per request."""
     candidates = []
     try:
         from sglang.srt.runtime_context import get_server_args
@@ -386,7 +405,7 @@ def _default_max_tokens() -> int:
         draft_tokens = getattr(sa, "speculative_num_draft_tokens", None) or 1
         if bs:
             candidates.append(int(bs) * int(draft_tokens))
-    except Exception:
+    except Exception:  # no server args published (scripts, the CPU harness)
         pass
     return max(candidates) if candidates else 16384
 
@@ -400,16 +419,30 @@ def _activation_dtype(inner, norms) -> torch.dtype:
     return torch.get_default_dtype()
 
 
+def _buffer_layers(inner, owner: type) -> List[int]:
+    """The capture indices this rank records, in capture order (= slot order): the layer inputs
+    of layers start..end-1 it captures, then boundary L (``end_layer``) for the classes that capture
+    it at the final norm."""
+    start = getattr(inner, "start_layer", 0)
+    end = getattr(inner, "end_layer", len(inner.layers))
+    ends_too = any(sys.modules.get(m) is not None and getattr(sys.modules[m], c, None) is owner
+                   for m, c in END_BOUNDARY_CAPTURE)
+    upper = end + 1 if ends_too else end
+    return sorted(i for i in set(inner.layers_to_capture) if start <= i < upper)
+
+
 def _attention_input_norm(layer):
     boundary = getattr(layer, "attn_boundary", None)
     norm = getattr(boundary, "norm", None) if boundary is not None else None
     return norm if norm is not None else getattr(layer, "input_layernorm", None)
 
 
-def install_target_capture(model, max_tokens: Optional[int] = None) -> Optional[TargetCaptureState]:
+def install_target_capture(model, max_tokens: Optional[int] = None,
+                           before_kv_sizing: bool = False) -> Optional[TargetCaptureState]:
     """Route ``model``'s EAGLE-3 captures into one persistent buffer (after SGLang configured which
     layers to capture). Returns the state, or None when the model is left stock (one warning).
-    Nothing is changed on the model until every check passed."""
+    Nothing is changed on the model until every check passed. ``before_kv_sizing``: called from
+    :func:`install_before_kv_sizing` (the buffer then counts against SGLang's memory budget)."""
     lm = resolve_causal_lm(model)
     name = type(model).__name__
     if lm is None:
@@ -418,6 +451,7 @@ def install_target_capture(model, max_tokens: Optional[int] = None) -> Optional[
     inner = lm.model
     existing = inner.__dict__.get(_STATE_ATTR)
     if existing is not None:
+        _check_configured_layers(existing, inner)
         return existing
     if not getattr(lm, "capture_aux_hidden_states", False):
         return None  # not capturing on this rank (e.g. a non-last pipeline stage)
@@ -432,12 +466,11 @@ def install_target_capture(model, max_tokens: Optional[int] = None) -> Optional[
     if readback is not None:
         _warn_once(f"readback:{name}", "eagle3_ops: %s EAGLE-3 capture left stock: %s", name, readback)
         return None
-    start = getattr(inner, "start_layer", 0)
-    end = getattr(inner, "end_layer", len(inner.layers))
-    layer_ids = sorted(i for i in set(inner.layers_to_capture) if start <= i < end)
+    layer_ids = _buffer_layers(inner, owner)
     if not layer_ids:
         return None
-    norms = {i: _attention_input_norm(inner.layers[i]) for i in layer_ids}
+    end = getattr(inner, "end_layer", len(inner.layers))
+    norms = {i: _attention_input_norm(inner.layers[i]) for i in layer_ids if i < end}
     dtype = _activation_dtype(inner, [n for n in norms.values() if n is not None])
     hidden_size = int(lm.config.hidden_size) if hasattr(lm, "config") else int(inner.config.hidden_size)
     device = next((p.device for p in inner.parameters()), torch.device("cpu"))
@@ -445,14 +478,23 @@ def install_target_capture(model, max_tokens: Optional[int] = None) -> Optional[
     if backend is None:
         return None
     if max_tokens is None:
-        max_tokens = _default_max_tokens()
+        from .. import settings
+        from .version import ENV_MAX_TOKENS
+
+        try:
+            max_tokens = settings.get(ENV_MAX_TOKENS)
+        except settings.SettingError as e:
+            settings.report_once(e, log)
+            return None
+        if max_tokens is None:
+            max_tokens = _default_max_tokens()
 
     # Decide every site first, then install (no half-patched model on error).
     fusable = {}
     for i in layer_ids:
+        if i == 0 or i >= end:
+            continue  # the embedding output / boundary L at the final norm: no add here, the slot is a copy
         norm = norms[i]
-        if i == 0:
-            continue  # layer 0's input is the embedding output: there is no add, the slot is a copy
         why = _norm_fusable_statically(norm, dtype) if norm is not None else "no input norm"
         if why is None:
             fusable[i] = norm
@@ -482,11 +524,76 @@ def install_target_capture(model, max_tokens: Optional[int] = None) -> Optional[
                  name, i, state.slot_of_layer[i], backend["fused_add_rmsnorm_capture"])
     from .version import ENV_MAX_TOKENS
 
-    log.warning("eagle3_ops: %s capture buffer: %.1f MiB on %s (%d tokens x %d x %d %s), allocated after SGLang "
-                "sized its KV cache, so outside --mem-fraction-static; cap it with %s=N (tokens; a forward "
-                "with more tokens uses SGLang's stock capture)", name, mib, device, state.max_tokens,
-                state.num_captures, hidden_size, str(dtype).replace("torch.", ""), ENV_MAX_TOKENS)
+    size = (f"{mib:.1f} MiB on {device} ({state.max_tokens} tokens x {state.num_captures} x {hidden_size} "
+            f"{str(dtype).replace('torch.', '')})")
+    if before_kv_sizing:
+        log.info("eagle3_ops: %s capture buffer: %s, allocated before SGLang sizes its KV cache, so it is inside "
+                 "--mem-fraction-static (the KV cache is that much smaller); cap it with %s=N (tokens; a forward "
+                 "with more tokens uses SGLang's stock capture)%s", name, size, ENV_MAX_TOKENS,
+                 _fc_sharding_note(state))
+    else:
+        log.warning("eagle3_ops: %s capture buffer: %s, allocated after SGLang sized its KV cache, so outside "
+                    "--mem-fraction-static; cap it with %s=N (tokens; a forward with more tokens uses SGLang's "
+                    "stock capture)", name, size, ENV_MAX_TOKENS)
     return state
+
+
+def _check_configured_layers(state: TargetCaptureState, inner) -> None:
+    """SGLang configured the capture after the plugin installed it before KV sizing (with the same
+    call and arguments): the layers must be the ones the buffer was laid out for."""
+    found = supported_target(inner)
+    now = _buffer_layers(inner, found[1]) if found is not None else None
+    if now != state.layer_ids and state.enabled:
+        state.enabled = False
+        log.error("eagle3_ops: %s: SGLang configured capture layers %s, but the capture buffer was laid out for %s; "
+                  "this model uses SGLang's stock capture", state.model_name, now, state.layer_ids)
+
+
+def _fc_sharding_note(state: TargetCaptureState) -> str:
+    """At TP >= 2 the draft fc sharding frees more per rank than the buffer costs: say how much."""
+    try:
+        from sglang.srt.distributed.parallel_state import get_tp_group
+
+        tp = get_tp_group().world_size
+    except AssertionError:
+        return ""
+    from .. import settings
+    from .version import ENV_SHARD_FC
+
+    try:
+        shard = settings.get(ENV_SHARD_FC)
+    except settings.SettingError:
+        shard = False
+    if tp < 2 or not shard:
+        return ""
+    buf = state.buffer.buffer
+    fc_bytes = state.num_captures * state.hidden_size * state.hidden_size * buf.element_size()
+    freed = fc_bytes * (tp - 1) / tp
+    return (f"; at TP={tp} sharding an llama_eagle3 draft's fc ({ENV_SHARD_FC}, on) frees "
+            f"{freed / 2**20:.1f} MiB per rank for a draft of hidden size {state.hidden_size}, "
+            f"{'more' if freed > buf.numel() * buf.element_size() else 'less'} than this buffer")
+
+
+def install_before_kv_sizing(runner) -> Optional[TargetCaptureState]:
+    """BEFORE ``ModelRunner.alloc_memory_pool`` (SGLang sizes the KV cache inside it): for a target
+    runner that will capture EAGLE-3 aux states, make SGLang's own configuration call now
+    (``set_eagle3_layers_to_capture`` with the ids ``configure_aux_hidden_state_capture`` passes
+    it later; it only assigns the layer list) and install the capture, so the buffer is allocated
+    before the KV cache is sized and ``--mem-fraction-static`` accounts for it. SGLang's later
+    configuration call then finds it installed (and the layers are checked to be the same)."""
+    if getattr(runner, "is_draft_worker", False):
+        return None
+    aux = getattr(runner, "spec_aux_config", None)
+    model = getattr(runner, "model", None)
+    if aux is None or model is None or not getattr(aux, "eagle_use_aux_hidden_state", False):
+        return None
+    if not hasattr(model, "set_eagle3_layers_to_capture"):
+        return None  # SGLang will raise its own error at configuration
+    lm = resolve_causal_lm(model)
+    if lm is None or supported_target(lm.model) is None:
+        return None  # stays stock; the configuration-time install warns
+    model.set_eagle3_layers_to_capture(aux.eagle_aux_hidden_state_layer_ids)
+    return install_target_capture(model, before_kv_sizing=True)
 
 
 def check_routing(model) -> Optional[str]:

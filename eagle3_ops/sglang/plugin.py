@@ -2,13 +2,17 @@
 ``sglang.srt.plugins`` entry-point group.
 
 SGLang calls :func:`register` (no arguments) early in every process (``load_plugins``), then
-applies the hooks registered with its ``HookRegistry``. We register three:
+applies the hooks registered with its ``HookRegistry``. We register:
 
+* BEFORE ``ModelRunner.alloc_memory_pool`` — where SGLang sizes the KV cache. For a target runner
+  that will capture EAGLE-3 aux states, the capture (and its persistent buffer) is installed here,
+  so the buffer counts against ``--mem-fraction-static`` (capture_hooks.install_before_kv_sizing).
 * AFTER ``attention_backend_setup.configure_aux_hidden_state_capture`` — SGLang calls it for every
   model runner (target and draft) after the weights are loaded and before CUDA-graph capture. For
-  a target configured for EAGLE-3 it installs the persistent capture buffer (capture_hooks); for an
-  EAGLE-3 draft it installs the fused fc (draft_fc_hooks). Nothing is patched until then, and only
-  on that model instance.
+  a target configured for EAGLE-3 it installs the persistent capture buffer (capture_hooks) if the
+  hook above did not already; for an EAGLE-3 draft it installs the fused fc and, under TP > 1, shards
+  it over the TP ranks (draft_fc_hooks). Nothing is patched before these, and only on that model
+  instance.
 * AROUND ``AuxHiddenStateList.capture`` and ``AuxHiddenStatePacker.append`` — inert (one
   thread-local read) unless a model with an installed buffer is running its forward.
 * AFTER ``ModelRunner.init_cuda_graphs`` and ``ModelRunner.init_prefill_cuda_graph`` (the draft's
@@ -39,6 +43,7 @@ CONFIGURE_TARGET = ("sglang.srt.model_executor.model_runner_components.attention
 LIST_CAPTURE_TARGET = "sglang.srt.layers.aux_hidden_states.AuxHiddenStateList.capture"
 PACKER_APPEND_TARGET = "sglang.srt.layers.aux_hidden_states.AuxHiddenStatePacker.append"
 FINAL_NORM_TARGET = "sglang.srt.layers.layer_boundary.residual.batch.final_norm"  # the states dump only
+ALLOC_MEMORY_POOL_TARGET = "sglang.srt.model_executor.model_runner.ModelRunner.alloc_memory_pool"
 GRAPHS_TARGETS = ("sglang.srt.model_executor.model_runner.ModelRunner.init_cuda_graphs",
                   "sglang.srt.model_executor.model_runner.ModelRunner.init_prefill_cuda_graph")
 
@@ -63,6 +68,20 @@ def _on_configure_aux_hidden_state_capture(result, *args, **kwargs):
             install_draft_fc(model)
     except Exception:  # never stop SGLang; the model keeps whatever stock path it had
         log.exception("eagle3_ops: could not patch %s; it runs stock", type(model).__name__)
+    return None
+
+
+def _before_alloc_memory_pool(*args, **kwargs):
+    """BEFORE ``ModelRunner.alloc_memory_pool``, where SGLang sizes the KV cache: a target runner's
+    capture buffer is installed now, so it counts against ``--mem-fraction-static``."""
+    runner = kwargs.get("self", args[0] if args else None)
+    try:
+        from .capture_hooks import install_before_kv_sizing
+
+        install_before_kv_sizing(runner)
+    except Exception:  # never stop SGLang; the configuration-time install runs as before
+        log.exception("eagle3_ops: could not install the capture before KV sizing; it is installed when SGLang "
+                      "configures the capture (outside the memory budget)")
     return None
 
 
@@ -127,9 +146,13 @@ def register() -> None:
             _warned_version = True
             log.warning("eagle3_ops: %s; the SGLang plugin is inactive and SGLang is left unchanged", reason)
         return
+    from .. import settings
+
+    settings.report_problems(log)  # each bad or unknown EAGLE3_OPS_* variable: one line, at startup
     try:
         from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
+        HookRegistry.register(ALLOC_MEMORY_POOL_TARGET, _before_alloc_memory_pool, HookType.BEFORE)
         HookRegistry.register(CONFIGURE_TARGET, _on_configure_aux_hidden_state_capture, HookType.AFTER)
         HookRegistry.register(LIST_CAPTURE_TARGET, _around_list_capture, HookType.AROUND)
         HookRegistry.register(PACKER_APPEND_TARGET, _around_packer_append, HookType.AROUND)

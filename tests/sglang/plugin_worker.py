@@ -2,8 +2,9 @@
 (``sglang.srt.plugins.load_plugins``), then building a tiny Llama target + EAGLE-3 draft and running
 them through SGLang's own configure call and forward. Prints one JSON line.
 
-``python plugin_worker.py MODE`` with MODE in: default | off | excluded | old-version
-(the caller sets EAGLE3_OPS_SGLANG / SGLANG_PLUGINS; ``old-version`` pretends SGLang 0.5.22)."""
+``python plugin_worker.py MODE`` with MODE in: default | off | excluded | old-version | bad-max-tokens
+(the caller sets EAGLE3_OPS_SGLANG / SGLANG_PLUGINS / EAGLE3_OPS_SGLANG_MAX_TOKENS; ``old-version``
+pretends SGLang 0.5.22)."""
 import hashlib
 import json
 import logging
@@ -19,7 +20,7 @@ TARGETS = (
     ("sglang.srt.layers.aux_hidden_states", "AuxHiddenStatePacker"),
     ("sglang.srt.layers.layer_boundary.residual.batch", "final_norm"),
 )
-RUNNER_METHODS = ("init_cuda_graphs", "init_prefill_cuda_graph")
+RUNNER_METHODS = ("alloc_memory_pool", "init_cuda_graphs", "init_prefill_cuda_graph")
 
 
 def _digest(t) -> str:
@@ -31,7 +32,7 @@ def main(mode: str) -> None:
 
     class Keep(logging.Handler):
         def emit(self, record):
-            records.append((record.name, record.levelname, record.getMessage()))
+            records.append((record.name, record.levelname, record.getMessage(), record.exc_info is not None))
 
     logging.getLogger().addHandler(Keep())
     logging.getLogger().setLevel(logging.INFO)
@@ -122,9 +123,11 @@ def main(mode: str) -> None:
         "values": {"target_logits": out.next_token_logits.tolist(), "aux": out.hidden_states.tolist(),
                    "draft_logits": dout.next_token_logits.tolist()},
         "backends": __import__("eagle3_ops").backends(torch.device("cpu")),
-        "eagle3_log": [m for n, lvl, m in records if n.startswith("eagle3_ops")],
-        "eagle3_warnings": [m for n, lvl, m in records if n.startswith("eagle3_ops") and lvl == "WARNING"],
-        "sglang_applied": [m for n, lvl, m in records if "Applied" in m and "eagle3_ops" in m],
+        "eagle3_log": [m for n, lvl, m, _ in records if n.startswith("eagle3_ops")],
+        "eagle3_warnings": [m for n, lvl, m, _ in records if n.startswith("eagle3_ops") and lvl == "WARNING"],
+        "eagle3_errors": [m for n, lvl, m, _ in records if n.startswith("eagle3_ops") and lvl == "ERROR"],
+        "eagle3_tracebacks": sum(tb for n, _, _, tb in records if n.startswith("eagle3_ops")),
+        "sglang_applied": [m for n, lvl, m, _ in records if "Applied" in m and "eagle3_ops" in m],
     }))
 
 

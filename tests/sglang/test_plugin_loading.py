@@ -17,6 +17,7 @@ OUR_TARGETS = [
     "sglang.srt.layers.aux_hidden_states.AuxHiddenStateList.capture",
     "sglang.srt.layers.aux_hidden_states.AuxHiddenStatePacker.append",
     "sglang.srt.layers.layer_boundary.residual.batch.final_norm",  # the states dump (inert unless recording)
+    "sglang.srt.model_executor.model_runner.ModelRunner.alloc_memory_pool",  # the buffer before KV sizing
     "sglang.srt.model_executor.model_runner.ModelRunner.init_cuda_graphs",
     "sglang.srt.model_executor.model_runner.ModelRunner.init_prefill_cuda_graph",
     "sglang.srt.model_executor.model_runner_components.attention_backend_setup.configure_aux_hidden_state_capture",
@@ -29,10 +30,10 @@ def _other_plugins():
 
 @pytest.fixture(scope="module")
 def worker_runs():
-    """The four scenarios, each in a fresh SGLang process (run side by side)."""
+    """The scenarios, each in a fresh SGLang process (run side by side)."""
     base = dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")]),
                 SGLANG_NCCL_SO_PATH="/nonexistent", TORCHDYNAMO_DISABLE="1")
-    for var in ("SGLANG_USE_CPU_ENGINE", "SGLANG_PLUGINS", "EAGLE3_OPS_SGLANG", "EAGLE3_OPS_BACKEND"):
+    for var in [v for v in base if v.startswith("EAGLE3_OPS_")] + ["SGLANG_USE_CPU_ENGINE", "SGLANG_PLUGINS"]:
         base.pop(var, None)
     scenarios = {
         "default": {},
@@ -40,6 +41,7 @@ def worker_runs():
         # every installed plugin except ours (SGLANG_PLUGINS is a whitelist)
         "excluded": {"SGLANG_PLUGINS": ",".join(_other_plugins()) or "none"},
         "old-version": {},
+        "bad-max-tokens": {"EAGLE3_OPS_SGLANG_MAX_TOKENS": "1e9"},
     }
     procs = {mode: subprocess.Popen([sys.executable, os.path.join(HERE, "plugin_worker.py"), mode],
                                     env=dict(base, **extra), stdout=subprocess.PIPE, stderr=subprocess.PIPE)
@@ -74,6 +76,21 @@ def test_discovered_through_entry_point_and_patches_each_site(worker_runs):
     assert len(r["eagle3_warnings"]) == 1, r["eagle3_warnings"]
     assert "capture buffer" in r["eagle3_warnings"][0] and "EAGLE3_OPS_SGLANG_MAX_TOKENS" in r["eagle3_warnings"][0]
     assert len(r["sglang_applied"]) == len(OUR_TARGETS)
+
+
+def test_bad_max_tokens_is_one_message_and_the_target_stays_stock(worker_runs):
+    """A bad EAGLE3_OPS_SGLANG_MAX_TOKENS: one error line, at startup, naming the variable, the
+    value and what is accepted; no traceback; the target keeps SGLang's capture (bit-identical to
+    a process without the plugin) while the draft fc, which the variable does not affect, is patched."""
+    r, off = worker_runs["bad-max-tokens"], worker_runs["off"]
+    assert r["eagle3_errors"] == [
+        "eagle3_ops: EAGLE3_OPS_SGLANG_MAX_TOKENS='1e9' is not valid: expected a whole number of tokens from 1 to "
+        "1048576 (unset: SGLang's chunked_prefill_size, at least the largest CUDA-graph batch); to turn the plugin "
+        "off use EAGLE3_OPS_SGLANG=0; no capture buffer is installed: EAGLE-3 targets keep SGLang's stock capture"]
+    assert r["eagle3_tracebacks"] == 0 and not any("could not patch" in m for m in r["eagle3_log"])
+    assert not r["target_patched"] and r["draft_patched"]
+    assert r["digests"]["aux"] == off["digests"]["aux"]
+    assert r["digests"]["target_logits"] == off["digests"]["target_logits"]
 
 
 def test_off_switch_leaves_sglang_stock(worker_runs):

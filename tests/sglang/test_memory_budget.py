@@ -1,0 +1,89 @@
+"""The capture buffer inside SGLang's memory budget: the plugin installs the target's capture
+BEFORE ``ModelRunner.alloc_memory_pool`` (where SGLang sizes the KV cache from the free memory, so
+a live buffer is subtracted), logs its size as INFO, and SGLang's later configuration call finds
+it installed. The runner is SGLang's hook argument; here a stand-in with the attributes the hook
+reads (a real ModelRunner needs a GPU), and SGLang's call order is checked in its source."""
+import inspect
+import logging
+import types
+
+import torch
+
+LAYER_IDS = [0, 1, 2]
+
+
+def _runner(model, ids=LAYER_IDS, draft=False, eagle=True):
+    aux = types.SimpleNamespace(eagle_use_aux_hidden_state=eagle, eagle_aux_hidden_state_layer_ids=ids)
+    return types.SimpleNamespace(model=model, is_draft_worker=draft, spec_aux_config=aux)
+
+
+def _target(h):
+    cfg = h.FAMILIES["llama"].make_config()
+    return cfg, h.sglang_model("llama", cfg, torch.float32, seed=4)
+
+
+def test_installed_before_kv_sizing_and_adopted_at_configuration(sglang_cpu, caplog):
+    h = sglang_cpu
+    from eagle3_ops.sglang import plugin
+    from eagle3_ops.sglang.capture_hooks import capture_state
+
+    cfg, model = _target(h)
+    with caplog.at_level(logging.INFO, logger="eagle3_ops"):
+        plugin._before_alloc_memory_pool(_runner(model))
+        state = capture_state(model)
+        assert state is not None
+        buffer_ptr = state.buffer.buffer.data_ptr()
+        h.configure_capture(model, LAYER_IDS)  # SGLang's own call, later: finds it installed
+    assert capture_state(model) is state and state.buffer.buffer.data_ptr() == buffer_ptr and state.enabled
+    messages = [r.getMessage() for r in caplog.records if r.name.startswith("eagle3_ops")]
+    size = [m for m in messages if "capture buffer" in m]
+    assert len(size) == 1 and "inside --mem-fraction-static" in size[0]
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING and r.name.startswith("eagle3_ops")]
+    kv = h.KVCache(cfg, torch.float32)
+    out = h.run(model, h.extend_batch(kv, [h.Req(kv.new_req())], [[3, 1, 4, 1, 5]]), kv)
+    assert out.hidden_states.data_ptr() == buffer_ptr and state.stats["buffer_forwards"] == 1
+
+
+def test_draft_and_non_eagle_runners_are_left_alone(sglang_cpu):
+    h = sglang_cpu
+    from eagle3_ops.sglang import plugin
+    from eagle3_ops.sglang.capture_hooks import capture_state
+
+    for runner_kw in (dict(draft=True), dict(eagle=False)):
+        _, model = _target(h)
+        plugin._before_alloc_memory_pool(_runner(model, **runner_kw))
+        assert capture_state(model) is None and model.model.layers_to_capture == []
+
+
+def test_other_layers_at_configuration_fall_back_to_stock(sglang_cpu, caplog):
+    h = sglang_cpu
+    from eagle3_ops.sglang import plugin
+    from eagle3_ops.sglang.capture_hooks import capture_state
+
+    cfg, model = _target(h)
+    plugin._before_alloc_memory_pool(_runner(model))
+    state = capture_state(model)
+    with caplog.at_level(logging.ERROR, logger="eagle3_ops"):
+        h.configure_capture(model, [0, 2])  # not what the buffer was laid out for (cannot happen in SGLang)
+    assert not state.enabled
+    assert any("laid out for [1, 2, 3]" in r.getMessage() for r in caplog.records)
+    kv = h.KVCache(cfg, torch.float32)
+    out = h.run(model, h.extend_batch(kv, [h.Req(kv.new_req())], [[3, 1, 4]]), kv)
+    assert out.hidden_states.shape == (3, 2 * cfg.hidden_size)
+    assert out.hidden_states.data_ptr() != state.buffer.buffer.data_ptr()
+
+
+def test_sglang_sizes_the_kv_cache_inside_alloc_memory_pool_before_configuring_capture():
+    """The order this relies on (SGLang 0.5.23): the scheduler sizes the memory pools before it
+    initialises the attention backends (which configure the aux capture), the KV cache is sized
+    inside ModelRunner.alloc_memory_pool, from the free memory at that moment."""
+    from sglang.srt.managers.scheduler import Scheduler
+    from sglang.srt.mem_cache.kv_cache_configurator import KVCacheConfigurator
+    from sglang.srt.model_executor.model_runner import ModelRunner
+
+    init = inspect.getsource(Scheduler.init_model_worker)
+    assert init.index("self.init_memory_pools()") < init.index("self.init_all_attention_backends()")
+    assert "self.kv_cache_configurator.configure(" in inspect.getsource(ModelRunner.alloc_memory_pool)
+    assert "configure_aux_hidden_state_capture(" in inspect.getsource(ModelRunner.init_attention_backends)
+    profile = inspect.getsource(KVCacheConfigurator._profile_available_bytes)
+    assert "get_available_gpu_memory(" in profile
