@@ -149,6 +149,41 @@ def _deepseek_v2_cfg(**kw):
     return cfg
 
 
+def _gpt_oss_cfg(**kw):
+    from transformers import GptOssConfig
+
+    # alternating sliding/full attention, attention sinks, biased experts with the clamped SwiGLU,
+    # YaRN (gpt-oss's factor 32, original context scaled down to the tiny one). Unquantized weights.
+    # The window (32) is longer than the tests' sequences, so HF and SGLang's window conventions agree.
+    base = dict(vocab_size=128, hidden_size=64, intermediate_size=48, num_local_experts=4,
+                num_experts_per_tok=2, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+                head_dim=16, sliding_window=32, layer_types=["sliding_attention", "full_attention"] * 2,
+                max_position_embeddings=256, rms_norm_eps=1e-6, tie_word_embeddings=False,
+                rope_parameters=dict(rope_type="yarn", rope_theta=150000.0, factor=32.0, beta_fast=32.0,
+                                     beta_slow=1.0, truncate=False, original_max_position_embeddings=8))
+    base.update(kw)
+    cfg = GptOssConfig(**base)
+    cfg.architectures = ["GptOssForCausalLM"]
+    return cfg
+
+
+def _glm4_moe_cfg(**kw):
+    from transformers import Glm4MoeConfig
+
+    # GLM-4.5/4.6 shape: a dense first layer, then sigmoid-scored experts with a correction bias and a
+    # shared expert; partial rotary (half the head), q/k/v bias
+    base = dict(vocab_size=128, hidden_size=64, intermediate_size=128, moe_intermediate_size=48,
+                num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                n_routed_experts=4, n_shared_experts=1, num_experts_per_tok=2, first_k_dense_replace=1,
+                n_group=1, topk_group=1, norm_topk_prob=True, routed_scaling_factor=2.5,
+                attention_bias=True, use_qk_norm=False, partial_rotary_factor=0.5,
+                max_position_embeddings=256, rms_norm_eps=1e-6, tie_word_embeddings=False)
+    base.update(kw)
+    cfg = Glm4MoeConfig(**base)
+    cfg.architectures = ["Glm4MoeForCausalLM"]
+    return cfg
+
+
 @dataclass(frozen=True)
 class Family:
     name: str
@@ -166,6 +201,10 @@ FAMILIES: Dict[str, Family] = {
                         "Qwen3MoeForCausalLM"),
     "deepseek_v2": Family("deepseek_v2", _deepseek_v2_cfg, "DeepseekV2ForCausalLM",
                           "sglang.srt.models.deepseek_v2", "DeepseekV2ForCausalLM"),
+    "gpt_oss": Family("gpt_oss", _gpt_oss_cfg, "GptOssForCausalLM", "sglang.srt.models.gpt_oss",
+                      "GptOssForCausalLM"),
+    "glm4_moe": Family("glm4_moe", _glm4_moe_cfg, "Glm4MoeForCausalLM", "sglang.srt.models.glm4_moe",
+                       "Glm4MoeForCausalLM"),
 }
 
 

@@ -20,13 +20,21 @@ def hf_model(family: str, config, dtype: torch.dtype, seed: int = 0):
         for name, p in model.named_parameters():
             if name.endswith("norm.weight") or name.endswith("layernorm.weight"):
                 p.add_(0.1 * torch.randn_like(p))
+        # a visible router correction bias (GLM-4.5 inits it to 0, which would hide an ignored one)
+        for name, b in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                b.copy_(torch.randn_like(b))
     return model.to(dtype)
 
 
 def checkpoint_weights(hf) -> List[tuple]:
     """HF weights in checkpoint naming: transformers 5 keeps MoE experts fused
     (``experts.gate_up_proj`` [E, 2I, H], ``experts.down_proj`` [E, H, I]); checkpoints and SGLang's
-    loaders name them per expert (``experts.{e}.gate_proj.weight`` ...)."""
+    loaders name them per expert (``experts.{e}.gate_proj.weight`` ...). gpt-oss checkpoints keep
+    them fused as HF does (``experts.gate_up_proj`` [E, H, 2I] interleaved gate/up, ``_bias``,
+    ``down_proj``), which SGLang's GptOssForCausalLM loads as is (unquantized: no mxfp4)."""
+    if getattr(hf.config, "model_type", None) == "gpt_oss":
+        return list(hf.state_dict().items())
     out = []
     for name, t in hf.state_dict().items():
         if name.endswith("experts.gate_up_proj"):

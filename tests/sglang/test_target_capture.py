@@ -1,4 +1,4 @@
-"""Target side on SGLang's own llama / qwen2 / qwen3 / qwen3_moe code (CPU, torch_native).
+"""Target side on SGLang's own llama / qwen2 / qwen3 / qwen3_moe / glm4_moe code (CPU, torch_native).
 
 For each family and dtype the same SGLang model runs an EXTEND and then a TARGET_VERIFY (chain of
 draft tokens, prefix in the KV cache) twice: stock (capture configured with SGLang's
@@ -28,7 +28,7 @@ def _two_forwards(h, model, cfg, dtype):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3", "qwen3_moe"])
+@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3", "qwen3_moe", "glm4_moe"])
 def test_captures_match_hf_and_logits_match_stock(sglang_cpu, family, dtype):
     h = sglang_cpu
     cfg = h.FAMILIES[family].make_config()

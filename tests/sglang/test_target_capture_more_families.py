@@ -1,0 +1,196 @@
+"""Target side on SGLang's own gpt-oss code (``sglang.srt.models.gpt_oss``, inner ``GptOssModel``),
+CPU, with the same checks as test_target_capture.py (GLM-4.5/4.6 runs there unchanged).
+
+Why gpt-oss needs its own setup: its attention calls the backend with ``sinks=`` (learned per-head
+attention sinks), and SGLang 0.5.23's ``TorchNativeAttnBackend`` -- the only SGLang attention
+backend that runs on a CPU without SGLang's CPU kernels -- does not take that argument
+(``TypeError: TorchNativeAttnBackend.forward_extend() got an unexpected keyword argument 'sinks'``);
+the backends that implement sinks (triton, flashinfer, fa3, trtllm_mha, aiter, intel_amx) need a
+GPU or sgl_kernel's CPU build. So here, and only here, the attention backend is a test one:
+``TorchNativeAttnBackend`` whose extend path, when called with ``sinks``, computes sink attention
+in plain torch (Hugging Face's eager gpt-oss formula: the sink logit joins each row's softmax and
+is dropped; causal, plus the sliding window on sliding layers). Everything else is SGLang's code
+unchanged: the embedding, the q/k/v/o projections with bias, YaRN rotary, the layer boundaries and
+their add+RMSNorm, the router and the MoE experts (biased, clamped SwiGLU), the final norm, and the
+capture path (``attn_boundary.prepare(capture=AuxHiddenStateList.capture)``) that the plugin
+takes over. The attention is not on that path: stock and plugin runs use the same backend, and
+Hugging Face's ``output_hidden_states`` (which checks the backend's math too) is the reference.
+The prompts are shorter than the sliding window (32), so HF's and SGLang's window conventions
+cannot differ.
+"""
+import pytest
+import torch
+
+LAYER_IDS = [0, 1, 2]  # draft-config ids; SGLang adds 1 -> capture [1, 2, 3]
+PROMPTS = [[5, 17, 3, 99, 42], [7, 1, 64, 23, 88, 120, 11]]
+DRAFTS = [[9, 31, 2, 77], [54, 6, 101, 13]]  # one chain of draft tokens per request
+
+
+def _sink_backend(kv):
+    """The test attention backend (see the module docstring) over ``kv``'s pools."""
+    from sglang.srt.layers.attention.torch_native_backend import TorchNativeAttnBackend
+    from sglang.srt.mem_cache.memory_pool import KVWriteLoc
+
+    class SinkAttnBackend(TorchNativeAttnBackend):
+        def forward_extend(self, q, k, v, layer, forward_batch, save_kv_cache=True, sinks=None):
+            if sinks is None:
+                return super().forward_extend(q, k, v, layer, forward_batch, save_kv_cache)
+            if save_kv_cache and k is not None and v is not None:
+                self.token_to_kv_pool.set_kv_buffer(
+                    layer, KVWriteLoc(forward_batch.out_cache_loc, self.swa_out_cache_loc), k, v)
+            k_cache = self.token_to_kv_pool.get_key_buffer(layer.layer_id)
+            v_cache = self.token_to_kv_pool.get_value_buffer(layer.layer_id)
+            heads, kv_heads, dim = layer.tp_q_head_num, layer.tp_k_head_num, layer.qk_head_dim
+            q = q.reshape(-1, heads, dim)
+            out = q.new_empty(q.shape[0], heads, layer.v_head_dim)
+            window = layer.sliding_window_size
+            start = 0
+            for i in range(forward_batch.batch_size):
+                prefix = int(forward_batch.extend_prefix_lens[i])
+                n = int(forward_batch.extend_seq_lens[i])
+                locs = self.req_to_token_pool.req_to_token[forward_batch.req_pool_indices[i], :prefix + n]
+                # GQA as HF's repeat_kv: kv head j serves query heads j*g .. j*g+g-1
+                key = k_cache[locs].float().repeat_interleave(heads // kv_heads, dim=1)
+                value = v_cache[locs].float().repeat_interleave(heads // kv_heads, dim=1)
+                scores = torch.einsum("qhd,khd->hqk", q[start:start + n].float(), key) * layer.scaling
+                q_pos = torch.arange(prefix, prefix + n)[:, None]
+                k_pos = torch.arange(prefix + n)[None, :]
+                allowed = k_pos <= q_pos
+                if window is not None and window > -1:  # SGLang's size: HF's window - 1 (query not counted)
+                    allowed &= k_pos >= q_pos - window
+                scores = scores.masked_fill(~allowed, float("-inf"))
+                sink = sinks.float()[:, None, None].expand(heads, n, 1)
+                logits = torch.cat([scores, sink], dim=-1)
+                probs = torch.softmax(logits - logits.amax(-1, keepdim=True), dim=-1)[..., :-1]
+                out[start:start + n] = torch.einsum("hqk,khd->qhd", probs, value).to(out.dtype)
+                start += n
+            return out.reshape(-1, heads * layer.v_head_dim)
+
+        def forward_decode(self, q, k, v, layer, forward_batch, save_kv_cache=True, sinks=None):
+            if sinks is not None:
+                raise NotImplementedError("test backend: sink attention for DECODE batches is not needed here")
+            return super().forward_decode(q, k, v, layer, forward_batch, save_kv_cache)
+
+    return SinkAttnBackend(kv)
+
+
+def _kv_cache(h, cfg, dtype):
+    kv = h.KVCache(cfg, dtype)
+    kv.backend = _sink_backend(kv)
+    return kv
+
+
+def _two_forwards(h, model, cfg, dtype):
+    """EXTEND the prompts, then TARGET_VERIFY the draft chains on top (fresh KV cache)."""
+    kv = _kv_cache(h, cfg, dtype)
+    reqs = [h.Req(kv.new_req()) for _ in PROMPTS]
+    ext = h.run(model, h.extend_batch(kv, reqs, PROMPTS), kv)
+    ext_aux = ext.hidden_states.clone()
+    ext_ptr = ext.hidden_states.data_ptr()
+    ver = h.run(model, h.extend_batch(kv, reqs, DRAFTS, mode="TARGET_VERIFY"), kv)
+    return ext, ext_aux, ext_ptr, ver
+
+
+def _gpt_oss(h, dtype):
+    cfg = h.FAMILIES["gpt_oss"].make_config()
+    hf = h.hf_model("gpt_oss", cfg, dtype)
+    with torch.no_grad():
+        # visible sinks (HF's init is N(0, 0.02): too small to tell a dropped one), bf16 values: SGLang
+        # keeps sinks in bf16 (fp32 only for trtllm_mha), which would round fp32 ones
+        for layer in hf.model.layers:
+            layer.self_attn.sinks.copy_(torch.randn_like(layer.self_attn.sinks).to(torch.bfloat16))
+    model = h.sglang_from_hf("gpt_oss", cfg, dtype, hf)
+    from sglang.srt.models.gpt_oss import GptOssModel
+
+    assert type(model.model) is GptOssModel
+    return cfg, hf, model
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_gpt_oss_captures_match_hf_and_logits_match_stock(sglang_cpu, dtype):
+    h = sglang_cpu
+    cfg, hf, model = _gpt_oss(h, dtype)
+    tol = h.tolerances(dtype)
+
+    model.set_eagle3_layers_to_capture(LAYER_IDS)  # stock
+    capture_ids = list(model.model.layers_to_capture)
+    assert capture_ids == [i + 1 for i in LAYER_IDS]
+    s_ext, s_ext_aux, s_ptr, s_ver = _two_forwards(h, model, cfg, dtype)
+
+    h.configure_capture(model, LAYER_IDS)  # what ModelRunner does; the plugin installs here
+    from eagle3_ops.sglang.capture_hooks import capture_state
+
+    state = capture_state(model)
+    assert state is not None and state.layer_ids == capture_ids
+    assert state.fused_sites == [f"model.layers.{i}.input_layernorm" for i in capture_ids]
+    p_ext, p_ext_aux, p_ptr, p_ver = _two_forwards(h, model, cfg, dtype)
+
+    hf_out = h.hf_hidden_states(hf, [p + d for p, d in zip(PROMPTS, DRAFTS)])
+    ref_ext = h.hf_aux(hf_out, capture_ids, [slice(0, len(p)) for p in PROMPTS])
+    ref_ver = h.hf_aux(hf_out, capture_ids, [slice(len(p), len(p) + len(d)) for p, d in zip(PROMPTS, DRAFTS)])
+    K, H = len(capture_ids), cfg.hidden_size
+    for name, stock, plugin, ref in (("extend", s_ext_aux, p_ext_aux, ref_ext),
+                                     ("verify", s_ver.hidden_states, p_ver.hidden_states, ref_ver)):
+        assert plugin.shape == stock.shape == ref.shape == (ref.shape[0], K * H), name
+        torch.testing.assert_close(stock.float(), ref.float(), **tol, msg=f"stock {name} vs HF")
+        torch.testing.assert_close(plugin.float(), ref.float(), **tol, msg=f"plugin {name} vs HF")
+        h.assert_plugin_matches_stock(plugin, stock, dtype, f"plugin {name} vs stock")
+
+    h.assert_plugin_matches_stock(p_ext.next_token_logits, s_ext.next_token_logits, dtype, "extend logits")
+    h.assert_plugin_matches_stock(p_ver.next_token_logits, s_ver.next_token_logits, dtype, "verify logits")
+    ref_last = torch.stack([logits[len(p) - 1] for (_, logits), p in zip(hf_out, PROMPTS)])
+    torch.testing.assert_close(p_ext.next_token_logits.float(), ref_last.float(), **tol)
+
+    # the plugin path ran: both forwards packed into the persistent buffer; gpt-oss's input norms
+    # are plain RMSNorms called as norm(hidden, residual), so every capture (layers > 0) is fused
+    assert state.stats["buffer_forwards"] == 2 and state.stats["stock_forwards"] == 0
+    assert state.stats["fused_captures"] == 2 * K and state.stats["copied_captures"] == 0
+    buf_ptr = state.buffer.buffer.data_ptr()
+    assert s_ptr != buf_ptr and s_ver.hidden_states.data_ptr() != buf_ptr
+    assert p_ptr == buf_ptr and p_ver.hidden_states.data_ptr() == buf_ptr
+
+
+def test_gpt_oss_end_boundary_capture_is_a_buffer_slot(sglang_cpu):
+    """gpt-oss (unlike the other families) can capture boundary L, the last layer's output, which
+    SGLang records at the final norm (``residual_batch.final_norm(..., capture=...)``). That
+    boundary is the buffer's last slot (a copy: there is no add to fuse at the final norm), the
+    layer captures before it are fused; values: HF (boundary L before the final norm) and bitwise
+    stock."""
+    h = sglang_cpu
+    dtype = torch.float32
+    cfg, hf, model = _gpt_oss(h, dtype)
+    L = cfg.num_hidden_layers
+    layer_ids = [0, 1, L - 1]  # SGLang adds 1 -> capture [1, 2, L]
+    model.set_eagle3_layers_to_capture(layer_ids)
+    assert model.model.layers_to_capture == [1, 2, L]
+    s_ext, s_ext_aux, _, s_ver = _two_forwards(h, model, cfg, dtype)
+
+    h.configure_capture(model, layer_ids)
+    from eagle3_ops.sglang.capture_hooks import capture_state
+
+    state = capture_state(model)
+    assert state is not None and state.layer_ids == [1, 2, L]  # boundary L is the last slot
+    p_ext, p_ext_aux, _, p_ver = _two_forwards(h, model, cfg, dtype)
+
+    grabbed = []
+    hook = hf.model.norm.register_forward_hook(lambda _m, inp, _out: grabbed.append(inp[0][0]))
+    try:
+        hf_out = h.hf_hidden_states(hf, [p + d for p, d in zip(PROMPTS, DRAFTS)])
+    finally:
+        hook.remove()
+
+    def ref(rows):  # boundaries 1, 2 and L (HF's last hidden state is after the norm: its input)
+        return torch.cat([torch.cat([hs[1][r], hs[2][r], last[r]], dim=-1)
+                          for (hs, _), last, r in zip(hf_out, grabbed, rows)])
+
+    ref_ext = ref([slice(0, len(p)) for p in PROMPTS])
+    ref_ver = ref([slice(len(p), len(p) + len(d)) for p, d in zip(PROMPTS, DRAFTS)])
+    for name, stock, plugin, reference in (("extend", s_ext_aux, p_ext_aux, ref_ext),
+                                           ("verify", s_ver.hidden_states, p_ver.hidden_states, ref_ver)):
+        torch.testing.assert_close(plugin, reference, **h.tolerances(dtype), msg=f"plugin {name} vs HF")
+        h.assert_plugin_matches_stock(plugin, stock, dtype, f"plugin {name} vs stock")
+    h.assert_plugin_matches_stock(p_ver.next_token_logits, s_ver.next_token_logits, dtype, "verify logits")
+
+    assert state.stats["buffer_forwards"] == 2 and state.stats["stock_forwards"] == 0
+    assert state.stats["fused_captures"] == 2 * 2 and state.stats["copied_captures"] == 2 * 1
+    assert p_ver.hidden_states.data_ptr() == state.buffer.buffer.data_ptr()
