@@ -44,6 +44,7 @@ from __future__ import annotations
 import logging
 import sys
 import threading
+import weakref
 from typing import Any, Dict, List, Optional
 
 import torch
@@ -75,6 +76,7 @@ SUPPORTED_TARGET_MODELS = (
 END_BOUNDARY_CAPTURE = (("sglang.srt.models.gpt_oss", "GptOssModel"),)
 
 _STATE_ATTR = "_eagle3_ops_capture"
+_installed: "weakref.WeakSet[TargetCaptureState]" = weakref.WeakSet()
 _tls = threading.local()
 _warned: set = set()
 
@@ -90,6 +92,12 @@ def _compiling() -> bool:
         return bool(torch.compiler.is_compiling())
     except Exception:  # pragma: no cover - very old torch
         return False
+
+
+def installed_states() -> List["TargetCaptureState"]:
+    """The capture states installed in this process (static_inputs.py aliases SGLang's static
+    buffers to their buffers)."""
+    return list(_installed)
 
 
 def active_capture() -> Optional["ForwardCapture"]:
@@ -511,6 +519,7 @@ def install_target_capture(model, max_tokens: Optional[int] = None,
         state.fused_sites.append(f"model.layers.{i}.input_layernorm")
         state.fused_norms[i] = norm
     inner.__dict__[_STATE_ATTR] = state
+    _installed.add(state)
 
     mib = state.buffer.buffer.numel() * state.buffer.buffer.element_size() / 2**20
     log.info("eagle3_ops: patched %s capture (%s.%s, %s path): layers %s -> one persistent [%d, %dx%d] %s "

@@ -85,6 +85,33 @@ def _before_alloc_memory_pool(*args, **kwargs):
     return None
 
 
+def _static_input_hook(name: str):
+    """A BEFORE hook from static_inputs.py that logs and steps aside on any error (never stops SGLang)."""
+    def hook(*args, **kwargs):
+        from . import static_inputs
+
+        try:
+            return getattr(static_inputs, name)(*args, **kwargs)
+        except Exception:
+            log.exception("eagle3_ops: %s failed; SGLang's own static buffer is used", name)
+            return None
+
+    hook.__name__ = hook.__qualname__ = f"_static_input_{name}"
+    return hook
+
+
+def _around_alloc_full_buffer(original, self, output, size, *args, **kwargs):
+    """AROUND SGLang's BCG ``_alloc_full_buffer``: the aux states' leaf becomes the capture buffer."""
+    try:
+        from .static_inputs import bcg_output_slot
+
+        slot = bcg_output_slot(output, size)
+    except Exception:
+        log.exception("eagle3_ops: could not decide the BCG output slot; SGLang allocates it")
+        slot = None
+    return slot if slot is not None else original(self, output, size, *args, **kwargs)
+
+
 def _install_dump(model) -> None:
     """The engine-side STATES dump for ``doctor --replay`` (EAGLE3_OPS_DUMP_STATES; off by default)."""
     from ..doctor.states import DumpSettings, StatesSettingError
@@ -159,6 +186,14 @@ def register() -> None:
         for target in GRAPHS_TARGETS:
             HookRegistry.register(target, _after_graph_setup, HookType.AFTER)
         HookRegistry.register(FINAL_NORM_TARGET, _around_final_norm, HookType.AROUND)
+        from . import static_inputs as si
+
+        HookRegistry.register(si.BCG_ALLOC_TARGET, _around_alloc_full_buffer, HookType.AROUND)
+        for target, name in ((si.DRAFT_PREFILL_CAPTURE_TARGET, "before_draft_prefill_capture"),
+                             (si.DRAFT_PREFILL_LOAD_TARGET, "before_draft_prefill_load_batch"),
+                             (si.DRAFT_EXTEND_CAPTURE_TARGET, "before_draft_extend_capture"),
+                             (si.DRAFT_EXTEND_EXECUTE_TARGET, "before_draft_extend_execute")):
+            HookRegistry.register(target, _static_input_hook(name), HookType.BEFORE)
     except Exception:
         log.exception("eagle3_ops: could not register the SGLang hooks; SGLang is left unchanged")
         return

@@ -13,7 +13,7 @@ import torch
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(os.path.dirname(HERE))
-OUR_TARGETS = [
+OUR_TARGETS = sorted([
     "sglang.srt.layers.aux_hidden_states.AuxHiddenStateList.capture",
     "sglang.srt.layers.aux_hidden_states.AuxHiddenStatePacker.append",
     "sglang.srt.layers.layer_boundary.residual.batch.final_norm",  # the states dump (inert unless recording)
@@ -21,7 +21,13 @@ OUR_TARGETS = [
     "sglang.srt.model_executor.model_runner.ModelRunner.init_cuda_graphs",
     "sglang.srt.model_executor.model_runner.ModelRunner.init_prefill_cuda_graph",
     "sglang.srt.model_executor.model_runner_components.attention_backend_setup.configure_aux_hidden_state_capture",
-]
+    # static_inputs.py: SGLang's static copies of the aux states become same-storage
+    "sglang.srt.model_executor.runner.prefill_cuda_graph_runner.PrefillCudaGraphRunner.capture",
+    "sglang.srt.model_executor.runner.prefill_cuda_graph_runner.PrefillCudaGraphRunner.load_batch",
+    "sglang.srt.model_executor.runner_backend.breakable_cuda_graph_backend.BreakableCudaGraphBackend._alloc_full_buffer",
+    "sglang.srt.speculative.eagle_draft_extend_cuda_graph_runner.EAGLEDraftExtendCudaGraphRunner.capture",
+    "sglang.srt.speculative.eagle_draft_extend_cuda_graph_runner.EAGLEDraftExtendCudaGraphRunner.execute",
+])
 
 
 def _other_plugins():
