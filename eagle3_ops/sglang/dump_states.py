@@ -170,8 +170,10 @@ class StatesRecorder:
         if not isinstance(normed, torch.Tensor) or normed.dim() != 2 or normed.shape[0] != cur.num_tokens:
             return
         nxt = self._greedy_next(normed, cur)
-        if not self.keep_values:
+        if not self.keep_values:  # a rank > 0 takes part in the all-gathers only; it stops when rank 0 does
             self.remaining -= int(cur.rows.numel())
+            if self.remaining <= 0:
+                self.write()
             return
         ids = cur.forward_batch.input_ids.index_select(0, cur.rows.to(cur.forward_batch.input_ids.device)).cpu()
         pos = 0

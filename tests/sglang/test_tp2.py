@@ -40,7 +40,7 @@ def _run_ranks(tmp_path):
 def test_tp2_captures_post_all_reduce_and_logits_unchanged(sglang_cpu, tmp_path):
     h = sglang_cpu
     ranks = _run_ranks(tmp_path)
-    from tp2_worker import DRAFTS, LAYER_IDS, PROMPTS, two_forwards
+    from tp2_worker import DRAFTS, LAYER_IDS, PROMPTS, two_forwards  # noqa: F401
 
     for dtype in (torch.float32, torch.bfloat16):
         key = str(dtype)
@@ -66,3 +66,21 @@ def test_tp2_captures_post_all_reduce_and_logits_unchanged(sglang_cpu, tmp_path)
                 h.assert_plugin_matches_stock(r["plugin"][name], r["stock"][name], dtype, f"{key} {name}",
                                               reference=r["reference_only"])
             assert r["stats"]["buffer_forwards"] == 2 and r["stats"]["fused_captures"] == 6
+
+    # the states dump at TP=2: each rank knows its place, rank 0 alone keeps values and writes; the
+    # next tokens (argmax over the two vocab shards, gathered) are HF's greedy tokens
+    assert [r["dump"]["tp_rank"] for r in ranks] == [0, 1] and all(r["dump"]["tp_size"] == 2 for r in ranks)
+    assert [r["dump"]["keeps_values"] for r in ranks] == [True, False]
+    assert all(r["dump"]["done"] for r in ranks)
+    from eagle3_ops.doctor.states import read_states
+
+    cfg = h.FAMILIES["llama"].make_config()
+    hf = h.hf_model("llama", cfg, torch.float32)
+    states = read_states(tmp_path / "states.safetensors", num_layers=cfg.num_hidden_layers,
+                         hidden_size=cfg.hidden_size)
+    assert [p["input_ids"].tolist() for p in states.prompts] == PROMPTS
+    for p, (hs, logits) in zip(states.prompts, h.hf_hidden_states(hf, PROMPTS)):
+        assert torch.equal(p["next_token"], logits.argmax(-1))
+        for b in states.boundaries:
+            if b < cfg.num_hidden_layers:  # boundary L is before the final norm; HF's last is after it
+                torch.testing.assert_close(p["boundaries"][b], hs[b].float(), atol=1e-4, rtol=1e-4)

@@ -45,6 +45,19 @@ def main(rank: int, port: int, outdir: str) -> None:
         state = capture_state(model)
         results[str(dtype)] = {"stock": stock, "plugin": plugin, "stats": dict(state.stats),
                                "reference_only": h.reference_only(dtype)}
+    # the states dump at TP=2: both ranks run it (same environment, as in a server); rank 0 writes
+    os.environ["EAGLE3_OPS_DUMP_STATES"] = os.path.join(outdir, "states.safetensors")
+    os.environ["EAGLE3_OPS_DUMP_TOKENS"] = str(sum(map(len, PROMPTS)))
+    from eagle3_ops.sglang.dump_states import dump_state
+
+    cfg = h.FAMILIES["llama"].make_config()
+    model = h.sglang_from_hf("llama", cfg, torch.float32, h.hf_model("llama", cfg, torch.float32))
+    h.configure_capture(model, LAYER_IDS)
+    rec = dump_state(model)
+    kv = h.KVCache(cfg, torch.float32, tp_size=2)
+    h.run(model, h.extend_batch(kv, [h.Req(kv.new_req()) for _ in PROMPTS], PROMPTS), kv)
+    results["dump"] = {"tp_rank": rec.tp_rank, "tp_size": rec.tp_size, "keeps_values": rec.keep_values,
+                       "done": rec.done}
     torch.save(results, os.path.join(outdir, f"rank{rank}.pt"))
 
 
