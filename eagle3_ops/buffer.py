@@ -22,7 +22,9 @@ class AuxCaptureBuffer:
         self.max_tokens = max_tokens
         self.hidden_size = hidden_size
         self.num_captures = num_captures
-        self.buffer = torch.empty((max_tokens, num_captures * hidden_size), dtype=dtype, device=device)
+        # zeros, once: SGLang's CUDA-graph runners may read rows no forward has written yet as padding
+        # (their own static buffers are torch.zeros; random bits could be NaN/Inf)
+        self.buffer = torch.zeros((max_tokens, num_captures * hidden_size), dtype=dtype, device=device)
 
     @property
     def dtype(self) -> torch.dtype:

@@ -64,8 +64,8 @@ SUPPORTED_TARGET_MODELS = (
     ("sglang.srt.models.qwen2_moe", "Qwen2MoeModel", "list"),      # also Qwen3MoeModel
     ("sglang.srt.models.deepseek_v2", "DeepseekV2Model", "packer"),  # DeepSeek V2/V3, Kimi K2/K2.5
     # gpt-oss and GLM-4.5/4.6: layer captures through attn_boundary.prepare(capture=...) like llama
-    # (gpt-oss's end-layer capture, at final_norm, is past the buffer's layers: that forward runs
-    # stock); GLM's TBO branch (CUDA only) captures nothing past first_k_dense_replace, stock too
+    # (gpt-oss can also capture boundary L at the final norm: END_BOUNDARY_CAPTURE); GLM's TBO
+    # branch (CUDA only) captures nothing past first_k_dense_replace in stock SGLang either
     ("sglang.srt.models.gpt_oss", "GptOssModel", "list"),
     ("sglang.srt.models.glm4_moe", "Glm4MoeModel", "list"),
 )
@@ -559,28 +559,17 @@ def _check_configured_layers(state: TargetCaptureState, inner) -> None:
 
 
 def _fc_sharding_note(state: TargetCaptureState) -> str:
-    """At TP >= 2 the draft fc sharding frees more per rank than the buffer costs: say how much."""
-    try:
-        from sglang.srt.distributed.parallel_state import get_tp_group
+    """What the draft fc sharding gave back in this process (it runs before the KV sizing, see
+    plugin.py), next to what the buffer costs."""
+    from .draft_fc_hooks import sharded_bytes_released
 
-        tp = get_tp_group().world_size
-    except AssertionError:
-        return ""
-    from .. import settings
-    from .version import ENV_SHARD_FC
-
-    try:
-        shard = settings.get(ENV_SHARD_FC)
-    except settings.SettingError:
-        shard = False
-    if tp < 2 or not shard:
+    freed = sharded_bytes_released()
+    if not freed:
         return ""
     buf = state.buffer.buffer
-    fc_bytes = state.num_captures * state.hidden_size * state.hidden_size * buf.element_size()
-    freed = fc_bytes * (tp - 1) / tp
-    return (f"; at TP={tp} sharding an llama_eagle3 draft's fc ({ENV_SHARD_FC}, on) frees "
-            f"{freed / 2**20:.1f} MiB per rank for a draft of hidden size {state.hidden_size}, "
-            f"{'more' if freed > buf.numel() * buf.element_size() else 'less'} than this buffer")
+    cost = buf.numel() * buf.element_size()
+    return (f"; the draft fc sharding released {freed / 2**20:.1f} MiB on this rank, "
+            f"{'more' if freed >= cost else 'less'} than this buffer")
 
 
 def install_before_kv_sizing(runner) -> Optional[TargetCaptureState]:

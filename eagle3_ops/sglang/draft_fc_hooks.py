@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import logging
 import sys
+import weakref
 from typing import Optional
 
 import torch
@@ -45,6 +46,7 @@ from .routing import forward_owner, routing_problem, wrap_class_forward
 log = logging.getLogger("eagle3_ops.sglang")
 
 _STATE_ATTR = "_eagle3_ops_draft_fc"
+_sharded_states: "weakref.WeakSet" = weakref.WeakSet()
 DRAFT_MODULE = "sglang.srt.models.llama_eagle3"
 
 
@@ -80,10 +82,9 @@ class ColumnShardedFc(torch.nn.Module):
 
     def check_group(self) -> None:
         """The TP group a forward runs under must be the one the rows were cut for."""
-        from sglang.srt.distributed.parallel_state import get_tp_group
+        from .groups import tp_rank_size
 
-        group = get_tp_group()
-        size, rank = group.world_size, group.rank_in_group
+        rank, size = tp_rank_size()
         if (size, rank) != (self.tp_size, self.tp_rank):
             raise RuntimeError(f"eagle3_ops: the draft fc was sharded for TP rank {self.tp_rank} of {self.tp_size}, "
                                f"but this forward runs in a TP group where it is rank {rank} of {size}")
@@ -262,13 +263,12 @@ def _shard_plan(inner, fc: torch.nn.Linear, name: str):
     from ..settings import SettingError, get, report_once
     from .version import ENV_SHARD_FC
 
-    from sglang.srt.distributed.parallel_state import get_tp_group
+    from .groups import layer_group, same_group, tp_group
 
-    try:
-        group = get_tp_group()
-    except AssertionError:  # no model-parallel groups in this process (a script): nothing to shard over
+    group = tp_group()
+    if group is None:  # no model-parallel groups in this process (a script): nothing to shard over
         return None
-    tp_size, tp_rank = group.world_size, group.rank_in_group
+    tp_size, tp_rank = int(group.world_size), int(group.rank_in_group)
     if tp_size <= 1:
         return None
     try:
@@ -284,26 +284,29 @@ def _shard_plan(inner, fc: torch.nn.Linear, name: str):
         log.info("eagle3_ops: draft %s fc stays replicated: its %d output rows do not split evenly over %d TP "
                  "ranks", name, fc.out_features, tp_size)
         return None
-    # The draft's own parallel layers were built in the TP group SGLang gives the draft; the fc rows
-    # must be cut for the same group its forwards run in.
+    # The draft's own parallel layers were built in the TP group SGLang gives the draft (their
+    # ``tp_group``); the fc rows must be cut for that group, the one its forwards run in.
     qkv = getattr(getattr(getattr(inner, "layers", [None])[0], "self_attn", None), "qkv_proj", None)
-    built = (getattr(qkv, "tp_size", tp_size), getattr(qkv, "tp_rank", tp_rank))
-    if built != (tp_size, tp_rank):
-        log.info("eagle3_ops: draft %s fc stays replicated: its layers were built for TP rank %d of %d, but it is "
-                 "being configured in a group where this is rank %d of %d", name, built[1], built[0], tp_rank,
-                 tp_size)
+    known, built = layer_group(qkv)
+    if known and not same_group(built, group):
+        b_rank, b_size = (0, 1) if built is None else (int(built.rank_in_group), int(built.world_size))
+        log.info("eagle3_ops: draft %s fc stays replicated: its layers were built for TP rank %d of %d (another "
+                 "group than the one it is configured in, where this is rank %d of %d)", name, b_rank, b_size,
+                 tp_rank, tp_size)
         return None
     return tp_rank, tp_size
 
 
 def _install_sharded_fc(state: DraftFcState, name: str, tp_rank: int, tp_size: int) -> None:
     """Replace the draft's replicated fc by this rank's rows and release the replicated weight."""
-    import weakref
-
     inner, full = state.inner, state.fc
     full_bytes = sum(p.numel() * p.element_size() for p in full.parameters())
     gone = [weakref.ref(p) for p in full.parameters()]
-    sharded = ColumnShardedFc(full, tp_rank, tp_size)
+    try:
+        sharded = ColumnShardedFc(full, tp_rank, tp_size)
+    except Exception:  # e.g. out of memory for the rows' copy: the fused replicated fc stays
+        log.exception("eagle3_ops: draft %s fc could not be sharded; it stays replicated (fused)", name)
+        return
     inner.fc = sharded
     state.fc = sharded
     del full
@@ -318,6 +321,14 @@ def _install_sharded_fc(state: DraftFcState, name: str, tp_rank: int, tp_size: i
              "the replicated weight is still referenced elsewhere and was NOT released")
     state.sharding = {"tp_rank": tp_rank, "tp_size": tp_size, "released": released,
                       "bytes_before": full_bytes, "bytes_after": shard_bytes}
+    _sharded_states.add(state)
+
+
+def sharded_bytes_released() -> int:
+    """Bytes of replicated draft fc weights released in this process so far (for the capture
+    buffer's log line: what sharding gave back, next to what the buffer costs)."""
+    return sum(s.sharding["bytes_before"] - s.sharding["bytes_after"] for s in list(_sharded_states)
+               if s.sharding and s.sharding["released"])
 
 
 def check_routing(model) -> Optional[str]:

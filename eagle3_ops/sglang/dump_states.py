@@ -333,14 +333,9 @@ def install_dump(model, settings: Optional[DumpSettings] = None) -> Optional[Sta
     inner = lm.model
     if inner.__dict__.get(_STATE_ATTR) is not None:
         return inner.__dict__[_STATE_ATTR]
-    # (sglang.srt.distributed does not re-export the rank/size getters: read the group itself)
-    from sglang.srt.distributed.parallel_state import get_tp_group
+    from .groups import tp_rank_size
 
-    try:
-        group = get_tp_group()
-        tp_rank, tp_size = group.rank_in_group, group.world_size
-    except AssertionError:  # no model-parallel groups in this process (a script)
-        tp_rank, tp_size = 0, 1
+    tp_rank, tp_size = tp_rank_size()  # (0, 1) in a process without model-parallel groups
     num_layers = int(getattr(inner.config, "num_hidden_layers", len(inner.layers)))
     start = getattr(inner, "start_layer", 0)
     end = getattr(inner, "end_layer", len(inner.layers))

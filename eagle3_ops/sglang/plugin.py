@@ -4,6 +4,9 @@
 SGLang calls :func:`register` (no arguments) early in every process (``load_plugins``), then
 applies the hooks registered with its ``HookRegistry``. We register:
 
+* AFTER ``ModelRunner.initialize`` — for a draft runner (loaded inside SGLang's draft TP context,
+  before any KV sizing): the fused fc, sharded under TP > 1, so the replicated weight it releases
+  is memory the KV sizing sees.
 * BEFORE ``ModelRunner.alloc_memory_pool`` — where SGLang sizes the KV cache. For a target runner
   that will capture EAGLE-3 aux states, the capture (and its persistent buffer) is installed here,
   so the buffer counts against ``--mem-fraction-static`` (capture_hooks.install_before_kv_sizing).
@@ -44,6 +47,7 @@ LIST_CAPTURE_TARGET = "sglang.srt.layers.aux_hidden_states.AuxHiddenStateList.ca
 PACKER_APPEND_TARGET = "sglang.srt.layers.aux_hidden_states.AuxHiddenStatePacker.append"
 FINAL_NORM_TARGET = "sglang.srt.layers.layer_boundary.residual.batch.final_norm"  # the states dump only
 ALLOC_MEMORY_POOL_TARGET = "sglang.srt.model_executor.model_runner.ModelRunner.alloc_memory_pool"
+INITIALIZE_TARGET = "sglang.srt.model_executor.model_runner.ModelRunner.initialize"
 GRAPHS_TARGETS = ("sglang.srt.model_executor.model_runner.ModelRunner.init_cuda_graphs",
                   "sglang.srt.model_executor.model_runner.ModelRunner.init_prefill_cuda_graph")
 
@@ -68,6 +72,24 @@ def _on_configure_aux_hidden_state_capture(result, *args, **kwargs):
             install_draft_fc(model)
     except Exception:  # never stop SGLang; the model keeps whatever stock path it had
         log.exception("eagle3_ops: could not patch %s; it runs stock", type(model).__name__)
+    return None
+
+
+def _after_initialize(result, *args, **kwargs):
+    """AFTER ``ModelRunner.initialize`` (weights loaded and post-processed): for a draft runner,
+    install the fused fc now (and shard it under TP > 1), inside SGLang's draft TP context and
+    before the target's ``alloc_memory_pool`` sizes the KV cache, so the released replicated fc
+    weight is free memory the sizing counts."""
+    runner = kwargs.get("self", args[0] if args else None)
+    model = getattr(runner, "model", None)
+    try:
+        if getattr(runner, "is_draft_worker", False) and model is not None:
+            from .draft_fc_hooks import install_draft_fc
+
+            install_draft_fc(model)
+    except Exception:  # never stop SGLang; the configuration-time install runs as before
+        log.exception("eagle3_ops: could not install the draft fc after the draft was loaded; it is installed "
+                      "when SGLang configures the draft")
     return None
 
 
@@ -179,6 +201,7 @@ def register() -> None:
     try:
         from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
+        HookRegistry.register(INITIALIZE_TARGET, _after_initialize, HookType.AFTER)
         HookRegistry.register(ALLOC_MEMORY_POOL_TARGET, _before_alloc_memory_pool, HookType.BEFORE)
         HookRegistry.register(CONFIGURE_TARGET, _on_configure_aux_hidden_state_capture, HookType.AFTER)
         HookRegistry.register(LIST_CAPTURE_TARGET, _around_list_capture, HookType.AROUND)

@@ -20,7 +20,7 @@ TARGETS = (
     ("sglang.srt.layers.aux_hidden_states", "AuxHiddenStatePacker"),
     ("sglang.srt.layers.layer_boundary.residual.batch", "final_norm"),
 )
-RUNNER_METHODS = ("alloc_memory_pool", "init_cuda_graphs", "init_prefill_cuda_graph")
+RUNNER_METHODS = ("initialize", "alloc_memory_pool", "init_cuda_graphs", "init_prefill_cuda_graph")
 
 
 def _digest(t) -> str:

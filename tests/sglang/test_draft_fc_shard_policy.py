@@ -9,8 +9,11 @@ LAYER_IDS = [0, 1, 2]
 
 
 class _FakeGroup:
+    """What the plugin reads of SGLang's GroupCoordinator."""
+
     def __init__(self, world_size, rank_in_group):
         self.world_size, self.rank_in_group = world_size, rank_in_group
+        self.device_group = object()
 
 
 def _draft(h, hidden=None):
@@ -20,13 +23,16 @@ def _draft(h, hidden=None):
 
 
 def _configure_in_group(h, monkeypatch, draft, world_size, rank, built=None):
-    """Configure ``draft`` as if SGLang's TP group had ``world_size`` ranks; ``built``: the
-    (tp_size, tp_rank) its parallel layers claim to have been built for (default: the same)."""
+    """Configure ``draft`` as if SGLang's TP group had ``world_size`` ranks. The draft's parallel
+    layers keep the group they were built for in ``tp_group`` (SGLang's LinearBase): the same group
+    by default, or another one of (tp_size, tp_rank) = ``built``."""
     import sglang.srt.distributed.parallel_state as ps
 
-    monkeypatch.setattr(ps, "get_tp_group", lambda: _FakeGroup(world_size, rank))
+    group = _FakeGroup(world_size, rank)
+    monkeypatch.setattr(ps, "get_tp_group", lambda: group)
     qkv = draft.model.layers[0].self_attn.qkv_proj
-    qkv.tp_size, qkv.tp_rank = built or (world_size, rank)
+    assert hasattr(qkv, "tp_group")  # what the plugin reads (SGLang's own attribute)
+    monkeypatch.setattr(qkv, "tp_group", group if built is None else _FakeGroup(*built))
     h.configure_capture(draft, None, eagle=False)
     from eagle3_ops.sglang.draft_fc_hooks import draft_fc_state
 
@@ -49,7 +55,7 @@ def test_fc_stays_replicated(sglang_cpu, monkeypatch, caplog, case):
         expect = ("EAGLE3_OPS_SGLANG_SHARD_FC='maybe' is not valid: expected 1/true/on/yes or 0/false/off/no; "
                   "the draft fc is not sharded")
     else:
-        built, expect = (4, 1), "its layers were built for TP rank 1 of 4"
+        built, expect = (4, 1), "its layers were built for TP rank 1 of 4 (another group"
     with caplog.at_level(logging.INFO, logger="eagle3_ops"):
         state = _configure_in_group(h, monkeypatch, draft, world, 0, built)
     assert state is not None and state.sharding is None  # fused fc installed, not sharded
@@ -78,11 +84,12 @@ def test_fc_sharded_rows_and_reload(sglang_cpu, monkeypatch):
 
 
 def test_no_groups_no_sharding(sglang_cpu, monkeypatch):
-    """A process without SGLang's model-parallel groups (a script): nothing to shard over."""
+    """A process without SGLang's model-parallel groups (a script): nothing to shard over, and the
+    fused fc is still installed. (SGLang 0.5.23's get_tp_group raises this RuntimeError there.)"""
     import sglang.srt.distributed.parallel_state as ps
 
     def not_initialized():
-        raise AssertionError("tensor model parallel group is not initialized")
+        raise RuntimeError("parallel name 'tp_group' has not been written in this process. ")
 
     h = sglang_cpu
     draft = _draft(h)
@@ -90,4 +97,5 @@ def test_no_groups_no_sharding(sglang_cpu, monkeypatch):
     h.configure_capture(draft, None, eagle=False)
     from eagle3_ops.sglang.draft_fc_hooks import draft_fc_state
 
-    assert draft_fc_state(draft).sharding is None
+    state = draft_fc_state(draft)
+    assert state is not None and state.sharding is None

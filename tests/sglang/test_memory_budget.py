@@ -87,3 +87,43 @@ def test_sglang_sizes_the_kv_cache_inside_alloc_memory_pool_before_configuring_c
     assert "configure_aux_hidden_state_capture(" in inspect.getsource(ModelRunner.init_attention_backends)
     profile = inspect.getsource(KVCacheConfigurator._profile_available_bytes)
     assert "get_available_gpu_memory(" in profile
+
+
+def test_draft_fc_installed_and_sharded_before_kv_sizing(sglang_cpu, monkeypatch, caplog):
+    """AFTER ModelRunner.initialize of the draft runner (SGLang loads the draft before it sizes the
+    KV cache): the fused fc is installed and, under TP > 1, sharded there, so the released weight
+    is free memory when the target's alloc_memory_pool measures; the target's buffer line then
+    says how much sharding released next to what the buffer costs."""
+    import weakref
+
+    import sglang.srt.distributed.parallel_state as ps
+
+    from eagle3_ops.sglang import draft_fc_hooks, plugin
+    from eagle3_ops.sglang.capture_hooks import capture_state
+
+    h = sglang_cpu
+    cfg, target = _target(h)
+    dcfg = h.eagle3_draft_config(cfg, layer_ids=LAYER_IDS)
+    draft = h.eagle3_draft(dcfg, torch.float32)
+
+    class Group:
+        world_size, rank_in_group, device_group = 2, 0, object()
+
+    group = Group()
+    monkeypatch.setattr(ps, "get_tp_group", lambda: group)
+    monkeypatch.setattr(draft.model.layers[0].self_attn.qkv_proj, "tp_group", group)
+    monkeypatch.setattr(draft_fc_hooks, "_sharded_states", weakref.WeakSet())
+    plugin._after_initialize(None, types.SimpleNamespace(model=target, is_draft_worker=False))
+    assert draft_fc_hooks.draft_fc_state(target) is None  # a target runner: nothing here
+    plugin._after_initialize(None, types.SimpleNamespace(model=draft, is_draft_worker=True))
+    state = draft_fc_hooks.draft_fc_state(draft)
+    assert state is not None and state.sharding["released"]
+    freed = state.sharding["bytes_before"] - state.sharding["bytes_after"]
+    assert freed == 64 * 192 * 4 // 2
+    with caplog.at_level(logging.INFO, logger="eagle3_ops"):
+        plugin._before_alloc_memory_pool(_runner(target))
+        h.configure_capture(draft, None, eagle=False)  # SGLang's later call finds the draft installed
+    assert draft_fc_hooks.draft_fc_state(draft) is state
+    line = [r.getMessage() for r in caplog.records if "capture buffer" in r.getMessage()]
+    assert capture_state(target) is not None and len(line) == 1
+    assert f"the draft fc sharding released {freed / 2**20:.1f} MiB on this rank, less than this buffer" in line[0]

@@ -19,6 +19,7 @@ OUR_TARGETS = sorted([
     "sglang.srt.layers.layer_boundary.residual.batch.final_norm",  # the states dump (inert unless recording)
     "sglang.srt.model_executor.model_runner.ModelRunner.alloc_memory_pool",  # the buffer before KV sizing
     "sglang.srt.model_executor.model_runner.ModelRunner.init_cuda_graphs",
+    "sglang.srt.model_executor.model_runner.ModelRunner.initialize",  # the draft fc before KV sizing
     "sglang.srt.model_executor.model_runner.ModelRunner.init_prefill_cuda_graph",
     "sglang.srt.model_executor.model_runner_components.attention_backend_setup.configure_aux_hidden_state_capture",
     # static_inputs.py: SGLang's static copies of the aux states become same-storage

@@ -130,6 +130,10 @@ def test_sglang_copies_the_hooks_rely_on():
     assert "self.static_draft_hidden_states[:num_tokens].copy_( forward_batch.spec_info.hidden_states )" in load
     execute = _squash(inspect.getsource(EAGLEDraftExtendCudaGraphRunner.execute))
     assert "buffers.hidden_states[:num_tokens].copy_( forward_batch.spec_info.hidden_states )" in execute
+    # both static inputs exist before the runner captures its graphs (the hooks run BEFORE capture)
+    prefill_init = _squash(inspect.getsource(PrefillCudaGraphRunner.__init__))
+    assert prefill_init.index("self.static_draft_hidden_states = torch.zeros(") < prefill_init.index(
+        "self.capture()")
     init = _squash(inspect.getsource(EAGLEDraftExtendCudaGraphRunner.__init__))
     assert init.index("hidden_states = ( torch.zeros( (self.max_num_token, _hidden_size),") < init.index(
         "self.buffers.share_buffers(") < init.index("self.capture()")
@@ -153,6 +157,8 @@ def test_draft_static_input_is_the_capture_buffer(target, runner_kind):
         static = runner.buffers.hidden_states
         refresh = static_inputs.before_draft_extend_execute
     assert static.data_ptr() == state.buffer.buffer.data_ptr() and static.shape == (rows, KH)
+    # rows no forward wrote yet are zeros, as in SGLang's own static buffers (graph padding reads them)
+    assert torch.count_nonzero(static) == 0
 
     # one step: the target's output, then SGLang's refresh copy (the statement checked above)
     out = _inner_forward(h, model, cfg, dtype, PROMPTS)

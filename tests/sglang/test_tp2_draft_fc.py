@@ -112,6 +112,13 @@ def test_tp2_sharded_draft_fc(sglang_cpu, tmp_path):
             for v in (sharded, replicated):
                 assert v["stats"] == {"fused_calls": 1, "stock_calls": 1}
                 assert v["fc_module_calls"] == 0  # the fused call ran, not the fc module
+            # SGLang's own fc block on the sharded module (what any forward the fused call steps
+            # aside from runs): its output is the replicated stock fc's, with the one added all-gather
+            aside = res[(key, "sharded-stepped-aside")]
+            assert aside["stats"] == {"fused_calls": 0, "stock_calls": 2} and aside["fc_module_calls"] == 1
+            assert aside["extend_gathers"] == stock["extend_gathers"] + 1
+            for name in OUTPUTS:
+                torch.testing.assert_close(aside[name], stock[name], **tol, msg=f"{key} rank{r} {name} stepped aside")
             for name in OUTPUTS:
                 # sharded == replicated on the same rank: bitwise with the reference backend
                 h.assert_plugin_matches_stock(sharded[name], replicated[name], dtype, f"{key} rank{r} {name}",

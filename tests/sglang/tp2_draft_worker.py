@@ -8,7 +8,9 @@ as stock SGLang does) three times per dtype:
 * ``stock``: SGLang's llama_eagle3 as is (never configured through the plugin's hook);
 * ``sharded``: configured through ``configure_aux_hidden_state_capture`` (the plugin installs the
   fused fc and, at TP=2, shards it);
-* ``replicated``: the same with ``EAGLE3_OPS_SGLANG_SHARD_FC=0``.
+* ``replicated``: the same with ``EAGLE3_OPS_SGLANG_SHARD_FC=0``;
+* ``sharded-stepped-aside``: sharded, with the fused call turned off, so SGLang's own fc block
+  runs and calls the sharded module (``ColumnShardedFc.forward``: rows + all-gather).
 
 Each runs one draft EXTEND (on the target's aux states) and one DECODE step, counting every
 all-gather SGLang's TP group performs, and saves outputs, counts and what the rank holds."""
@@ -80,7 +82,7 @@ def main(rank: int, port: int, outdir: str) -> None:
     results = {"reference_only": h.reference_only(torch.float32)}
     for dtype in (torch.float32, torch.bfloat16):
         aux = aux32.to(dtype)
-        for variant in ("stock", "sharded", "replicated"):
+        for variant in ("stock", "sharded", "replicated", "sharded-stepped-aside"):
             draft = _build(dcfg, dtype, inputs_path)
             rec = {}
             if variant != "stock":
@@ -92,6 +94,8 @@ def main(rank: int, port: int, outdir: str) -> None:
                     os.environ.pop("EAGLE3_OPS_SGLANG_SHARD_FC", None)
                 state = draft_fc_state(draft)
                 assert state is not None, variant
+                if variant == "sharded-stepped-aside":
+                    state.enabled = False  # SGLang's own fc block runs: its fc call is ColumnShardedFc.forward
                 rec["sharding"] = state.sharding
                 fc = draft.model.fc
                 rec["fc_class"] = type(fc).__name__
