@@ -116,20 +116,25 @@ def bcg_output_slot(output, size) -> Optional[torch.Tensor]:
 
 
 # ---- draft prefill BCG and draft extend: static inputs ---------------------------------------------
+def _alias_static(runner, static, assign, what: str) -> None:
+    """Point a runner's static input at the capture buffer (``assign(view)``) when one fits."""
+    state, view = capture_view_for(static)
+    if state is None:
+        return
+    assign(view)
+    _aliased_runners.add(runner)
+    _log_once(f"{what}:{state.model_name}", logging.INFO,
+              "eagle3_ops: %s CUDA graphs read the %s capture buffer directly (%d rows): the copy of the aux "
+              "states into SGLang's static draft input (%s) is gone", what, state.model_name, view.shape[0],
+              "per prefill" if what == "draft prefill" else "per decode step")
+
+
 def before_draft_prefill_capture(*args, **kwargs):
     """BEFORE ``PrefillCudaGraphRunner.capture``: a draft runner's ``static_draft_hidden_states``."""
     runner = kwargs.get("self", args[0] if args else None)
     static = getattr(runner, "static_draft_hidden_states", None)
-    if static is None or not getattr(getattr(runner, "model_runner", None), "is_draft_worker", False):
-        return None
-    state, view = capture_view_for(static)
-    if state is not None:
-        runner.static_draft_hidden_states = view
-        _aliased_runners.add(runner)
-        _log_once(f"draftprefill:{state.model_name}", logging.INFO,
-                  "eagle3_ops: draft prefill CUDA graphs read the %s capture buffer directly (%d rows): the copy of "
-                  "[T, %d] per prefill into SGLang's static draft input is gone", state.model_name, view.shape[0],
-                  view.shape[1])
+    if static is not None and getattr(getattr(runner, "model_runner", None), "is_draft_worker", False):
+        _alias_static(runner, static, lambda v: setattr(runner, "static_draft_hidden_states", v), "draft prefill")
     return None
 
 
@@ -138,16 +143,8 @@ def before_draft_extend_capture(*args, **kwargs):
     runner = kwargs.get("self", args[0] if args else None)
     buffers = getattr(runner, "buffers", None)
     static = getattr(buffers, "hidden_states", None)
-    if static is None:
-        return None
-    state, view = capture_view_for(static)
-    if state is not None:
-        buffers.hidden_states = view
-        _aliased_runners.add(runner)
-        _log_once(f"draftextend:{state.model_name}", logging.INFO,
-                  "eagle3_ops: draft-extend CUDA graphs read the %s capture buffer directly (%d rows): the copy of "
-                  "[B*D, %d] per decode step into SGLang's static draft input is gone", state.model_name,
-                  view.shape[0], view.shape[1])
+    if static is not None:
+        _alias_static(runner, static, lambda v: setattr(buffers, "hidden_states", v), "draft-extend")
     return None
 
 

@@ -101,3 +101,89 @@ def assert_plugin_matches_stock(plugin: torch.Tensor, stock: torch.Tensor, dtype
                                  f"max abs diff {diff.max().item():.3g})")
     else:
         torch.testing.assert_close(plugin, stock, **tolerances(dtype), msg=msg)
+
+
+def two_forwards(model, cfg, dtype, prompts, drafts, kv=None):
+    """EXTEND ``prompts``, then TARGET_VERIFY the ``drafts`` chains on top (a fresh KV cache unless
+    ``kv`` is given). Returns (extend output, its aux states cloned, their data_ptr, verify output)."""
+    from eagle3_ops.sglang.cpu_harness import KVCache, Req, extend_batch, run
+
+    kv = KVCache(cfg, dtype) if kv is None else kv
+    reqs = [Req(kv.new_req()) for _ in prompts]
+    ext = run(model, extend_batch(kv, reqs, prompts), kv)
+    ext_aux, ext_ptr = ext.hidden_states.clone(), ext.hidden_states.data_ptr()
+    ver = run(model, extend_batch(kv, reqs, drafts, mode="TARGET_VERIFY"), kv)
+    return ext, ext_aux, ext_ptr, ver
+
+
+def assert_captures_match_hf_and_stock(stock, plugin, hf, capture_ids, prompts, drafts, dtype, hidden_size,
+                                       refs=None):
+    """``stock`` / ``plugin``: ``two_forwards`` results of the same model without and with the
+    plugin. Aux states of both forwards vs Hugging Face at ``capture_ids`` (``refs``: the
+    (extend, verify) references when they are not plain ``output_hidden_states``), plugin vs stock
+    bitwise (reference backend) for aux states and logits, extend logits vs HF."""
+    tol = tolerances(dtype)
+    (s_ext, s_ext_aux, _, s_ver), (p_ext, p_ext_aux, _, p_ver) = stock, plugin
+    hf_out = hf_hidden_states(hf, [p + d for p, d in zip(prompts, drafts)])
+    if refs is None:
+        refs = (hf_aux(hf_out, capture_ids, [slice(0, len(p)) for p in prompts]),
+                hf_aux(hf_out, capture_ids, [slice(len(p), len(p) + len(d)) for p, d in zip(prompts, drafts)]))
+    width = len(capture_ids) * hidden_size
+    for name, s, p, ref in (("extend", s_ext_aux, p_ext_aux, refs[0]),
+                            ("verify", s_ver.hidden_states, p_ver.hidden_states, refs[1])):
+        assert p.shape == s.shape == ref.shape == (ref.shape[0], width), name
+        torch.testing.assert_close(s.float(), ref.float(), **tol, msg=f"stock {name} vs HF")
+        torch.testing.assert_close(p.float(), ref.float(), **tol, msg=f"plugin {name} vs HF")
+        assert_plugin_matches_stock(p, s, dtype, f"plugin {name} vs stock")
+    assert_plugin_matches_stock(p_ext.next_token_logits, s_ext.next_token_logits, dtype, "extend logits")
+    assert_plugin_matches_stock(p_ver.next_token_logits, s_ver.next_token_logits, dtype, "verify logits")
+    ref_last = torch.stack([logits[len(p) - 1] for (_, logits), p in zip(hf_out, prompts)])
+    torch.testing.assert_close(p_ext.next_token_logits.float(), ref_last.float(), **tol)
+    return hf_out
+
+
+def inner_forward(model, cfg, dtype, prompts):
+    """The inner model's forward on an EXTEND of ``prompts`` (``(hidden, aux)`` for an EAGLE-3
+    target): what SGLang's breakable prefill CUDA graph captures (``layer_model.forward``)."""
+    from sglang.srt.model_executor.forward_context import ForwardContext, forward_context
+
+    from eagle3_ops.sglang.cpu_harness import KVCache, Req, extend_batch
+
+    kv = KVCache(cfg, dtype)
+    fb = extend_batch(kv, [Req(kv.new_req()) for _ in prompts], prompts)
+    kv.backend.init_forward_metadata(fb)
+    with torch.no_grad(), forward_context(ForwardContext(attn_backend=kv.backend)):
+        return model.model(fb.input_ids, fb.positions, fb)
+
+
+def run_ranks(worker: str, outdir, world_size: int = 2, timeout: int = 420):
+    """Run ``worker`` (a script in this folder: ``worker RANK PORT OUTDIR``) as ``world_size``
+    gloo ranks; each saves ``OUTDIR/rank{r}.pt``. Returns (the loaded results, each rank's log)."""
+    import os
+    import subprocess
+    import sys
+
+    from eagle3_ops.sglang.cpu_harness import free_port
+
+    here = os.path.dirname(os.path.abspath(__file__))
+    root = os.path.dirname(os.path.dirname(here))
+    port = free_port()
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([root, here, os.environ.get("PYTHONPATH", "")]),
+               SGLANG_NCCL_SO_PATH="/nonexistent", TORCHDYNAMO_DISABLE="1")
+    for var in [v for v in env if v.startswith("EAGLE3_OPS_")] + ["SGLANG_USE_CPU_ENGINE"]:
+        env.pop(var, None)
+    procs = [subprocess.Popen([sys.executable, os.path.join(here, worker), str(r), str(port), str(outdir)],
+                              env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+             for r in range(world_size)]
+    logs = []
+    for p in procs:
+        try:
+            out, _ = p.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            for q in procs:
+                q.kill()
+            raise
+        logs.append(out.decode(errors="replace"))
+    for r, (p, log) in enumerate(zip(procs, logs)):
+        assert p.returncode == 0, f"{worker} rank {r} failed:\n{log[-4000:]}"
+    return [torch.load(os.path.join(str(outdir), f"rank{r}.pt"), weights_only=False) for r in range(world_size)], logs

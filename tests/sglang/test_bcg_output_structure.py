@@ -15,17 +15,6 @@ BIG = [[1, 2, 3, 4, 5, 6, 7, 8]]   # the "largest bucket": 8 tokens, more than t
 SMALL = [[9, 10, 11, 12]]          # a smaller bucket that fits
 
 
-def _inner_forward(h, model, cfg, dtype, prompts):
-    """What the BCG captures: the inner model's forward (``(hidden, aux)`` for an EAGLE-3 target)."""
-    from sglang.srt.model_executor.forward_context import ForwardContext, forward_context
-
-    kv = h.KVCache(cfg, dtype)
-    fb = h.extend_batch(kv, [h.Req(kv.new_req()) for _ in prompts], prompts)
-    kv.backend.init_forward_metadata(fb)
-    with torch.no_grad(), forward_context(ForwardContext(attn_backend=kv.backend)):
-        return model.model(fb.input_ids, fb.positions, fb)
-
-
 def _bcg():
     from sglang.srt.model_executor.runner_backend.breakable_cuda_graph_backend import BreakableCudaGraphBackend
 
@@ -51,10 +40,10 @@ def test_a_list_in_one_bucket_and_a_tensor_in_another_is_what_crashes(models):
     SGLang's list path, a smaller one returns a packed tensor."""
     h, cfg, dtype, stock, plugin = models
     bcg = _bcg()
-    big_stock = _inner_forward(h, stock, cfg, dtype, BIG)
+    big_stock = h.inner_forward(stock, cfg, dtype, BIG)
     assert isinstance(big_stock[1], list)  # stock SGLang: an AuxHiddenStateList
     buffer = bcg._alloc_full_buffer(big_stock, 8)
-    small = _inner_forward(h, plugin, cfg, dtype, SMALL)
+    small = h.inner_forward(plugin, cfg, dtype, SMALL)
     assert torch.is_tensor(small[1])
     with pytest.raises(TypeError, match="Unsupported BCG output buffer pair"):
         bcg._copy_output_to_buffer(small, buffer, 4)
@@ -66,17 +55,17 @@ def test_every_bucket_returns_one_packed_tensor(models):
 
     state = capture_state(plugin)
     bcg = _bcg()
-    big = _inner_forward(h, plugin, cfg, dtype, BIG)          # does not fit: stock capture, packed
+    big = h.inner_forward(plugin, cfg, dtype, BIG)          # does not fit: stock capture, packed
     assert torch.is_tensor(big[1]) and big[1].data_ptr() != state.buffer.buffer.data_ptr()
-    big_stock = _inner_forward(h, stock, cfg, dtype, BIG)
+    big_stock = h.inner_forward(stock, cfg, dtype, BIG)
     from sglang.srt.layers.aux_hidden_states import pack_aux_hidden_states
 
     assert torch.equal(big[1], pack_aux_hidden_states(big_stock[1]))  # what SGLang would have packed
     buffer = bcg._alloc_full_buffer(big, 8)
     bcg._copy_output_to_buffer(big, buffer, 8)
-    small = _inner_forward(h, plugin, cfg, dtype, SMALL)      # fits: the persistent buffer's view
+    small = h.inner_forward(plugin, cfg, dtype, SMALL)      # fits: the persistent buffer's view
     assert small[1].data_ptr() == state.buffer.buffer.data_ptr()
     bcg._copy_output_to_buffer(small, buffer, 4)              # no TypeError any more
-    small_stock = _inner_forward(h, stock, cfg, dtype, SMALL)
+    small_stock = h.inner_forward(stock, cfg, dtype, SMALL)
     assert torch.equal(buffer[1][:4], pack_aux_hidden_states(small_stock[1]))
     assert state.stats["stock_forwards"] == 1 and state.stats["buffer_forwards"] == 1

@@ -54,22 +54,12 @@ def target(sglang_cpu, monkeypatch):
     return h, cfg, dtype, model, capture_state(model)
 
 
-def _inner_forward(h, model, cfg, dtype, prompts):
-    from sglang.srt.model_executor.forward_context import ForwardContext, forward_context
-
-    kv = h.KVCache(cfg, dtype)
-    fb = h.extend_batch(kv, [h.Req(kv.new_req()) for _ in prompts], prompts)
-    kv.backend.init_forward_metadata(fb)
-    with torch.no_grad(), forward_context(ForwardContext(attn_backend=kv.backend)):
-        return model.model(fb.input_ids, fb.positions, fb)
-
-
 def test_bcg_output_slot_is_the_capture_buffer(target, caplog):
     h, cfg, dtype, model, state = target
     from sglang.srt.model_executor.runner_backend.breakable_cuda_graph_backend import BreakableCudaGraphBackend
 
     bcg = BreakableCudaGraphBackend.__new__(BreakableCudaGraphBackend)
-    out = _inner_forward(h, model, cfg, dtype, PROMPTS)
+    out = h.inner_forward(model, cfg, dtype, PROMPTS)
     T, KH = out[1].shape
     with caplog.at_level(logging.INFO, logger="eagle3_ops"):
         buffer = bcg._alloc_full_buffer(out, 16)  # the largest bucket: 16 rows
@@ -97,7 +87,7 @@ def test_bcg_buffer_larger_than_the_capture_buffer_is_sglangs(sglang_cpu, monkey
     from eagle3_ops.sglang.capture_hooks import capture_state
     from sglang.srt.model_executor.runner_backend.breakable_cuda_graph_backend import BreakableCudaGraphBackend
 
-    out = _inner_forward(h, model, cfg, torch.float32, PROMPTS)
+    out = h.inner_forward(model, cfg, torch.float32, PROMPTS)
     assert out[1].data_ptr() == capture_state(model).buffer.buffer.data_ptr()
     buffer = BreakableCudaGraphBackend.__new__(BreakableCudaGraphBackend)._alloc_full_buffer(out, 16)
     assert buffer[1].data_ptr() != out[1].data_ptr()  # 16 rows do not fit the 12-row buffer
@@ -161,7 +151,7 @@ def test_draft_static_input_is_the_capture_buffer(target, runner_kind):
     assert torch.count_nonzero(static) == 0
 
     # one step: the target's output, then SGLang's refresh copy (the statement checked above)
-    out = _inner_forward(h, model, cfg, dtype, PROMPTS)
+    out = h.inner_forward(model, cfg, dtype, PROMPTS)
     T = out[1].shape[0]
     fb = types.SimpleNamespace(spec_info=types.SimpleNamespace(hidden_states=out[1]))
     refresh(runner, fb)

@@ -17,16 +17,6 @@ DRAFTS = [[9, 31, 2, 77], [54, 6, 101, 13]]  # one chain of draft tokens per req
 TOKENS = sum(map(len, PROMPTS))
 
 
-def _two_forwards(h, model, cfg, dtype):
-    """EXTEND the prompts, then TARGET_VERIFY the draft chains on top (fresh KV cache)."""
-    kv = h.KVCache(cfg, dtype)
-    reqs = [h.Req(kv.new_req()) for _ in PROMPTS]
-    ext = h.run(model, h.extend_batch(kv, reqs, PROMPTS), kv)
-    ext_aux = ext.hidden_states.clone()
-    ver = h.run(model, h.extend_batch(kv, reqs, DRAFTS, mode="TARGET_VERIFY"), kv)
-    return ext, ext_aux, ver
-
-
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3", "qwen3_moe", "glm4_moe"])
 def test_captures_match_hf_and_logits_match_stock(sglang_cpu, family, dtype):
@@ -34,36 +24,20 @@ def test_captures_match_hf_and_logits_match_stock(sglang_cpu, family, dtype):
     cfg = h.FAMILIES[family].make_config()
     hf = h.hf_model(family, cfg, dtype)
     model = h.sglang_from_hf(family, cfg, dtype, hf)
-    tol = h.tolerances(dtype)
 
     model.set_eagle3_layers_to_capture(LAYER_IDS)  # stock
     capture_ids = list(model.model.layers_to_capture)
     assert capture_ids == [i + 1 for i in LAYER_IDS]
-    s_ext, s_ext_aux, s_ver = _two_forwards(h, model, cfg, dtype)
+    stock = h.two_forwards(model, cfg, dtype, PROMPTS, DRAFTS)
 
     h.configure_capture(model, LAYER_IDS)  # what ModelRunner does; the plugin installs here
     from eagle3_ops.sglang.capture_hooks import capture_state
 
     state = capture_state(model)
     assert state is not None and state.layer_ids == capture_ids
-    p_ext, p_ext_aux, p_ver = _two_forwards(h, model, cfg, dtype)
-
-    hf_out = h.hf_hidden_states(hf, [p + d for p, d in zip(PROMPTS, DRAFTS)])
-    ref_ext = h.hf_aux(hf_out, capture_ids, [slice(0, len(p)) for p in PROMPTS])
-    ref_ver = h.hf_aux(hf_out, capture_ids, [slice(len(p), len(p) + len(d)) for p, d in zip(PROMPTS, DRAFTS)])
-    K, H = len(capture_ids), cfg.hidden_size
-    for name, stock, plugin, ref in (("extend", s_ext_aux, p_ext_aux, ref_ext),
-                                     ("verify", s_ver.hidden_states, p_ver.hidden_states, ref_ver)):
-        assert plugin.shape == stock.shape == ref.shape == (ref.shape[0], K * H), name
-        torch.testing.assert_close(stock.float(), ref.float(), **tol, msg=f"stock {name} vs HF")
-        torch.testing.assert_close(plugin.float(), ref.float(), **tol, msg=f"plugin {name} vs HF")
-        h.assert_plugin_matches_stock(plugin, stock, dtype, f"plugin {name} vs stock")
-
-    # logits unchanged by the plugin (EXTEND: last token per request; VERIFY: every draft position)
-    h.assert_plugin_matches_stock(p_ext.next_token_logits, s_ext.next_token_logits, dtype, "extend logits")
-    h.assert_plugin_matches_stock(p_ver.next_token_logits, s_ver.next_token_logits, dtype, "verify logits")
-    ref_last = torch.stack([logits[len(p) - 1] for (_, logits), p in zip(hf_out, PROMPTS)])
-    torch.testing.assert_close(p_ext.next_token_logits.float(), ref_last.float(), **tol)
+    plugin = h.two_forwards(model, cfg, dtype, PROMPTS, DRAFTS)
+    h.assert_captures_match_hf_and_stock(stock, plugin, hf, capture_ids, PROMPTS, DRAFTS, dtype, cfg.hidden_size)
+    K, p_ver = len(capture_ids), plugin[3]
 
     # the plugin path ran: both forwards packed into the persistent buffer, captures at layers > 0
     # written by the fused add+RMSNorm

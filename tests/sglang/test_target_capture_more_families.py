@@ -80,17 +80,6 @@ def _kv_cache(h, cfg, dtype):
     return kv
 
 
-def _two_forwards(h, model, cfg, dtype):
-    """EXTEND the prompts, then TARGET_VERIFY the draft chains on top (fresh KV cache)."""
-    kv = _kv_cache(h, cfg, dtype)
-    reqs = [h.Req(kv.new_req()) for _ in PROMPTS]
-    ext = h.run(model, h.extend_batch(kv, reqs, PROMPTS), kv)
-    ext_aux = ext.hidden_states.clone()
-    ext_ptr = ext.hidden_states.data_ptr()
-    ver = h.run(model, h.extend_batch(kv, reqs, DRAFTS, mode="TARGET_VERIFY"), kv)
-    return ext, ext_aux, ext_ptr, ver
-
-
 def _gpt_oss(h, dtype):
     cfg = h.FAMILIES["gpt_oss"].make_config()
     hf = h.hf_model("gpt_oss", cfg, dtype)
@@ -110,12 +99,11 @@ def _gpt_oss(h, dtype):
 def test_gpt_oss_captures_match_hf_and_logits_match_stock(sglang_cpu, dtype):
     h = sglang_cpu
     cfg, hf, model = _gpt_oss(h, dtype)
-    tol = h.tolerances(dtype)
 
     model.set_eagle3_layers_to_capture(LAYER_IDS)  # stock
     capture_ids = list(model.model.layers_to_capture)
     assert capture_ids == [i + 1 for i in LAYER_IDS]
-    s_ext, s_ext_aux, s_ptr, s_ver = _two_forwards(h, model, cfg, dtype)
+    stock = h.two_forwards(model, cfg, dtype, PROMPTS, DRAFTS, kv=_kv_cache(h, cfg, dtype))
 
     h.configure_capture(model, LAYER_IDS)  # what ModelRunner does; the plugin installs here
     from eagle3_ops.sglang.capture_hooks import capture_state
@@ -123,23 +111,10 @@ def test_gpt_oss_captures_match_hf_and_logits_match_stock(sglang_cpu, dtype):
     state = capture_state(model)
     assert state is not None and state.layer_ids == capture_ids
     assert state.fused_sites == [f"model.layers.{i}.input_layernorm" for i in capture_ids]
-    p_ext, p_ext_aux, p_ptr, p_ver = _two_forwards(h, model, cfg, dtype)
-
-    hf_out = h.hf_hidden_states(hf, [p + d for p, d in zip(PROMPTS, DRAFTS)])
-    ref_ext = h.hf_aux(hf_out, capture_ids, [slice(0, len(p)) for p in PROMPTS])
-    ref_ver = h.hf_aux(hf_out, capture_ids, [slice(len(p), len(p) + len(d)) for p, d in zip(PROMPTS, DRAFTS)])
-    K, H = len(capture_ids), cfg.hidden_size
-    for name, stock, plugin, ref in (("extend", s_ext_aux, p_ext_aux, ref_ext),
-                                     ("verify", s_ver.hidden_states, p_ver.hidden_states, ref_ver)):
-        assert plugin.shape == stock.shape == ref.shape == (ref.shape[0], K * H), name
-        torch.testing.assert_close(stock.float(), ref.float(), **tol, msg=f"stock {name} vs HF")
-        torch.testing.assert_close(plugin.float(), ref.float(), **tol, msg=f"plugin {name} vs HF")
-        h.assert_plugin_matches_stock(plugin, stock, dtype, f"plugin {name} vs stock")
-
-    h.assert_plugin_matches_stock(p_ext.next_token_logits, s_ext.next_token_logits, dtype, "extend logits")
-    h.assert_plugin_matches_stock(p_ver.next_token_logits, s_ver.next_token_logits, dtype, "verify logits")
-    ref_last = torch.stack([logits[len(p) - 1] for (_, logits), p in zip(hf_out, PROMPTS)])
-    torch.testing.assert_close(p_ext.next_token_logits.float(), ref_last.float(), **tol)
+    plugin = h.two_forwards(model, cfg, dtype, PROMPTS, DRAFTS, kv=_kv_cache(h, cfg, dtype))
+    h.assert_captures_match_hf_and_stock(stock, plugin, hf, capture_ids, PROMPTS, DRAFTS, dtype, cfg.hidden_size)
+    K = len(capture_ids)
+    s_ptr, s_ver, p_ptr, p_ver = stock[2], stock[3], plugin[2], plugin[3]
 
     # the plugin path ran: both forwards packed into the persistent buffer; gpt-oss's input norms
     # are plain RMSNorms called as norm(hidden, residual), so every capture (layers > 0) is fused
@@ -163,14 +138,14 @@ def test_gpt_oss_end_boundary_capture_is_a_buffer_slot(sglang_cpu):
     layer_ids = [0, 1, L - 1]  # SGLang adds 1 -> capture [1, 2, L]
     model.set_eagle3_layers_to_capture(layer_ids)
     assert model.model.layers_to_capture == [1, 2, L]
-    s_ext, s_ext_aux, _, s_ver = _two_forwards(h, model, cfg, dtype)
+    stock = h.two_forwards(model, cfg, dtype, PROMPTS, DRAFTS, kv=_kv_cache(h, cfg, dtype))
 
     h.configure_capture(model, layer_ids)
     from eagle3_ops.sglang.capture_hooks import capture_state
 
     state = capture_state(model)
     assert state is not None and state.layer_ids == [1, 2, L]  # boundary L is the last slot
-    p_ext, p_ext_aux, _, p_ver = _two_forwards(h, model, cfg, dtype)
+    plugin = h.two_forwards(model, cfg, dtype, PROMPTS, DRAFTS, kv=_kv_cache(h, cfg, dtype))
 
     grabbed = []
     hook = hf.model.norm.register_forward_hook(lambda _m, inp, _out: grabbed.append(inp[0][0]))
@@ -183,13 +158,11 @@ def test_gpt_oss_end_boundary_capture_is_a_buffer_slot(sglang_cpu):
         return torch.cat([torch.cat([hs[1][r], hs[2][r], last[r]], dim=-1)
                           for (hs, _), last, r in zip(hf_out, grabbed, rows)])
 
-    ref_ext = ref([slice(0, len(p)) for p in PROMPTS])
-    ref_ver = ref([slice(len(p), len(p) + len(d)) for p, d in zip(PROMPTS, DRAFTS)])
-    for name, stock, plugin, reference in (("extend", s_ext_aux, p_ext_aux, ref_ext),
-                                           ("verify", s_ver.hidden_states, p_ver.hidden_states, ref_ver)):
-        torch.testing.assert_close(plugin, reference, **h.tolerances(dtype), msg=f"plugin {name} vs HF")
-        h.assert_plugin_matches_stock(plugin, stock, dtype, f"plugin {name} vs stock")
-    h.assert_plugin_matches_stock(p_ver.next_token_logits, s_ver.next_token_logits, dtype, "verify logits")
+    refs = (ref([slice(0, len(p)) for p in PROMPTS]),
+            ref([slice(len(p), len(p) + len(d)) for p, d in zip(PROMPTS, DRAFTS)]))
+    h.assert_captures_match_hf_and_stock(stock, plugin, hf, [1, 2, L], PROMPTS, DRAFTS, dtype, cfg.hidden_size,
+                                         refs=refs)
+    p_ver = plugin[3]
 
     assert state.stats["buffer_forwards"] == 2 and state.stats["stock_forwards"] == 0
     assert state.stats["fused_captures"] == 2 * 2 and state.stats["copied_captures"] == 2 * 1

@@ -2,44 +2,12 @@
 are the post-all-reduce residual stream — bitwise equal on both ranks and equal to TP=1 and to
 Hugging Face within rounding (a per-rank partial sum would be far off) — and captures and logits are
 those of stock SGLang on the same rank (bitwise with the reference backend)."""
-import os
-import subprocess
-import sys
-
 import torch
-
-HERE = os.path.dirname(os.path.abspath(__file__))
-ROOT = os.path.dirname(os.path.dirname(HERE))
-
-
-def _run_ranks(tmp_path):
-    sys.path.insert(0, HERE)
-    import harness
-
-    port = harness.free_port()
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")]),
-               SGLANG_NCCL_SO_PATH="/nonexistent", TORCHDYNAMO_DISABLE="1")
-    env.pop("SGLANG_USE_CPU_ENGINE", None)
-    procs = [subprocess.Popen([sys.executable, os.path.join(HERE, "tp2_worker.py"), str(r), str(port),
-                               str(tmp_path)], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-             for r in range(2)]
-    logs = []
-    for p in procs:
-        try:
-            out, _ = p.communicate(timeout=420)
-        except subprocess.TimeoutExpired:
-            for q in procs:
-                q.kill()
-            raise
-        logs.append(out.decode(errors="replace")[-4000:])
-    for p, log in zip(procs, logs):
-        assert p.returncode == 0, f"TP=2 rank failed:\n{log}"
-    return [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
 
 
 def test_tp2_captures_post_all_reduce_and_logits_unchanged(sglang_cpu, tmp_path):
     h = sglang_cpu
-    ranks = _run_ranks(tmp_path)
+    ranks, _ = h.run_ranks("tp2_worker.py", tmp_path)
     from tp2_worker import DRAFTS, LAYER_IDS, PROMPTS, two_forwards  # noqa: F401
 
     for dtype in (torch.float32, torch.bfloat16):

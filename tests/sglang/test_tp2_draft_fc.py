@@ -2,15 +2,7 @@
 the TP ranks (each rank keeps its rows, the replicated weight is gone) gives the draft outputs of
 the replicated fc, at TP=2 and at TP=1, with exactly one added all-gather per draft extend and none
 per decode step; ``EAGLE3_OPS_SGLANG_SHARD_FC=0`` keeps it replicated. Workers: tp2_draft_worker.py."""
-import os
-import subprocess
-import sys
-
-import pytest
 import torch
-
-HERE = os.path.dirname(os.path.abspath(__file__))
-ROOT = os.path.dirname(os.path.dirname(HERE))
 LAYER_IDS = [0, 1, 2]
 
 
@@ -46,31 +38,6 @@ def _tp1(h, dcfg, ckpt, aux, dtype, plugin):
             "decode_logits": dec.next_token_logits, "decode_hidden": dec.hidden_states}
 
 
-def _run_ranks(tmp_path):
-    import harness
-
-    port = harness.free_port()
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT, HERE, os.environ.get("PYTHONPATH", "")]),
-               SGLANG_NCCL_SO_PATH="/nonexistent", TORCHDYNAMO_DISABLE="1")
-    env.pop("SGLANG_USE_CPU_ENGINE", None)
-    env.pop("EAGLE3_OPS_SGLANG_SHARD_FC", None)
-    procs = [subprocess.Popen([sys.executable, os.path.join(HERE, "tp2_draft_worker.py"), str(r), str(port),
-                               str(tmp_path)], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-             for r in range(2)]
-    logs = []
-    for p in procs:
-        try:
-            out, _ = p.communicate(timeout=420)
-        except subprocess.TimeoutExpired:
-            for q in procs:
-                q.kill()
-            raise
-        logs.append(out.decode(errors="replace"))
-    for p, log in zip(procs, logs):
-        assert p.returncode == 0, f"TP=2 rank failed:\n{log[-4000:]}"
-    return [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(2)], logs
-
-
 OUTPUTS = ("fc_out", "extend_logits", "extend_hidden", "decode_logits", "decode_hidden")
 
 
@@ -87,7 +54,7 @@ def test_tp2_sharded_draft_fc(sglang_cpu, tmp_path):
     aux = torch.randn(T, len(LAYER_IDS) * cfg.hidden_size, generator=gen)
     torch.save({"ckpt": ckpt, "aux": aux, "dcfg": dcfg}, tmp_path / "inputs.pt")
 
-    ranks, logs = _run_ranks(tmp_path)
+    ranks, logs = h.run_ranks("tp2_draft_worker.py", tmp_path)
     N, KH = ckpt["model.fc.weight"].shape
     for dtype in (torch.float32, torch.bfloat16):
         key = str(dtype)
