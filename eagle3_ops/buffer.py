@@ -10,12 +10,15 @@ from typing import Optional
 
 import torch
 
-from . import ops
+from .validation import SUPPORTED_DTYPES
 
 
 class AuxCaptureBuffer:
     def __init__(self, max_tokens: int, hidden_size: int, num_captures: int,
                  dtype: torch.dtype = torch.bfloat16, device: Optional[torch.device] = None):
+        if dtype not in SUPPORTED_DTYPES:
+            raise ValueError(f"AuxCaptureBuffer: dtype must be one of bfloat16, float16, float32 (the ops' "
+                             f"dtypes), got {dtype}")
         if max_tokens < 0 or hidden_size <= 0 or num_captures <= 0:
             raise ValueError(f"AuxCaptureBuffer: need max_tokens >= 0, hidden_size > 0, num_captures > 0; got "
                              f"{max_tokens}, {hidden_size}, {num_captures}")
@@ -46,13 +49,6 @@ class AuxCaptureBuffer:
             raise ValueError(f"AuxCaptureBuffer.slot: k={k} outside [0, {self.num_captures})")
         H = self.hidden_size
         return self.view(num_tokens)[:, k * H:(k + 1) * H]
-
-    def capture(self, hidden: torch.Tensor, residual: Optional[torch.Tensor], slot: int) -> None:
-        ops.capture(hidden, residual, self.buffer, slot)
-
-    def fused_add_rmsnorm_capture(self, input: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
-                                  eps: float, slot: int) -> None:
-        ops.fused_add_rmsnorm_capture(input, residual, weight, eps, self.buffer, slot)
 
     def __repr__(self) -> str:
         return (f"AuxCaptureBuffer(max_tokens={self.max_tokens}, hidden_size={self.hidden_size}, "

@@ -15,11 +15,9 @@ backend that fails is disabled for the process with an error log, and the next o
 from __future__ import annotations
 
 import functools
-import importlib
 import logging
 import os
 import threading
-from pathlib import Path
 from typing import Callable, Dict, Optional
 
 import torch
@@ -27,14 +25,7 @@ import torch
 log = logging.getLogger("eagle3_ops")
 
 BACKENDS = ("cuda", "triton", "reference")
-# Public op name -> name of the backend function that implements it (all write into caller memory).
-OPS = {
-    "capture": "capture",
-    "fused_add_rmsnorm_capture": "fused_add_rmsnorm_capture",
-    "draft_fc": "draft_fc_out",
-}
-# Triton modules, one per kernel family, each exporting the functions named in OPS.
-TRITON_MODULES = ("eagle3_ops.triton.capture", "eagle3_ops.triton.draft_fc")
+# The ops and the backend modules that implement them: eagle3_ops/ops.py (OPS, BACKEND_MODULES).
 
 
 class BackendUnavailableError(RuntimeError):
@@ -56,61 +47,31 @@ def verification_enabled() -> bool:
 
 
 @functools.lru_cache(maxsize=None)
-def cuda_extension():
-    """The compiled extension module, or None when the package was built without nvcc."""
-    try:
-        return importlib.import_module("eagle3_ops._C")
-    except ImportError as e:
-        built = list(Path(__file__).parent.glob("_C*.so")) + list(Path(__file__).parent.glob("_C*.pyd"))
-        if built:  # built but not loadable (e.g. compiled against another torch): say so
-            log.warning("eagle3_ops: the CUDA extension %s exists but does not import (%s); the triton/reference "
-                        "backends serve. Rebuild with `pip install --no-build-isolation -e .`.", built[0].name, e)
-        else:
-            log.debug("eagle3_ops._C not built: %s", e)
-        return None
+def _backend_functions(backend: str) -> Optional[Dict[str, Callable]]:
+    """Every function of ``backend`` (ops.resolve), or None when the backend's own dependency is
+    not installed (Triton). A backend module that exists but lacks a function is an ImportError."""
+    from .ops import resolve
 
-
-@functools.lru_cache(maxsize=None)
-def compiled_archs() -> tuple:
-    ext = cuda_extension()
-    if ext is None:
-        return ()
-    return tuple(a for a in str(ext.compiled_archs).split(",") if a)
-
-
-def _device_arch(device: torch.device) -> str:
-    major, minor = torch.cuda.get_device_capability(device)
-    return f"sm_{major}{minor}"
-
-
-@functools.lru_cache(maxsize=None)
-def _triton_module_functions() -> Dict[str, Callable]:
-    fns: Dict[str, Callable] = {}
-    try:
-        import triton  # noqa: F401
-    except ImportError:
-        return fns
-    for mod_name in TRITON_MODULES:
+    if backend == "triton":
         try:
-            mod = importlib.import_module(mod_name)
-        except ModuleNotFoundError as e:
-            if e.name == mod_name:  # this kernel family is not written yet
-                continue
-            raise
-        for fn_name in OPS.values():
-            if hasattr(mod, fn_name):
-                fns[fn_name] = getattr(mod, fn_name)
-    return fns
+            import triton  # noqa: F401
+        except ImportError:
+            return None
+    return resolve(backend)
 
 
-def _reference_functions() -> Dict[str, Callable]:
-    from . import reference
+def function(backend: str, name: str) -> Callable:
+    """The function ``name`` (an op, or ``<op>_workspace_bytes``) of ``backend``."""
+    fns = _backend_functions(backend)
+    if fns is None:
+        raise BackendUnavailableError(f"backend {backend} is not installed")
+    return fns[name]
 
-    return {
-        "capture": reference.capture_ref,
-        "fused_add_rmsnorm_capture": reference.fused_add_rmsnorm_capture_ref,
-        "draft_fc_out": reference.draft_fc_out_ref,
-    }
+
+def _compiled_archs() -> tuple:
+    from .cuda_backend import compiled_archs
+
+    return compiled_archs()
 
 
 def triton_interpreter() -> bool:
@@ -119,22 +80,19 @@ def triton_interpreter() -> bool:
 
 def implementation(backend: str, op: str, device: torch.device) -> Optional[Callable]:
     """The function of ``backend`` that serves ``op`` on ``device``, or None if it cannot."""
-    fn_name = OPS[op]
-    if backend == "reference":
-        return _reference_functions()[fn_name]
-    if backend == "triton":
-        if device.type == "cuda" or (device.type == "cpu" and triton_interpreter()):
-            return _triton_module_functions().get(fn_name)
+    if backend not in BACKENDS:
+        raise ValueError(f"unknown backend {backend!r}")
+    if backend == "triton" and not (device.type == "cuda" or (device.type == "cpu" and triton_interpreter())):
         return None
     if backend == "cuda":
-        ext = cuda_extension()
-        if device.type != "cuda" or ext is None or not hasattr(ext, fn_name):
+        if device.type != "cuda":
             return None
-        arch = _device_arch(device)
-        if not any(a.rstrip("a") == arch for a in compiled_archs()):
+        from . import cuda_backend
+
+        if not cuda_backend.serves(device):
             return None
-        return getattr(ext, fn_name)
-    raise ValueError(f"unknown backend {backend!r}")
+    fns = _backend_functions(backend)
+    return None if fns is None else fns[op]
 
 
 # (op, backend, device str, dtype) -> True (verified) / False (failed, disabled for the process)
@@ -161,11 +119,11 @@ def _passes_verification(op: str, backend: str, device: torch.device, fn: Callab
             log.warning("eagle3_ops: %s/%s (%s) first used inside CUDA-graph capture on %s: not verified yet",
                         op, backend, dtype, device)
         return True
-    from .verify import verify_backend
+    from .ops import OPS
 
     with _lock:
         if key not in _verified:
-            ok, detail = verify_backend(op, fn, device, dtype)
+            ok, detail = OPS[op].selfcheck(fn, device, dtype, backend)
             _verified[key] = ok
             if ok:
                 log.info("eagle3_ops: %s backend %s verified on %s for %s (%s)", op, backend, device, dtype, detail)
@@ -198,7 +156,7 @@ def select(op: str, device: torch.device, dtype: torch.dtype = torch.bfloat16) -
         if fn is None:
             raise BackendUnavailableError(
                 f"eagle3::{op}: EAGLE3_OPS_BACKEND={forced} cannot serve device {device} "
-                f"(compiled archs: {','.join(compiled_archs()) or 'none'}; TRITON_INTERPRET="
+                f"(compiled archs: {','.join(_compiled_archs()) or 'none'}; TRITON_INTERPRET="
                 f"{os.environ.get('TRITON_INTERPRET', '0')}). Unset it to choose automatically.")
         if not _passes_verification(op, forced, device, fn, dtype):
             raise BackendUnavailableError(f"eagle3::{op}: forced backend {forced} failed verification on {device}")
@@ -218,6 +176,8 @@ def backends(device=None, dtype: torch.dtype = torch.bfloat16) -> Dict[str, str]
     device = torch.device(device)
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
+    from .ops import OPS
+
     return {op: select(op, device, dtype)[0] for op in OPS}
 
 

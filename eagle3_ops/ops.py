@@ -1,77 +1,146 @@
-"""The eagle3 ops: one torch.library schema each (the public contract, DESIGN.md §4), the fake
-impl beside it, and one real impl per device key that validates and hands off to the backend that
-``dispatch.select`` picks (cuda → triton → reference).
+"""The eagle3 ops, each declared ONCE in :data:`OPS`: schema, contract check (also the fake impl),
+self-check problem, and the module of each backend that implements it under the op's own name.
 
-Model code calls the thin Python functions at the bottom, never ``torch.ops.eagle3`` directly.
+Dispatch (``dispatch.py``), verification (``verify.py``) and :func:`eagle3_ops.backends` read this
+table. A backend module that lacks a function the table names is an ImportError when that backend
+is first resolved (never a silently missing backend); ``tests/ops/test_contract.py`` resolves the
+whole table. Adding an op: a row here, a check in ``validation.py``, a self-check problem in
+``verify.py``, and the function in each backend module (``reference.py``, ``triton/``,
+``cuda_backend.py`` + ``csrc/``).
+
+Every backend function has the signature of the op (draft_fc: into ``out``, with a ``workspace``),
+receives validated arguments and a non-empty output, and allocates nothing (docs/design.md §4, §7.2).
+Model code calls the Python functions at the bottom, never ``torch.ops.eagle3`` directly.
 """
 from __future__ import annotations
 
+import importlib
 import logging
-from typing import Optional
+from dataclasses import dataclass
+from typing import Callable, Dict, Optional
 
 import torch
 
-from . import dispatch, validation
+from . import dispatch, validation, verify
+from . import workspace as _workspace
+
+# Backend -> the module(s) holding its functions, per op (a dict) or for every op (a str).
+BACKEND_MODULES = {
+    "reference": "eagle3_ops.reference",
+    "triton": {"capture": "eagle3_ops.triton.capture", "fused_add_rmsnorm_capture": "eagle3_ops.triton.capture",
+               "draft_fc": "eagle3_ops.triton.draft_fc"},
+    "cuda": "eagle3_ops.cuda_backend",
+}
+
+
+@dataclass(frozen=True)
+class OpSpec:
+    name: str
+    schema: str                    # the public op (namespace eagle3)
+    selfcheck: Callable            # verify problem: (fn, device, dtype) -> (ok, detail)
+    workspace_bytes: bool = False  # backends also export <name>_workspace_bytes
+
+
+OPS: Dict[str, OpSpec] = {s.name: s for s in (
+    OpSpec("capture", "capture(Tensor hidden, Tensor? residual, Tensor(a!) buffer, int slot) -> ()",
+           verify.selfcheck_capture),
+    OpSpec("fused_add_rmsnorm_capture",
+           "fused_add_rmsnorm_capture(Tensor(a!) input, Tensor(b!) residual, Tensor weight, float eps, "
+           "Tensor(c!) buffer, int slot) -> ()", verify.selfcheck_fused_add_rmsnorm_capture),
+    OpSpec("draft_fc",
+           "draft_fc(Tensor x, Tensor weight, Tensor? bias, Tensor? rows, Tensor? chunk_norm_weight, "
+           "Tensor? input_norm_weight, float eps) -> Tensor",
+           verify.selfcheck_draft_fc, workspace_bytes=True),
+)}
+# The out= variant of draft_fc (same backend function, caller-owned output and workspace): not a
+# separate op row. The functional op takes no workspace: a mutable optional argument on an op that
+# returns a new tensor breaks inductor; a caller-owned workspace goes through this variant.
+DRAFT_FC_OUT_SCHEMA = ("draft_fc_out(Tensor x, Tensor weight, Tensor? bias, Tensor? rows, Tensor? chunk_norm_weight, "
+                       "Tensor? input_norm_weight, float eps, Tensor(a!) out, Tensor(b!)? workspace=None) -> ()")
+
+
+def _module_for(backend: str, op: str) -> str:
+    spec = BACKEND_MODULES[backend]
+    return spec if isinstance(spec, str) else spec[op]
+
+
+def resolve(backend: str) -> Dict[str, Callable]:
+    """{name: function} of ``backend`` for every op (and ``<op>_workspace_bytes``). Raises
+    ImportError naming what is missing; the caller decides whether the backend's own dependency
+    (triton) being absent just means the backend is unavailable."""
+    fns = {}
+    missing = []
+    for op, spec in OPS.items():
+        module = importlib.import_module(_module_for(backend, op))
+        names = [op] + ([f"{op}_workspace_bytes"] if spec.workspace_bytes else [])
+        for name in names:
+            fn = getattr(module, name, None)
+            if fn is None:
+                missing.append(f"{module.__name__}.{name}")
+            else:
+                fns[name] = fn
+    if missing:
+        raise ImportError(f"eagle3_ops backend {backend!r} does not implement {', '.join(missing)} "
+                          f"(eagle3_ops/ops.py OPS names them)")
+    return fns
+
 
 LIB = torch.library.Library("eagle3", "DEF")
-
-SCHEMAS = {
-    "capture": "capture(Tensor hidden, Tensor? residual, Tensor(a!) buffer, int slot) -> ()",
-    "fused_add_rmsnorm_capture": ("fused_add_rmsnorm_capture(Tensor(a!) input, Tensor(b!) residual, "
-                                  "Tensor weight, float eps, Tensor(c!) buffer, int slot) -> ()"),
-    "draft_fc": ("draft_fc(Tensor x, Tensor weight, Tensor? bias, Tensor? rows, Tensor? chunk_norm_weight, "
-                 "Tensor? input_norm_weight, float eps) -> Tensor"),
-    "draft_fc_out": ("draft_fc_out(Tensor x, Tensor weight, Tensor? bias, Tensor? rows, "
-                     "Tensor? chunk_norm_weight, Tensor? input_norm_weight, float eps, Tensor(a!) out) -> ()"),
-}
-for _schema in SCHEMAS.values():
-    LIB.define(_schema)
-
+for _spec in OPS.values():
+    LIB.define(_spec.schema)
+LIB.define(DRAFT_FC_OUT_SCHEMA)
 DEVICE_KEYS = ("CPU", "CUDA")
+log = logging.getLogger("eagle3_ops")
 
 
 def _debug() -> bool:
     from . import settings
 
-    return bool(settings.get_or_default("EAGLE3_OPS_DEBUG", logging.getLogger("eagle3_ops")))
+    return bool(settings.get_or_default("EAGLE3_OPS_DEBUG", log))
 
 
 # ---- capture -------------------------------------------------------------------------------------
-def _capture_impl(hidden, residual, buffer, slot):
+def _capture_check(hidden, residual, buffer, slot):
     validation.check_capture(hidden, residual, buffer, slot)
+
+
+def _capture_impl(hidden, residual, buffer, slot):
+    _capture_check(hidden, residual, buffer, slot)
     if hidden.shape[0] == 0:
         return
-    _, fn = dispatch.select("capture", hidden.device, hidden.dtype)
-    fn(hidden, residual, buffer, slot)
-
-
-@torch.library.register_fake("eagle3::capture")
-def _capture_fake(hidden, residual, buffer, slot):
-    validation.check_capture(hidden, residual, buffer, slot)
+    dispatch.select("capture", hidden.device, hidden.dtype)[1](hidden, residual, buffer, slot)
 
 
 # ---- fused_add_rmsnorm_capture -------------------------------------------------------------------
-def _fused_impl(input, residual, weight, eps, buffer, slot):
+def _fused_check(input, residual, weight, eps, buffer, slot):
     validation.check_fused_add_rmsnorm_capture(input, residual, weight, eps, buffer, slot)
+
+
+def _fused_impl(input, residual, weight, eps, buffer, slot):
+    _fused_check(input, residual, weight, eps, buffer, slot)
     if input.shape[0] == 0:
         return
-    _, fn = dispatch.select("fused_add_rmsnorm_capture", input.device, input.dtype)
-    fn(input, residual, weight, eps, buffer, slot)
-
-
-@torch.library.register_fake("eagle3::fused_add_rmsnorm_capture")
-def _fused_fake(input, residual, weight, eps, buffer, slot):
-    validation.check_fused_add_rmsnorm_capture(input, residual, weight, eps, buffer, slot)
+    dispatch.select("fused_add_rmsnorm_capture", input.device, input.dtype)[1](
+        input, residual, weight, eps, buffer, slot)
 
 
 # ---- draft_fc / draft_fc_out ---------------------------------------------------------------------
-def _run_draft_fc(x, weight, bias, rows, chunk_norm_weight, input_norm_weight, eps, out, op):
-    """After validation: range-check host rows, run the selected backend, debug-check device rows."""
+def _run_draft_fc(x, weight, bias, rows, chunk_norm_weight, input_norm_weight, eps, out, workspace, op):
+    """After validation: range-check host rows, size the workspace, run the selected backend,
+    debug-check device rows."""
     validation.check_host_rows_in_range(x, rows, op=op)
     if out.numel() == 0:
         return
-    _, fn = dispatch.select("draft_fc", x.device, x.dtype)
-    fn(x, weight, bias, rows, chunk_norm_weight, input_norm_weight, eps, out)
+    backend, fn = dispatch.select("draft_fc", x.device, x.dtype)
+    args = (x, weight, bias, rows, chunk_norm_weight, input_norm_weight)
+    need = dispatch.function(backend, "draft_fc_workspace_bytes")(*args)
+    if workspace is None:
+        workspace = _workspace.scratch(x.device, need) if need else None
+    elif workspace.numel() < need:
+        raise validation.Eagle3ArgumentError(
+            f"eagle3::{op}: workspace has {workspace.numel()} bytes, this call needs {need} "
+            f"(eagle3_ops.draft_fc_workspace_bytes gives the size)")
+    fn(*args, eps, out, workspace)
     if _debug() and rows is not None and rows.device.type != "cpu":
         # Device-side indices give NaN rows when out of range; debug mode makes that an error:
         # an async device assert inside CUDA-graph capture (no sync allowed), else a host check.
@@ -83,39 +152,65 @@ def _run_draft_fc(x, weight, bias, rows, chunk_norm_weight, input_norm_weight, e
                              f"{bad.nonzero().flatten().tolist()[:16]} (x has {x.shape[0]} rows)")
 
 
-def _draft_fc_out_impl(x, weight, bias, rows, chunk_norm_weight, input_norm_weight, eps, out):
-    validation.check_draft_fc(x, weight, bias, rows, chunk_norm_weight, input_norm_weight, eps, out, op="draft_fc_out")
-    _run_draft_fc(x, weight, bias, rows, chunk_norm_weight, input_norm_weight, eps, out, "draft_fc_out")
-
-
 def _draft_fc_impl(x, weight, bias, rows, chunk_norm_weight, input_norm_weight, eps):
     M = validation.check_draft_fc(x, weight, bias, rows, chunk_norm_weight, input_norm_weight, eps)
     out = torch.empty((M, weight.shape[0]), dtype=x.dtype, device=x.device)
-    _run_draft_fc(x, weight, bias, rows, chunk_norm_weight, input_norm_weight, eps, out, "draft_fc")
+    _run_draft_fc(x, weight, bias, rows, chunk_norm_weight, input_norm_weight, eps, out, None, "draft_fc")
     return out
 
 
-@torch.library.register_fake("eagle3::draft_fc")
+def _draft_fc_out_impl(x, weight, bias, rows, chunk_norm_weight, input_norm_weight, eps, out, workspace=None):
+    validation.check_draft_fc(x, weight, bias, rows, chunk_norm_weight, input_norm_weight, eps, out,
+                              op="draft_fc_out", workspace=workspace)
+    _run_draft_fc(x, weight, bias, rows, chunk_norm_weight, input_norm_weight, eps, out, workspace, "draft_fc_out")
+
+
 def _draft_fc_fake(x, weight, bias, rows, chunk_norm_weight, input_norm_weight, eps):
     M = validation.check_draft_fc(x, weight, bias, rows, chunk_norm_weight, input_norm_weight, eps)
     return x.new_empty((M, weight.shape[0]))
 
 
-@torch.library.register_fake("eagle3::draft_fc_out")
-def _draft_fc_out_fake(x, weight, bias, rows, chunk_norm_weight, input_norm_weight, eps, out):
-    validation.check_draft_fc(x, weight, bias, rows, chunk_norm_weight, input_norm_weight, eps, out, op="draft_fc_out")
+def _draft_fc_out_fake(x, weight, bias, rows, chunk_norm_weight, input_norm_weight, eps, out, workspace=None):
+    validation.check_draft_fc(x, weight, bias, rows, chunk_norm_weight, input_norm_weight, eps, out,
+                              op="draft_fc_out", workspace=workspace)
 
 
-for _key in DEVICE_KEYS:
-    LIB.impl("capture", _capture_impl, _key)
-    LIB.impl("fused_add_rmsnorm_capture", _fused_impl, _key)
-    LIB.impl("draft_fc", _draft_fc_impl, _key)
-    LIB.impl("draft_fc_out", _draft_fc_out_impl, _key)
+# ---- registration: real impls per device, fakes, and the forward-only autograd kernels ------------
+IMPLS = {"capture": (_capture_impl, _capture_check), "fused_add_rmsnorm_capture": (_fused_impl, _fused_check),
+         "draft_fc": (_draft_fc_impl, _draft_fc_fake), "draft_fc_out": (_draft_fc_out_impl, _draft_fc_out_fake)}
+DIFFERENTIABLE = {  # positional index -> name of every tensor argument, checked for requires_grad
+    "capture": ("hidden", "residual", "buffer"),
+    "fused_add_rmsnorm_capture": ("input", "residual", "weight", None, "buffer"),
+    "draft_fc": ("x", "weight", "bias", None, "chunk_norm_weight", "input_norm_weight"),
+    "draft_fc_out": ("x", "weight", "bias", None, "chunk_norm_weight", "input_norm_weight", None, "out"),
+}
+
+
+def _forward_only(name: str):
+    """Autograd-key kernel: refuse inputs that require grad (the same error on every backend and
+    under torch.compile), else run the op below autograd."""
+    overload = getattr(torch.ops.eagle3, name).default
+
+    def kernel(*args, **kwargs):
+        tensors = {n: a for n, a in zip(DIFFERENTIABLE[name], args) if n is not None and isinstance(a, torch.Tensor)}
+        validation.check_no_grad_inputs(name, tensors)
+        with torch._C._AutoDispatchBelowAutograd():
+            return overload(*args, **kwargs)
+
+    return kernel
+
+
+for _name, (_impl, _fake) in IMPLS.items():
+    for _key in DEVICE_KEYS:
+        LIB.impl(_name, _impl, _key)
+    torch.library.register_fake(f"eagle3::{_name}")(_fake)
+    LIB.impl(_name, _forward_only(_name), "Autograd")
 
 
 # ---- the Python face -----------------------------------------------------------------------------
 def capture(hidden: torch.Tensor, residual: Optional[torch.Tensor], buffer: torch.Tensor, slot: int) -> None:
     """``buffer[:T, slot*H:(slot+1)*H] = hidden + residual`` (or ``hidden``); nothing else changes."""
+    validation.check_int("capture", "slot", slot)
     torch.ops.eagle3.capture.default(hidden, residual, buffer, slot)
 
 
@@ -123,18 +218,45 @@ def fused_add_rmsnorm_capture(input: torch.Tensor, residual: torch.Tensor, weigh
                               buffer: torch.Tensor, slot: int) -> None:
     """SGLang ``fused_add_rmsnorm(input, residual, weight, eps)`` that also writes the new residual
     into ``buffer`` slot ``slot``."""
-    torch.ops.eagle3.fused_add_rmsnorm_capture.default(input, residual, weight, eps, buffer, slot)
+    validation.check_int("fused_add_rmsnorm_capture", "slot", slot)
+    validation.check_eps("fused_add_rmsnorm_capture", eps)
+    torch.ops.eagle3.fused_add_rmsnorm_capture.default(input, residual, weight, float(eps), buffer, slot)
 
 
 def draft_fc(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None,
              rows: Optional[torch.Tensor] = None, chunk_norm_weight: Optional[torch.Tensor] = None,
-             input_norm_weight: Optional[torch.Tensor] = None, eps: float = 1e-6) -> torch.Tensor:
-    """``linear(norm(x[rows]), weight, bias)`` → new [M, N] tensor."""
-    return torch.ops.eagle3.draft_fc.default(x, weight, bias, rows, chunk_norm_weight, input_norm_weight, eps)
+             input_norm_weight: Optional[torch.Tensor] = None, eps: float = 1e-6,
+             workspace: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """``linear(norm(x[rows]), weight, bias)`` → new [M, N] tensor. ``workspace``: caller-owned
+    scratch (uint8, at least :func:`draft_fc_workspace_bytes`); default: the face's per-stream one."""
+    validation.check_eps("draft_fc", eps)
+    if workspace is None:
+        return torch.ops.eagle3.draft_fc.default(x, weight, bias, rows, chunk_norm_weight, input_norm_weight,
+                                                 float(eps))
+    M = validation.check_draft_fc(x, weight, bias, rows, chunk_norm_weight, input_norm_weight, eps,
+                                  workspace=workspace)
+    out = torch.empty((M, weight.shape[0]), dtype=x.dtype, device=x.device)
+    torch.ops.eagle3.draft_fc_out.default(x, weight, bias, rows, chunk_norm_weight, input_norm_weight, float(eps),
+                                          out, workspace)
+    return out
 
 
 def draft_fc_out(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
                  rows: Optional[torch.Tensor], chunk_norm_weight: Optional[torch.Tensor],
-                 input_norm_weight: Optional[torch.Tensor], eps: float, out: torch.Tensor) -> None:
+                 input_norm_weight: Optional[torch.Tensor], eps: float, out: torch.Tensor,
+                 workspace: Optional[torch.Tensor] = None) -> None:
     """``draft_fc`` into a preallocated ``out`` [M, N] (no allocation: CUDA-graph friendly)."""
-    torch.ops.eagle3.draft_fc_out.default(x, weight, bias, rows, chunk_norm_weight, input_norm_weight, eps, out)
+    validation.check_eps("draft_fc_out", eps)
+    torch.ops.eagle3.draft_fc_out.default(x, weight, bias, rows, chunk_norm_weight, input_norm_weight, float(eps),
+                                          out, workspace)
+
+
+def draft_fc_workspace_bytes(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None,
+                             rows: Optional[torch.Tensor] = None, chunk_norm_weight: Optional[torch.Tensor] = None,
+                             input_norm_weight: Optional[torch.Tensor] = None) -> int:
+    """Bytes of workspace ``draft_fc`` needs for these arguments on the backend that serves them
+    on ``weight``'s device. Only shapes, strides and dtypes are read: ``x`` and ``rows`` may be meta
+    tensors (to size a workspace for a larger M than any real tensor at hand)."""
+    backend, _ = dispatch.select("draft_fc", weight.device, weight.dtype)
+    return int(dispatch.function(backend, "draft_fc_workspace_bytes")(x, weight, bias, rows, chunk_norm_weight,
+                                                                       input_norm_weight))

@@ -91,5 +91,18 @@ def draft_fc_ref(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Ten
     return y
 
 
-def draft_fc_out_ref(x, weight, bias, rows, chunk_norm_weight, input_norm_weight, eps, out) -> None:
+# ---- the backend functions (the contract of eagle3_ops/ops.py: the op's name, into caller memory) ----
+def capture(hidden, residual, buffer, slot) -> None:
+    capture_ref(hidden, residual, buffer, slot)
+
+
+def fused_add_rmsnorm_capture(input, residual, weight, eps, buffer, slot) -> None:
+    fused_add_rmsnorm_capture_ref(input, residual, weight, eps, buffer, slot)
+
+
+def draft_fc(x, weight, bias, rows, chunk_norm_weight, input_norm_weight, eps, out, workspace) -> None:
     out.copy_(draft_fc_ref(x, weight, bias, rows, chunk_norm_weight, input_norm_weight, eps).to(out.dtype))
+
+
+def draft_fc_workspace_bytes(x, weight, bias, rows, chunk_norm_weight, input_norm_weight) -> int:
+    return 0  # plain PyTorch allocates its temporaries itself

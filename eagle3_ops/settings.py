@@ -16,8 +16,8 @@ variable                           accepted                    a bad value means
 =================================  ==========================  =========================================
 
 ``EAGLE3_OPS_DUMP_*`` (the states dump) are parsed by ``doctor.states.DumpSettings``; build-time
-variables (``EAGLE3_OPS_SKIP_CUDA``, ``EAGLE3_OPS_LIST_SOURCES_ONLY``) by setup.py / CMake, and
-``EAGLE3_OPS_CUDA_FC_SKINNY_MAX_M`` (a test knob) by the CUDA extension. :func:`unknown_variables`
+variables (``EAGLE3_OPS_SKIP_CUDA``, ``EAGLE3_OPS_LIST_SOURCES_ONLY``) by setup.py / CMake.
+:func:`unknown_variables`
 names any other ``EAGLE3_OPS_*`` in the environment (a typo would otherwise do nothing, silently).
 """
 from __future__ import annotations
@@ -27,8 +27,9 @@ import os
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Mapping, Optional
 
-ON_WORDS = ("1", "true", "on", "yes", "enable", "enabled")
-OFF_WORDS = ("0", "false", "off", "no", "disable", "disabled")
+# The one spelling set of every switch (case-insensitive); anything else is refused with a message.
+ON_WORDS = ("1", "true", "on")
+OFF_WORDS = ("0", "false", "off")
 MAX_TOKENS_LIMIT = 1 << 20   # 1048576 rows: 42 GiB at K=3, H=7168, bf16 (anything above is a typo)
 
 
@@ -73,7 +74,7 @@ def _backend(raw: str) -> Optional[str]:
     return name
 
 
-_SWITCH_WORDS = "/".join(ON_WORDS[:4]) + " or " + "/".join(OFF_WORDS[:4])
+_SWITCH_WORDS = "/".join(ON_WORDS) + " or " + "/".join(OFF_WORDS)
 
 SETTINGS: Dict[str, Setting] = {s.name: s for s in (
     Setting("EAGLE3_OPS_SGLANG", True, _SWITCH_WORDS,
@@ -93,7 +94,7 @@ SETTINGS: Dict[str, Setting] = {s.name: s for s in (
 
 # Read elsewhere (see the module docstring): known, so not reported as unknown.
 OTHER_KNOWN = ("EAGLE3_OPS_DUMP_STATES", "EAGLE3_OPS_DUMP_TOKENS", "EAGLE3_OPS_DUMP_BOUNDARIES",
-               "EAGLE3_OPS_SKIP_CUDA", "EAGLE3_OPS_LIST_SOURCES_ONLY", "EAGLE3_OPS_CUDA_FC_SKINNY_MAX_M")
+               "EAGLE3_OPS_SKIP_CUDA", "EAGLE3_OPS_LIST_SOURCES_ONLY")
 
 
 @functools.lru_cache(maxsize=None)

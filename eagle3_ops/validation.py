@@ -1,12 +1,27 @@
-"""Argument checks shared by every backend, run before anything is written.
+"""Argument checks shared by every backend, run before anything is written: the op contract.
 
 Messages name the argument and give the expected vs actual value. Shape/dtype/device checks work
 on fake tensors too (they run in the fake impls, so torch.compile reports them at trace time);
 value checks on ``rows`` run only on host tensors (a device-side check would sync the stream).
+
+Beyond shapes and dtypes the contract rejects, identically for every backend:
+
+* a written tensor that overlaps another argument (``out`` inside ``x``; ``input is residual``; an
+  input inside the capture buffer's slot) or itself (an expanded, zero-stride output): backends
+  would give different answers (or race) on such memory;
+* a written tensor that requires grad (the ops are forward-only and mutate their outputs);
+* ``slot`` that is not a Python int in int64 range, ``eps`` that is not finite and > 0.
+
+Overlap is decided on the bytes two views cover: disjoint storage or disjoint byte ranges never
+overlap; two 2-D row-major views of one matrix (same row stride) overlap iff their row and column
+ranges both intersect (so two slots of one capture buffer do not); anything else sharing bytes is
+treated as overlapping.
 """
 from __future__ import annotations
 
 from typing import Optional
+
+import math
 
 import torch
 
@@ -47,6 +62,103 @@ def _check_last_dim_contiguous(op: str, name: str, t: torch.Tensor) -> None:
         _fail(op, f"{name} must have a contiguous last dim (stride 1), got strides {tuple(t.stride())}")
 
 
+def check_int(op: str, name: str, value) -> int:
+    """A Python int (not bool) in int64 range: the schema's ``int``, checked before torch sees it."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        _fail(op, f"{name} must be an int, got {type(value).__name__} {value!r}")
+    if not -(1 << 63) <= value < (1 << 63):
+        _fail(op, f"{name}={value} is outside the int64 range")
+    return value
+
+
+def check_eps(op: str, eps) -> float:
+    if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not math.isfinite(float(eps)) or eps <= 0:
+        _fail(op, f"eps must be a finite float > 0, got {eps!r}")
+    return float(eps)
+
+
+def _byte_range(t: torch.Tensor):
+    lo = t.storage_offset()
+    hi = lo + sum((size - 1) * stride for size, stride in zip(t.shape, t.stride()) if size > 0) + 1
+    return lo * t.element_size(), hi * t.element_size()
+
+
+def _matrix_box(t: torch.Tensor, row_stride: int):
+    """(rows, cols) covered by a 2-D row-major view of a matrix with ``row_stride`` elements per row,
+    or None if the view is not one (then overlap is decided conservatively)."""
+    if t.dim() != 2 or (t.shape[1] > 1 and t.stride(1) != 1) or (t.shape[0] > 1 and t.stride(0) != row_stride):
+        return None
+    r0, c0 = divmod(t.storage_offset(), row_stride)
+    if c0 + t.shape[1] > row_stride:
+        return None
+    return (r0, r0 + t.shape[0]), (c0, c0 + t.shape[1])
+
+
+def _is_fake(t: torch.Tensor) -> bool:
+    from torch._subclasses.fake_tensor import is_fake
+
+    return bool(is_fake(t))
+
+
+def overlaps(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether two views may share an element (see the module docstring)."""
+    if a.numel() == 0 or b.numel() == 0 or a.device != b.device or a.device.type == "meta":
+        return False
+    if _is_fake(a) or _is_fake(b):  # tracing (torch.compile, fake impls): decided by the real call
+        return False
+    try:
+        if a.untyped_storage().data_ptr() != b.untyped_storage().data_ptr():
+            return False
+    except (RuntimeError, NotImplementedError):  # fake / functional tensors: no storage to compare
+        return False
+    (alo, ahi), (blo, bhi) = _byte_range(a), _byte_range(b)
+    if ahi <= blo or bhi <= alo:
+        return False
+    if a.dtype == b.dtype and a.dim() == 2 and b.dim() == 2:
+        stride = a.stride(0) if a.shape[0] > 1 else (b.stride(0) if b.shape[0] > 1 else None)
+        if stride:
+            box_a, box_b = _matrix_box(a, stride), _matrix_box(b, stride)
+            if box_a is not None and box_b is not None:
+                (ar, ac), (br, bc) = box_a, box_b
+                return ar[0] < br[1] and br[0] < ar[1] and ac[0] < bc[1] and bc[0] < ac[1]
+    return True
+
+
+def check_writes(op: str, written: dict, read: dict) -> None:
+    """Every written tensor: no internal overlap, no requires_grad, no overlap with any other argument."""
+    for name, t in written.items():
+        if t is None:
+            continue
+        if t.requires_grad:
+            _fail(op, f"{name} requires grad: eagle3 ops write it in place and are forward-only "
+                      f"(pass a tensor that does not require grad, e.g. under torch.no_grad())")
+        if t.numel() > 1 and t.device.type != "meta" and not _is_fake(t) and torch._debug_has_internal_overlap(t) == 1:
+            _fail(op, f"{name} has overlapping elements (an expanded or zero-stride view, strides "
+                      f"{tuple(t.stride())}); it must not write one memory location twice")
+    names = [n for n, t in written.items() if t is not None]
+    others = {**{n: t for n, t in written.items() if t is not None}, **{n: t for n, t in read.items() if t is not None}}
+    for name in names:
+        for other, t in others.items():
+            if other == name:
+                continue
+            if t is written[name]:
+                _fail(op, f"{name} and {other} are the same tensor; they must be distinct memory")
+            if overlaps(written[name], t):
+                _fail(op, f"{name} overlaps {other} in memory; a written tensor must not share memory with "
+                          f"another argument")
+
+
+def check_no_grad_inputs(op: str, tensors: dict) -> None:
+    """The ops are forward-only: a differentiable input that requires grad (with grad mode on) is
+    an error on every backend, eager and under torch.compile, instead of a silently missing grad."""
+    if not torch.is_grad_enabled():
+        return
+    for name, t in tensors.items():
+        if t is not None and t.requires_grad:
+            _fail(op, f"{name} requires grad, but eagle3 ops are forward-only (no backward is defined); "
+                      f"call them under torch.no_grad() or pass a detached tensor")
+
+
 def _check_capture_buffer(op: str, buffer: torch.Tensor, T: int, H: int, slot: int) -> None:
     _check_ndim(op, "buffer", buffer, 2, "[rows, K*hidden]")
     _check_last_dim_contiguous(op, "buffer", buffer)
@@ -77,6 +189,8 @@ def check_capture(hidden: torch.Tensor, residual: Optional[torch.Tensor], buffer
     _check_dtype(op, "buffer", buffer, hidden.dtype)
     _check_device(op, "buffer", buffer, hidden.device)
     _check_capture_buffer(op, buffer, T, H, slot)
+    if T > 0:
+        check_writes(op, {"buffer": buffer[:T, slot * H:(slot + 1) * H]}, {"hidden": hidden, "residual": residual})
 
 
 def check_fused_add_rmsnorm_capture(input: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
@@ -96,15 +210,20 @@ def check_fused_add_rmsnorm_capture(input: torch.Tensor, residual: torch.Tensor,
     if tuple(weight.shape) != (H,):
         _fail(op, f"weight has shape {tuple(weight.shape)}, expected ({H},) (the hidden size)")
     _check_last_dim_contiguous(op, "weight", weight)
-    if not eps > 0.0:
-        _fail(op, f"eps must be > 0, got {eps}")
+    check_eps(op, eps)
     _check_capture_buffer(op, buffer, T, H, slot)
+    if input is residual:
+        _fail(op, "input and residual are the same tensor; they must be distinct memory")
+    if T > 0:
+        check_writes(op, {"input": input, "residual": residual, "buffer": buffer[:T, slot * H:(slot + 1) * H]},
+                     {"weight": weight})
 
 
 def check_draft_fc(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
                    rows: Optional[torch.Tensor], chunk_norm_weight: Optional[torch.Tensor],
                    input_norm_weight: Optional[torch.Tensor], eps: float,
-                   out: Optional[torch.Tensor] = None, op: str = "draft_fc") -> int:
+                   out: Optional[torch.Tensor] = None, op: str = "draft_fc",
+                   workspace: Optional[torch.Tensor] = None) -> int:
     """Checks draft_fc arguments; returns M, the number of output rows."""
     _check_ndim(op, "x", x, 2, "[rows, K*hidden]")
     _check_supported_dtype(op, "x", x)
@@ -140,8 +259,7 @@ def check_draft_fc(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.T
     for name, t in (("input_norm_weight", input_norm_weight), ("chunk_norm_weight", chunk_norm_weight)):
         if t is not None and KH == 0:
             _fail(op, f"{name} given but x has width 0: there is nothing to normalize")
-    if (chunk_norm_weight is not None or input_norm_weight is not None) and not eps > 0.0:
-        _fail(op, f"eps must be > 0, got {eps}")
+    check_eps(op, eps)
     if rows is None:
         M = R
     else:
@@ -157,6 +275,18 @@ def check_draft_fc(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.T
         if tuple(out.shape) != (M, N):
             _fail(op, f"out has shape {tuple(out.shape)}, expected {(M, N)}")
         _check_last_dim_contiguous(op, "out", out)
+    reads = {"x": x, "weight": weight, "bias": bias, "rows": rows, "chunk_norm_weight": chunk_norm_weight,
+             "input_norm_weight": input_norm_weight}
+    if workspace is not None:
+        if workspace.dtype != torch.uint8 or workspace.dim() != 1 or not workspace.is_contiguous():
+            _fail(op, f"workspace must be a contiguous 1-D uint8 tensor, got {workspace.dtype} with shape "
+                      f"{tuple(workspace.shape)}")
+        _check_device(op, "workspace", workspace, x.device)
+        if workspace.device.type != "meta" and not _is_fake(workspace) and workspace.numel() \
+                and workspace.data_ptr() % 16:
+            _fail(op, f"workspace must start on a 16-byte boundary (the kernels' vector loads), got address "
+                      f"{workspace.data_ptr():#x}")
+    check_writes(op, {"out": out, "workspace": workspace}, reads)
     return M
 
 

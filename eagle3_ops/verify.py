@@ -51,44 +51,69 @@ def _capture_problem(device, dtype, gen, with_norm: bool):
     return h, r, base, buf, slot, w
 
 
-def verify_backend(op: str, fn: Callable, device: torch.device,
-                   dtype: torch.dtype = torch.bfloat16) -> Tuple[bool, str]:
+def _guarded(check):
+    """A crashing kernel fails verification; it must not take the process down."""
+    def run(fn: Callable, device: torch.device, dtype: torch.dtype = torch.bfloat16, backend: str = "") -> Tuple[bool, str]:
+        try:
+            return check(fn, device, dtype, backend)
+        except Exception as e:
+            return False, f"{type(e).__name__}: {e}"
+    run.__name__ = run.__qualname__ = check.__name__.lstrip("_")
+    return run
+
+
+@_guarded
+def _selfcheck_capture(fn, device, dtype, backend):
     gen = torch.Generator().manual_seed(1234)
-    try:
-        if op == "capture":
-            h, r, base, buf, slot, _ = _capture_problem(device, dtype, gen, with_norm=False)
-            ref_base = base.clone()
-            fn(h, r, buf, slot)
-            reference.capture_ref(h, r, _view(ref_base, *buf.shape), slot)
-            return _close(base, ref_base)
-        if op == "fused_add_rmsnorm_capture":
-            h, r, base, buf, slot, w = _capture_problem(device, dtype, gen, with_norm=True)
-            h2, r2, ref_base = h.clone(), r.clone(), base.clone()
-            fn(h, r, w, 1e-6, buf, slot)
-            reference.fused_add_rmsnorm_capture_ref(h2, r2, w, 1e-6, _view(ref_base, *buf.shape), slot)
-            for got, want in ((h, h2), (r, r2), (base, ref_base)):
-                ok, detail = _close(got, want)
-                if not ok:
-                    return ok, detail
-            return True, detail
-        if op == "draft_fc":
-            R, K, H, N = 19, 3, 136, 200
-            x = torch.randn(R, K * H, generator=gen).to(device, dtype)
-            w = (torch.randn(N, K * H, generator=gen) / (K * H) ** 0.5).to(device, dtype)
-            b = torch.randn(N, generator=gen).to(device, dtype)
-            rows = torch.tensor([18, 0, 5, 5, 11, 2, 17], device=device, dtype=torch.int32)
-            cn = (torch.rand(K, H, generator=gen) + 0.5).to(device, dtype)
-            inw = (torch.rand(K * H, generator=gen) + 0.5).to(device, dtype)
-            for args in ((b, rows, cn, inw), (None, None, None, None)):
-                M = R if args[1] is None else args[1].numel()
-                base, out = _poisoned(M, N, device, dtype)
-                want = base.clone()
-                fn(x, w, *args, 1e-6, out)
-                _view(want, M, N).copy_(reference.draft_fc_ref(x, w, *args, 1e-6).to(dtype))
-                ok, detail = _close(base, want)
-                if not ok:
-                    return ok, detail
-            return True, detail
-        raise ValueError(f"no verification problem for op {op!r}")
-    except Exception as e:  # a crashing kernel fails verification; it must not take the process down
-        return False, f"{type(e).__name__}: {e}"
+    h, r, base, buf, slot, _ = _capture_problem(device, dtype, gen, with_norm=False)
+    ref_base = base.clone()
+    fn(h, r, buf, slot)
+    reference.capture(h, r, _view(ref_base, *buf.shape), slot)
+    return _close(base, ref_base)
+
+
+@_guarded
+def _selfcheck_fused_add_rmsnorm_capture(fn, device, dtype, backend):
+    gen = torch.Generator().manual_seed(1234)
+    h, r, base, buf, slot, w = _capture_problem(device, dtype, gen, with_norm=True)
+    h2, r2, ref_base = h.clone(), r.clone(), base.clone()
+    fn(h, r, w, 1e-6, buf, slot)
+    reference.fused_add_rmsnorm_capture(h2, r2, w, 1e-6, _view(ref_base, *buf.shape), slot)
+    detail = ""
+    for got, want in ((h, h2), (r, r2), (base, ref_base)):
+        ok, detail = _close(got, want)
+        if not ok:
+            return ok, detail
+    return True, detail
+
+
+@_guarded
+def _selfcheck_draft_fc(fn, device, dtype, backend):
+    from .dispatch import function
+
+    gen = torch.Generator().manual_seed(1234)
+    R, K, H, N = 19, 3, 136, 200
+    x = torch.randn(R, K * H, generator=gen).to(device, dtype)
+    w = (torch.randn(N, K * H, generator=gen) / (K * H) ** 0.5).to(device, dtype)
+    b = torch.randn(N, generator=gen).to(device, dtype)
+    rows = torch.tensor([18, 0, 5, 5, 11, 2, 17], device=device, dtype=torch.int32)
+    cn = (torch.rand(K, H, generator=gen) + 0.5).to(device, dtype)
+    inw = (torch.rand(K * H, generator=gen) + 0.5).to(device, dtype)
+    detail = ""
+    for args in ((b, rows, cn, inw), (None, None, None, None)):
+        M = R if args[1] is None else args[1].numel()
+        base, out = _poisoned(M, N, device, dtype)
+        want = base.clone()
+        need = function(backend, "draft_fc_workspace_bytes")(x, w, *args) if backend else 0
+        ws = torch.empty(need, dtype=torch.uint8, device=device) if need else None
+        fn(x, w, *args, 1e-6, out, ws)
+        _view(want, M, N).copy_(reference.draft_fc_ref(x, w, *args, 1e-6).to(dtype))
+        ok, detail = _close(base, want)
+        if not ok:
+            return ok, detail
+    return True, detail
+
+
+selfcheck_capture = _selfcheck_capture
+selfcheck_fused_add_rmsnorm_capture = _selfcheck_fused_add_rmsnorm_capture
+selfcheck_draft_fc = _selfcheck_draft_fc

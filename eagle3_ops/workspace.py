@@ -1,29 +1,27 @@
-"""Grow-only scratch memory for the Python (Triton) backends, one buffer per (device, kind).
+"""Scratch memory of the ops: caller-owned, or the face's grow-only buffer per (device, stream).
 
-DESIGN.md §4: the ``_out`` ops do not allocate (CUDA-graph friendly). Kernels that need temporary
-memory (split-K partials, per-row norm scales, a prepared GEMM input, unit-stride copies of strided
-1-D arguments) take it from here: the first call for a (device, kind) allocates, later calls that
-need the same or fewer bytes get a view of the same buffer, a call that needs more replaces it
-with a larger one (at least 1.25x the old size, so a slowly rising M grows it a few times, not on
-every call). After one warm-up call with the largest problem, calls allocate nothing.
-The compiled CUDA backend keeps the same policy in C++ (csrc/draft_fc.cu).
+``draft_fc`` needs temporary memory on some paths (split-K partials, per-row norm scales, a
+prepared GEMM input, unit-stride copies of strided 1-D arguments). Its backends take ONE uint8
+workspace tensor and carve their regions from it (:class:`Carver`); the size a call needs is a
+pure function of its shapes and the path (``draft_fc_workspace_bytes`` of the backend). Who owns it:
 
-Rules that follow from sharing one buffer per device and kind:
+* the caller, passing ``workspace=`` (the SGLang plugin allocates its own with the capture buffer,
+  outside any CUDA-graph memory pool, sized for its largest M);
+* otherwise the Python face, with :func:`scratch`: one grow-only buffer per (device, stream), so
+  two streams (or two threads on their own streams) never share scratch. Calls on ONE stream are
+  ordered by that stream; two threads issuing on the same stream at once would race on the
+  buffer as they would on any shared output, which is the caller's business.
 
-* Calls that use the same kind must be stream-ordered: all draft_fc calls on one stream (as SGLang
-  runs them), or streams synchronized with each other. Two draft_fc calls running concurrently on
-  two streams of one device would share the scratch and race.
-* **Growth while the current stream captures a CUDA graph is allowed** (it is legal): the new
-  buffer then comes from the graph's private memory pool. Every buffer handed out while a capture
-  was running (and a buffer replaced during a capture) is never freed afterwards: the graph keeps
-  its address, so on a later growth it moves to a retired list that lives as long as the process
-  (or until :func:`clear`). A replay can therefore never write into memory the allocator has
-  handed to someone else. Warm up eagerly with the largest M before capturing (SGLang does) and
-  nothing is allocated in the graph pool and nothing is retired.
-* A buffer that no capture has seen is freed on growth; ``record_stream`` on the current stream
-  keeps the allocator from reusing it before the kernels already queued on that stream are done.
-
-Thread safety: lookups are plain dict reads (atomic under the GIL); growth takes a lock.
+Growth policy (:func:`scratch`): the first call for a (device, stream) allocates; later calls that
+need the same or fewer bytes get the same buffer; a call that needs more replaces it with one at
+least 1.25x larger. After one warm-up call with the largest problem nothing is allocated.
+**Growth while the stream captures a CUDA graph is allowed**: the new buffer comes from the
+graph's private pool, and every buffer handed out during a capture (and one replaced during a
+capture) is never freed afterwards: it moves to a retired list that lives as long as the process
+(or until :func:`clear`), so a replay never writes into memory the allocator gave to someone else.
+A buffer no capture has seen is freed on growth; ``record_stream`` keeps the allocator from reusing
+it before the kernels already queued on its stream are done. On the CPU (the Triton interpreter)
+kernels run synchronously in the calling thread, so there the key is (device, thread).
 """
 from __future__ import annotations
 
@@ -34,6 +32,29 @@ import torch
 
 GRANULE = 512  # bytes; sizes are rounded up to this (the CUDA caching allocator's own unit)
 GROWTH = 1.25  # a growing buffer gets at least this factor more bytes
+ALIGN = 256    # bytes; every carved region starts on this boundary (16-byte vector loads need 16)
+
+
+def aligned(nbytes: int) -> int:
+    return -(-int(nbytes) // ALIGN) * ALIGN
+
+
+class Carver:
+    """Hands out consecutive, ``ALIGN``-aligned regions of one uint8 workspace."""
+
+    def __init__(self, workspace: Optional[torch.Tensor]):
+        self.workspace = workspace
+        self.offset = 0
+
+    def take(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        nbytes = aligned(numel * dtype.itemsize)
+        ws = self.workspace
+        if ws is None or self.offset + nbytes > ws.numel():
+            have = 0 if ws is None else ws.numel()
+            raise ValueError(f"workspace too small: needs at least {self.offset + nbytes} bytes, has {have}")
+        region = ws[self.offset:self.offset + numel * dtype.itemsize].view(dtype)
+        self.offset += nbytes
+        return region
 
 
 class _Entry:
@@ -44,34 +65,45 @@ class _Entry:
         self.captured = False  # handed out while a CUDA graph was being captured
 
 
-_entries: Dict[Tuple[torch.device, str], _Entry] = {}
+_entries: Dict[Tuple[torch.device, int], _Entry] = {}
 _retired: List[torch.Tensor] = []
 _lock = threading.Lock()
 allocations = 0  # buffers allocated so far (tests read it)
+
+
+def _stream_key(device: torch.device) -> Tuple[torch.device, int]:
+    if device.type == "cuda":
+        return device, int(torch.cuda.current_stream(device).stream_id)
+    # CPU (the Triton interpreter, tests): kernels run synchronously in the calling thread, so each
+    # thread is its own "stream"
+    return device, threading.get_ident()
 
 
 def _capturing(device: torch.device) -> bool:
     return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
 
 
-def get(device: torch.device, kind: str, numel: int, dtype: torch.dtype) -> torch.Tensor:
-    """A 1-D ``dtype`` tensor of ``numel`` elements (uninitialized) at the start of the scratch
-    buffer of (``device``, ``kind``). Valid until the next ``get`` of the same kind on the same
-    device: the caller's kernels must be queued before that."""
-    nbytes = numel * dtype.itemsize
+def scratch(device: torch.device, nbytes: int) -> torch.Tensor:
+    """A uint8 tensor of at least ``nbytes`` (uninitialized): the scratch of the current stream
+    of ``device``. Valid until the next ``scratch`` call on that stream: the caller's kernels
+    must be queued before it."""
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    key = _stream_key(device)
     capturing = _capturing(device)
-    entry = _entries.get((device, kind))
+    entry = _entries.get(key)
     if entry is None or entry.buf.numel() < nbytes:
-        entry = _grow(device, kind, nbytes, capturing)
+        entry = _grow(key, max(int(nbytes), 1), capturing)
     if capturing:
         entry.captured = True
-    return entry.buf[:nbytes].view(dtype)
+    return entry.buf
 
 
-def _grow(device: torch.device, kind: str, nbytes: int, capturing: bool) -> _Entry:
+def _grow(key, nbytes: int, capturing: bool) -> _Entry:
     global allocations
+    device = key[0]
     with _lock:
-        key = (device, kind)
         old = _entries.get(key)
         if old is not None and old.buf.numel() >= nbytes:  # another thread grew it meanwhile
             return old
@@ -88,9 +120,9 @@ def _grow(device: torch.device, kind: str, nbytes: int, capturing: bool) -> _Ent
         return entry
 
 
-def buffer(device: torch.device, kind: str) -> Optional[torch.Tensor]:
-    """The current uint8 buffer of (device, kind), or None (introspection for tests)."""
-    entry = _entries.get((torch.device(device), kind))
+def buffer(device: torch.device) -> Optional[torch.Tensor]:
+    """The current scratch of ``device`` for the calling stream (CPU: thread), or None (tests)."""
+    entry = _entries.get(_stream_key(torch.device(device)))
     return entry.buf if entry is not None else None
 
 
@@ -107,4 +139,4 @@ def clear() -> None:
         _retired.clear()
 
 
-__all__ = ["GRANULE", "GROWTH", "buffer", "clear", "get", "retired"]
+__all__ = ["ALIGN", "Carver", "GRANULE", "GROWTH", "aligned", "buffer", "clear", "retired", "scratch"]

@@ -24,7 +24,7 @@ def pytest_collection_modifyitems(config, items):
 @pytest.fixture(autouse=True)
 def _clean_backend_env(monkeypatch):
     """Every test starts with automatic backend choice. (Verification results are a per-process
-    cache and stay: tests that plant broken backends reset them, see test_dispatch.py.)"""
+    cache and stay: tests that plant broken backends reset them, see tests/ops/test_backend_internals.py.)"""
     monkeypatch.delenv("EAGLE3_OPS_BACKEND", raising=False)
     monkeypatch.delenv("EAGLE3_OPS_DEBUG", raising=False)
 

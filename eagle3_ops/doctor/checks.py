@@ -29,7 +29,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Dict, List, Optional
 
-from .configs import (CONVENTION_TEXT, LAYER_INPUT, LAYER_OUTPUT, DoctorInputError, DraftInfo, TargetInfo,
+from .configs import (CONVENTION_TEXT, DoctorInputError, DraftInfo, TargetInfo,
                       TensorInfo, convention_to_index, load_tensors)
 from .engines import (DEEPSEEK, ENGINE_NAMES, IDS_LOCATION, UNKNOWN, EngineWiring,
                       default_boundaries, describe_boundary, ids_for_boundaries, map_ids, resolve_wiring,

@@ -117,6 +117,7 @@ class DraftFcState:
         self.routing_warned = False
         self.chunk_norm_weight: Optional[torch.Tensor] = None
         self.sharding: Optional[dict] = None    # set when the fc was sharded over TP ranks
+        self.workspace: Optional[torch.Tensor] = None  # the plugin's own draft_fc scratch (allocate_workspace)
         if fc_norm is not None:
             self._share_chunk_norm_storage()
 
@@ -127,6 +128,31 @@ class DraftFcState:
         for k, w in enumerate(weights):
             w.data = stacked[k]
         self.chunk_norm_weight = stacked
+
+    def allocate_workspace(self, max_tokens: int) -> int:
+        """The draft_fc scratch for up to ``max_tokens`` rows, owned by the plugin: allocated once
+        here (when the draft is installed, before SGLang sizes its KV cache and outside any CUDA-graph
+        pool) instead of growing inside a graph capture. Returns its bytes."""
+        weight = self.fc.weight
+        input_norm_weight = self.input_norm.weight if self.input_norm is not None else None
+        need = 0
+        for m in sorted({1, 16, 64, 128, 256, 512, 1024, int(max_tokens)}):
+            if m > max_tokens:
+                continue
+            x = torch.empty((m, self.fc.in_features), dtype=weight.dtype, device="meta")
+            need = max(need, ops.draft_fc_workspace_bytes(x, weight, self.fc.bias, None, self.chunk_norm_weight,
+                                                          input_norm_weight))
+        self.workspace = torch.empty(need, dtype=torch.uint8, device=weight.device) if need else None
+        return need
+
+    def workspace_for(self, h: torch.Tensor, chunk, input_norm_weight) -> Optional[torch.Tensor]:
+        """The plugin's workspace when it is large enough for this call, else None (the face's
+        per-stream scratch serves it)."""
+        ws = self.workspace
+        if ws is None:
+            return None
+        need = ops.draft_fc_workspace_bytes(h, self.fc.weight, self.fc.bias, None, chunk, input_norm_weight)
+        return ws if need <= ws.numel() else None
 
     def chunk_weight(self) -> Optional[torch.Tensor]:
         if self.fc_norm is None:
@@ -188,7 +214,9 @@ def _run_draft_forward(state: DraftFcState, original, inner, args, kwargs):
         state.stats["stock_calls"] += 1
         return original(inner, *args, **kwargs)
     input_norm_weight = state.input_norm.weight if state.input_norm is not None else None
-    x = ops.draft_fc(h, fc.weight, fc.bias, None, state.chunk_weight(), input_norm_weight, state.eps)
+    chunk = state.chunk_weight()
+    x = ops.draft_fc(h, fc.weight, fc.bias, None, chunk, input_norm_weight, state.eps,
+                     workspace=state.workspace_for(h, chunk, input_norm_weight))
     if isinstance(fc, ColumnShardedFc):
         x = fc.gather(x)  # [M, N/tp] -> [M, N]: the one collective sharding adds
     state.stats["fused_calls"] += 1
@@ -254,6 +282,12 @@ def install_draft_fc(model) -> Optional[DraftFcState]:
     if shard is not None:
         del fc  # the replicated fc must have no reference left here when it is swapped out
         _install_sharded_fc(state, name, *shard)
+    from .capture_hooks import _default_max_tokens
+
+    nbytes = state.allocate_workspace(_default_max_tokens())
+    if nbytes:
+        log.info("eagle3_ops: draft %s fc workspace: %.1f MiB on %s, owned by the plugin (allocated once, outside "
+                 "CUDA-graph pools)", name, nbytes / 2**20, state.fc.weight.device)
     return state
 
 

@@ -52,7 +52,7 @@ def test_fc_stays_replicated(sglang_cpu, monkeypatch, caplog, case):
         expect = "stays replicated on each of the 2 TP ranks (EAGLE3_OPS_SGLANG_SHARD_FC=0)"
     elif case == "bad-switch":
         monkeypatch.setenv("EAGLE3_OPS_SGLANG_SHARD_FC", "maybe")
-        expect = ("EAGLE3_OPS_SGLANG_SHARD_FC='maybe' is not valid: expected 1/true/on/yes or 0/false/off/no; "
+        expect = ("EAGLE3_OPS_SGLANG_SHARD_FC='maybe' is not valid: expected 1/true/on or 0/false/off; "
                   "the draft fc is not sharded")
     else:
         built, expect = (4, 1), "its layers were built for TP rank 1 of 4 (another group"
