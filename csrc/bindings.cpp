@@ -1,6 +1,10 @@
-// Python bindings of the compiled kernels (module eagle3_ops._C). The public op schemas live in
-// eagle3_ops/ops.py (namespace eagle3); these functions are the `cuda` backend behind them.
+// The compiled kernels as torch ops in the namespace eagle3_cuda (torch.ops.eagle3_cuda.*, callable
+// from C++ through the dispatcher as well), and the Python module eagle3_ops._C, which carries only
+// `compiled_archs`; importing it registers the ops. The public op schemas live in eagle3_ops/ops.py
+// (namespace eagle3); these ops are the `cuda` backend behind them (eagle3_ops/cuda_backend.py decides
+// draft_fc's path, splits and workspace).
 #include <torch/extension.h>
+#include <torch/library.h>
 
 #include "ops.h"
 
@@ -11,15 +15,46 @@
 #define EAGLE3_OPS_ARCHS
 #endif
 
+TORCH_LIBRARY(eagle3_cuda, m) {
+  m.def("capture(Tensor hidden, Tensor? residual, Tensor(a!) buffer, int slot) -> ()");
+  m.def(
+      "fused_add_rmsnorm_capture(Tensor(a!) input, Tensor(b!) residual, Tensor weight, float eps, Tensor(c!) buffer, "
+      "int slot) -> ()");
+  // path: 0 skinny, 2 cublas (eagle3_ops.plans.PATHS index); splits: split-K splits per chunk asked for.
+  m.def(
+      "draft_fc(Tensor x, Tensor weight, Tensor? bias, Tensor? rows, Tensor? chunk_norm_weight, "
+      "Tensor? input_norm_weight, float eps, Tensor(a!) out, Tensor(b!)? workspace, int path, int splits) -> ()");
+  // No tensor arguments: one catch-all kernel, callable without a GPU.
+  m.def(
+      "draft_fc_workspace_bytes(int M, int N, int KH, int K, bool chunk_norm, bool input_norm, int path, int splits, "
+      "ScalarType dtype) -> int",
+      &eagle3::draft_fc_workspace_bytes);
+}
+
+TORCH_LIBRARY_IMPL(eagle3_cuda, CUDA, m) {
+  m.impl("capture", &eagle3::capture);
+  m.impl("fused_add_rmsnorm_capture", &eagle3::fused_add_rmsnorm_capture);
+  m.impl("draft_fc", &eagle3::draft_fc);
+}
+
+// Meta (and so FakeTensor / torch.compile tracing): the ops only write into their arguments and
+// return nothing, so there is nothing to compute on tensors without data.
+namespace {
+void capture_meta(const at::Tensor&, const std::optional<at::Tensor>&, at::Tensor&, int64_t) {}
+void fused_add_rmsnorm_capture_meta(at::Tensor&, at::Tensor&, const at::Tensor&, double, at::Tensor&, int64_t) {}
+void draft_fc_meta(const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&,
+                   const std::optional<at::Tensor>&, const std::optional<at::Tensor>&,
+                   const std::optional<at::Tensor>&, double, at::Tensor&, const std::optional<at::Tensor>&, int64_t,
+                   int64_t) {}
+}  // namespace
+
+TORCH_LIBRARY_IMPL(eagle3_cuda, Meta, m) {
+  m.impl("capture", &capture_meta);
+  m.impl("fused_add_rmsnorm_capture", &fused_add_rmsnorm_capture_meta);
+  m.impl("draft_fc", &draft_fc_meta);
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.doc() = "eagle3_ops compiled CUDA kernels";
+  m.doc() = "eagle3_ops compiled CUDA kernels: importing this module registers the torch ops eagle3_cuda::*";
   m.attr("compiled_archs") = EAGLE3_STR(EAGLE3_OPS_ARCHS);
-  m.def("capture", &eagle3::capture, "buffer[:T, slot] = hidden (+ residual)", py::arg("hidden"),
-        py::arg("residual"), py::arg("buffer"), py::arg("slot"));
-  m.def("fused_add_rmsnorm_capture", &eagle3::fused_add_rmsnorm_capture,
-        "fused_add_rmsnorm(input, residual, weight, eps) + buffer[:T, slot] = new residual", py::arg("input"),
-        py::arg("residual"), py::arg("weight"), py::arg("eps"), py::arg("buffer"), py::arg("slot"));
-  m.def("draft_fc_out", &eagle3::draft_fc_out, "out = linear(norm(x[rows]), weight, bias)", py::arg("x"),
-        py::arg("weight"), py::arg("bias"), py::arg("rows"), py::arg("chunk_norm_weight"),
-        py::arg("input_norm_weight"), py::arg("eps"), py::arg("out"));
 }

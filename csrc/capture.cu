@@ -113,11 +113,11 @@ void launch_capture(const T* hidden, int64_t hidden_stride, const T* residual, i
     const int per_chunk = (vecs_per_row + chunks_per_row - 1) / chunks_per_row;
     const int threads = (per_chunk + 31) / 32 * 32;
     const int64_t blocks = rows * chunks_per_row;
-    TORCH_CHECK(blocks <= INT32_MAX, "eagle3::capture (cuda): too many rows for one launch");
+    TORCH_CHECK(blocks <= INT32_MAX, "eagle3_cuda::capture: too many rows for one launch");
     capture_aligned_kernel<T, kHasResidual><<<static_cast<unsigned>(blocks), threads, 0, stream>>>(
         hidden, hidden_stride, residual, residual_stride, out, out_stride, vecs_per_row, chunks_per_row);
   } else {
-    TORCH_CHECK(rows <= INT32_MAX, "eagle3::capture (cuda): too many rows for one launch");
+    TORCH_CHECK(rows <= INT32_MAX, "eagle3_cuda::capture: too many rows for one launch");
     const int threads = std::min(kRowThreads, (H + 31) / 32 * 32);
     capture_any_kernel<T, kHasResidual><<<static_cast<unsigned>(rows), threads, 0, stream>>>(
         hidden, hidden_stride, residual, residual_stride, out, out_stride, H);
@@ -151,26 +151,26 @@ void capture_typed(const at::Tensor& hidden, const std::optional<at::Tensor>& re
 
 void capture(const at::Tensor& hidden, const std::optional<at::Tensor>& residual, at::Tensor& buffer,
              int64_t slot) {
-  TORCH_CHECK(hidden.is_cuda() && buffer.is_cuda(), "eagle3::capture (cuda): tensors must be on CUDA");
-  TORCH_CHECK(hidden.dim() == 2 && buffer.dim() == 2, "eagle3::capture (cuda): hidden and buffer must be 2-D");
+  TORCH_CHECK(hidden.is_cuda() && buffer.is_cuda(), "eagle3_cuda::capture: tensors must be on CUDA");
+  TORCH_CHECK(hidden.dim() == 2 && buffer.dim() == 2, "eagle3_cuda::capture: hidden and buffer must be 2-D");
   const int64_t H = hidden.size(1);
-  TORCH_CHECK(H > 0 && H <= INT32_MAX / 2, "eagle3::capture (cuda): hidden size out of range");
+  TORCH_CHECK(H > 0 && H <= INT32_MAX / 2, "eagle3_cuda::capture: hidden size out of range");
   TORCH_CHECK((H == 1 || hidden.stride(1) == 1) && (buffer.size(1) == 1 || buffer.stride(1) == 1),
-              "eagle3::capture (cuda): last dim must be contiguous");
+              "eagle3_cuda::capture: last dim must be contiguous");
   TORCH_CHECK(!residual.has_value() || (residual->is_cuda() && residual->sizes() == hidden.sizes() &&
                                         (H == 1 || residual->stride(1) == 1) &&
                                         residual->scalar_type() == hidden.scalar_type()),
-              "eagle3::capture (cuda): residual must be CUDA, same shape and dtype as hidden, last dim contiguous");
-  TORCH_CHECK(buffer.scalar_type() == hidden.scalar_type(), "eagle3::capture (cuda): buffer dtype differs");
+              "eagle3_cuda::capture: residual must be CUDA, same shape and dtype as hidden, last dim contiguous");
+  TORCH_CHECK(buffer.scalar_type() == hidden.scalar_type(), "eagle3_cuda::capture: buffer dtype differs");
   TORCH_CHECK(buffer.size(0) >= hidden.size(0) && (slot + 1) * H <= buffer.size(1) && slot >= 0,
-              "eagle3::capture (cuda): slot/rows outside the buffer");
+              "eagle3_cuda::capture: slot/rows outside the buffer");
   if (hidden.size(0) == 0) return;
   const at::cuda::OptionalCUDAGuard guard(hidden.device());
   switch (hidden.scalar_type()) {
     case at::kBFloat16: capture_typed<c10::BFloat16>(hidden, residual, buffer, slot); break;
     case at::kHalf: capture_typed<c10::Half>(hidden, residual, buffer, slot); break;
     case at::kFloat: capture_typed<float>(hidden, residual, buffer, slot); break;
-    default: TORCH_CHECK(false, "eagle3::capture (cuda): unsupported dtype ", hidden.scalar_type());
+    default: TORCH_CHECK(false, "eagle3_cuda::capture: unsupported dtype ", hidden.scalar_type());
   }
 }
 

@@ -1,64 +1,66 @@
-// draft_fc: out[M, N] = linear(norm(x[rows]), weight, bias)  (DESIGN.md §4 op 3; the exact math is
-// eagle3_ops/reference.py draft_fc_ref: input norm over the K*H row, then one RMSNorm per H-wide
-// chunk). x [R, KH], weight [N, KH], KH = K*H. Rounding: the skinny path accumulates in fp32 and
-// rounds once at the end; the cuBLAS path (larger M, or layouts the skinny kernel cannot take) rounds
-// the prepared input norm(x[rows]) to the dtype once, then follows torch.backends.cuda.matmul's
-// flags (reduced-precision reductions / TF32 if the application enables them).
+// draft_fc: out[M, N] = linear(norm(x[rows]), weight, bias)  (docs/design.md §5.4; the exact
+// math is eagle3_ops/reference.py draft_fc_ref: input norm over the K*H row, then one RMSNorm per
+// H-wide chunk). x [R, KH], weight [N, KH], KH = K*H. Rounding: the skinny path accumulates in fp32
+// and rounds once at the end; the cuBLAS path rounds the prepared input norm(x[rows]) to the dtype
+// once, then follows torch.backends.cuda.matmul's flags (reduced-precision reductions / TF32 if the
+// application enables them).
 //
 // Bytes / FLOPs: the weight (N*KH elements: 308 MB in bf16 at H=7168, K=3) is read once, x rows
-// M*KH, out M*N; FLOPs = 2*M*N*KH. Up to M ~ 130-280 (device dependent, DESIGN.md §2) the weight
-// read is the floor: ~72 us on H200, ~172 us on sm_120 at H=7168.
+// M*KH, out M*N; FLOPs = 2*M*N*KH. Up to M ~ 130-280 (device dependent, docs/kernels.md §4)
+// the weight read is the floor: ~72 us on H200, ~172 us on sm_120 at H=7168.
 //
-// Skinny path (bf16/fp16, M <= kCrossover[arch].skinny_max_m, 16-byte-aligned rows, chunk width a
-// multiple of 8): fc_skinny_kernel, swap-AB mma.sync m16n8k16 (an sm_80+ instruction: the same code
-// serves sm_90a and sm_120a; nothing is staged in shared memory, so sm_120's 99 KB per block does not
+// The torch op eagle3_cuda::draft_fc (csrc/bindings.cpp) takes the path and the split count as
+// arguments: eagle3_ops/cuda_backend.py decides them (the crossover table is eagle3_ops/plans.py;
+// the skinny kernel's launch contract below is checked there first, and only re-checked here as
+// memory safety; docs/design.md §9, docs/kernels.md §7). Paths, numbered as eagle3_ops.plans.PATHS:
+//
+// 0 skinny (bf16/fp16, 16-byte-aligned rows, chunk width a multiple of 8, at most kMaxSplits
+// chunks): fc_skinny_kernel, swap-AB mma.sync m16n8k16 (an sm_80+ instruction: the same code serves
+// sm_90a and sm_120a; nothing is staged in shared memory, so sm_120's 99 KB per block does not
 // constrain it). A block is 4 warps; warp w owns 16 weight rows (64 per block), all warps share one
 // token tile of 8*NT tokens and one k range (a split), so the gathered x rows come from L1 for all
 // four warps while each weight element is loaded exactly once, 16 bytes per load, without L1
 // allocation, kUnroll 32-wide k slabs (8 loads = 128 B per thread) in flight before the MMAs.
-// Thread (g = lane/4, t = lane%4) loads W[row g][k+8t, k+8t+8), W[row g+8][same] and
-// x[token g][same]. The k order inside one MMA is free as long as A and B agree, so these 16-byte
-// vectors ARE the fragments of two m16n8k16 MMAs (k slots {2t, 2t+1, 2t+8, 2t+9} <- k+8t..k+8t+3,
-// then k+8t+4..k+8t+7): no shuffles, no shared memory (KERNELS.md fact 3).
-// Grid (token tiles, weight tiles of 64 rows, S splits); every split lies inside one H-wide chunk.
-// The skinny kernel writes fp32 partials [S][M][N], plus (with norms) per split and token the sums
-// of x^2 and (x*input_norm_weight)^2 taken from the x fragments it loads anyway, into a workspace;
+// Thread (g = lane/4, t = lane%4) loads W[row g][k+8t, k+8t+8), W[row g+8][same] and x[token
+// g][same]. The k order inside one MMA is free as long as A and B agree, so these 16-byte vectors
+// ARE the fragments of two m16n8k16 MMAs (k slots {2t, 2t+1, 2t+8, 2t+9} <- k+8t..k+8t+3, then
+// k+8t+4..k+8t+7): no shuffles, no shared memory (docs/kernels.md §7.1). Grid (token tiles, weight
+// tiles of 64 rows, S splits); every split lies inside one H-wide chunk. The skinny kernel writes
+// fp32 partials [S][M][N], plus (with norms) per split and token the sums of x^2 and
+// (x*input_norm_weight)^2 taken from the x fragments it loads anyway, into the workspace;
 // fc_reduce_kernel sums the splits in the fixed order s = 0..S-1, multiplying each split's partial
-// by its chunk's RMS scale (linearity, KERNELS.md "pre-fc norms": no K-wide pre-pass at all), adds
-// bias and writes out. The norm weights g = input_norm_weight * chunk_norm_weight multiply the x
+// by its chunk's RMS scale (linearity, docs/kernels.md §5: no K-wide pre-pass at all), adds bias
+// and writes out. The norm weights g = input_norm_weight * chunk_norm_weight multiply the x
 // fragments on the fly (rounded back to the dtype, as the stock path rounds its normalized input).
-// With one split and no norm the skinny kernel writes out directly.
-// Other cases (larger M, fp32, unaligned shapes): fc_prepare_kernel writes norm(x[rows]) in the
-// dtype, then cuBLAS (at::addmm) multiplies; with no gather and no norm cuBLAS reads x directly.
+// With one split and no norm the skinny kernel writes out directly. fp16 with norms never comes
+// here (cuda_backend sends it to cuBLAS): x * g is rounded to the dtype before the RMS scale, and
+// that product can exceed 65504 where norm(x) cannot.
+// 2 cublas (any dtype or layout): fc_prepare_kernel writes norm(x[rows]) in the dtype into the
+// workspace, then cuBLAS (at::addmm) multiplies; with no gather and no norm cuBLAS reads x directly.
+// (1, tiled, is a Triton kernel only.)
+//
+// Splits: the `splits` argument is the number of splits per chunk asked for (cuda_backend derives
+// it from the SM count); it is clamped here to the launch contract: every split a whole number of
+// kSlab*kUnroll steps, at least 4 of them, and at most kMaxSplits splits in all
+// (docs/kernels.md §7.5).
+//
+// Memory: nothing is allocated here. The split-K partials and sums of squares (skinny) or the
+// prepared input (cublas) are carved from the caller's uint8 `workspace`, 256-byte aligned regions
+// in that order (eagle3_ops.workspace.Carver's rule; docs/kernels.md §9); eagle3_cuda::draft_fc_workspace_bytes gives
+// the size for exactly these arguments, and a smaller workspace is an error. cuBLAS's own workspace
+// is PyTorch's. Strided 1-D views (rows, bias, input_norm_weight) are copied to unit stride by the
+// caller (cuda_backend, also into the workspace); this op requires stride 1.
 //
 // Deterministic: every sum has a fixed order, no atomics. Row indices outside [0, R) are never
-// dereferenced; those output rows are NaN. No host sync, current stream.
-//
-// Memory (DESIGN.md §4: draft_fc_out does not allocate): the split-K partials / sums of squares, the
-// prepared cuBLAS input and unit-stride copies of strided 1-D views (rows, bias, input_norm_weight;
-// contiguous ones, the usual case, are used in place) live in a grow-only scratch cache, one byte
-// buffer per (device, kind), guarded by a mutex per device (the same policy as the Triton backend's
-// eagle3_ops/workspace.py). A call that fits the current buffer allocates nothing; a larger one
-// replaces it by one at least 1.25x bigger. So after one eager call with the largest problem,
-// draft_fc_out allocates nothing (cuBLAS's workspace is PyTorch's, allocated once per stream).
-// Growth while the current stream is capturing a CUDA graph is ALLOWED (legal: the buffer comes from
-// the graph's private pool). A buffer handed out during a capture is never freed afterwards (graphs
-// replay into its address): when it is replaced it moves to a per-device retired list kept for the
-// life of the process. A buffer no capture has seen is released on growth with record_stream on the
-// current stream. Warm up eagerly with the largest M before capturing (SGLang does) and the graph
-// pool holds none of it. All calls on one device share the scratch: they must be stream-ordered.
+// dereferenced; those output rows are NaN. No host sync, current stream: CUDA-graph safe.
 #include <ATen/cuda/CUDAContext.h>
-#include <c10/cuda/CUDAFunctions.h>
-#include <c10/cuda/CUDAGraphsC10Utils.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
 #include <algorithm>
-#include <cstdlib>
-#include <mutex>
+#include <climits>
 #include <type_traits>
-#include <vector>
 
 #include "common.cuh"
 #include "ops.h"
@@ -66,35 +68,9 @@
 namespace eagle3 {
 namespace {
 
-// ---- the crossover table of the CUDA backend -----------------------------------------------------
-// M <= skinny_max_m: skinny kernel; above: cuBLAS on the prepared input. DESIGN ESTIMATES, NOT
-// MEASUREMENTS (no GPU was available when this was written): update them from
-// benchmarks/bench_draft_fc.py on the device and replace `basis` with the device, date and numbers.
-struct FcCrossover {
-  int sm_major;
-  const char* device;
-  int skinny_max_m;
-  const char* basis;
-};
-constexpr FcCrossover kCrossover[] = {
-    {9, "H200 (sm_90, 132 SMs, ~4.3 TB/s, ~790 TFLOP/s bf16)", 128,
-     "estimate: weight-read floor up to M ~ 130-150 with mma.sync (KERNELS.md); 128 = 2 token tiles"},
-    {12, "RTX PRO 6000 / RTX 5090 (sm_120, 1.79 TB/s)", 128,
-     "estimate: memory-bound up to M ~ 280 (PRO 6000) / ~117 (5090)"},
-};
-constexpr int kDefaultSkinnyMaxM = 64;  // other GPUs: short skinny range, cuBLAS above (a guess)
-
-// EAGLE3_OPS_CUDA_FC_SKINNY_MAX_M=<int> overrides the table (a tuning knob: benchmarks/bench_draft_fc.py
-// forces each path with it to measure the crossover; read per call, it costs a getenv).
-int skinny_max_m(int sm_major) {
-  if (const char* forced = std::getenv("EAGLE3_OPS_CUDA_FC_SKINNY_MAX_M")) return std::atoi(forced);
-  for (const auto& entry : kCrossover) {
-    if (entry.sm_major == sm_major) return entry.skinny_max_m;
-  }
-  return kDefaultSkinnyMaxM;
-}
-
 // ---- launch shape ----------------------------------------------------------------------------------
+// eagle3_ops/cuda_backend.py mirrors kRowsPerBlock and the token tile (8 * NT tokens, NT from M) to
+// size its split request; keep them in step.
 constexpr int kThreads = 128;       // 4 warps
 constexpr int kRowsPerWarp = 16;    // the MMA's M side: weight rows
 constexpr int kRowsPerBlock = 64;
@@ -102,12 +78,15 @@ constexpr int kSlab = 32;           // k covered by one thread group (4 threads 
 constexpr int kUnroll = 4;          // slabs loaded before the MMAs that use them
 constexpr int kMaxTokenGroups = 8;  // token tile <= 64 tokens (8 groups of 8)
 constexpr int kMaxSplits = 64;
-// Resident skinny blocks per SM to aim for: each keeps 128 threads x 8 x 16 B = 16 KB of weight
-// loads in flight; ~3 per SM cover the latency-bandwidth product of H200 (~4.3 TB/s x ~1 us / 132).
-// A design estimate; more splits also cost S*M*N*4 bytes of workspace traffic.
-constexpr int kBlocksPerSm = 3;
 constexpr int kReduceThreads = 256;
 constexpr int kPrepareThreads = 256;
+// Workspace regions start on this boundary (eagle3_ops.workspace.ALIGN: the Python side carves the
+// same way, and the float4 / 16-byte vector accesses need 16).
+constexpr int64_t kWorkspaceAlign = 256;
+// Path numbers: the index in eagle3_ops.plans.PATHS ("skinny", "tiled", "cublas").
+constexpr int64_t kPathSkinny = 0;
+constexpr int64_t kPathCublas = 2;
+
 
 struct FcArgs {
   const void* x;
@@ -417,26 +396,6 @@ __global__ void __launch_bounds__(kReduceThreads) fc_reduce_kernel(const FcArgs 
 }
 
 // ---- prepared input for the cuBLAS path ------------------------------------------------------------
-__device__ __forceinline__ float warp_sum(float v) {
-#pragma unroll
-  for (int offset = 16; offset > 0; offset >>= 1) v += __shfl_xor_sync(0xffffffffu, v, offset);
-  return v;
-}
-
-// Block-wide sum (kPrepareThreads threads), same fixed order in every thread; callable repeatedly.
-__device__ __forceinline__ float block_sum(float v) {
-  constexpr int kWarpsPerBlock = kPrepareThreads / 32;
-  __shared__ float warp_partials[kWarpsPerBlock];
-  v = warp_sum(v);
-  __syncthreads();  // the previous call's readers are done with warp_partials
-  if ((threadIdx.x & 31) == 0) warp_partials[threadIdx.x >> 5] = v;
-  __syncthreads();
-  float total = 0.f;
-#pragma unroll
-  for (int i = 0; i < kWarpsPerBlock; ++i) total += warp_partials[i];
-  return total;
-}
-
 template <typename T, int VEC>
 __device__ __forceinline__ void load_floats(const T* p, float (&f)[VEC]) {
   if constexpr (VEC == 1) {
@@ -469,7 +428,7 @@ __global__ void __launch_bounds__(kPrepareThreads) fc_prepare_kernel(const FcArg
 #pragma unroll
       for (int i = 0; i < VEC; ++i) sq += f[i] * f[i];
     }
-    row_scale = rsqrtf(block_sum(sq) / a.KH + a.eps);
+    row_scale = rsqrtf(block_sum<kPrepareThreads / 32>(sq) / a.KH + a.eps);
   }
   for (int c = 0; c < a.NC; ++c) {
     const int base = c * a.CH;
@@ -491,7 +450,7 @@ __global__ void __launch_bounds__(kPrepareThreads) fc_prepare_kernel(const FcArg
           sq += u * u;
         }
       }
-      scale = row_scale * rsqrtf(row_scale * row_scale * (block_sum(sq) / a.CH) + a.eps);
+      scale = row_scale * rsqrtf(row_scale * row_scale * (block_sum<kPrepareThreads / 32>(sq) / a.CH) + a.eps);
     }
     for (int k = base + threadIdx.x * VEC; k < base + a.CH; k += kStep) {
       float f[VEC];
@@ -518,63 +477,80 @@ __global__ void __launch_bounds__(kPrepareThreads) fc_prepare_kernel(const FcArg
   }
 }
 
-// ---- host: the scratch cache (policy: see the header comment) ----------------------------------------
-enum class Scratch : int { kSplitK = 0, kPrepared, kRows, kBias, kInputNorm, kCount };
-constexpr int kScratchKinds = static_cast<int>(Scratch::kCount);
-constexpr int64_t kScratchGranule = 512;  // bytes, the caching allocator's unit
+// ---- host ------------------------------------------------------------------------------------------
+int64_t align_up(int64_t bytes) { return ceil_div(bytes, kWorkspaceAlign) * kWorkspaceAlign; }
 
-struct DeviceScratch {
-  std::mutex mu;
-  at::Tensor buf[kScratchKinds];      // uint8 [capacity], undefined until first use
-  bool captured[kScratchKinds] = {};  // handed out while a CUDA graph was being captured
-  std::vector<at::Tensor> retired;    // replaced buffers a captured graph may still replay into
+// The skinny launch for one problem: token tile, grid and splits (see the header comment).
+struct SkinnyPlan {
+  int nt;            // token groups of 8 per tile: 1, 2, 4 or 8
+  int token_tiles;   // grid.x
+  int weight_tiles;  // grid.y
+  int splits_per_chunk, split_len, S;  // grid.z = S = NC * splits_per_chunk
 };
 
-DeviceScratch& device_scratch(c10::DeviceIndex index) {
-  // Never destroyed: releasing CUDA memory from a static destructor can run after the CUDA runtime
-  // has shut down at process exit.
-  static const int count = std::max<int>(1, c10::cuda::device_count());
-  static DeviceScratch* const all = new DeviceScratch[count];
-  TORCH_CHECK(index >= 0 && index < count, "eagle3::draft_fc (cuda): device index ", int(index), " out of range");
-  return all[index];
+SkinnyPlan skinny_plan(int64_t M, int64_t N, int CH, int NC, int64_t splits) {
+  TORCH_CHECK(CH > 0 && NC > 0, "eagle3_cuda::draft_fc: the skinny path needs K*H > 0");
+  TORCH_CHECK(splits >= 1, "eagle3_cuda::draft_fc: the skinny path needs splits >= 1, got ", splits);
+  SkinnyPlan p{};
+  const int groups = static_cast<int>(ceil_div(std::min<int64_t>(M, 8 * kMaxTokenGroups), 8));
+  p.nt = groups <= 1 ? 1 : groups <= 2 ? 2 : groups <= 4 ? 4 : 8;
+  p.token_tiles = static_cast<int>(ceil_div(M, 8 * p.nt));
+  p.weight_tiles = static_cast<int>(ceil_div(N, kRowsPerBlock));
+  // Each split a multiple of kSlab*kUnroll inside one chunk and at least 4 of those long, at most
+  // kMaxSplits in all.
+  const int step = kSlab * kUnroll;
+  const int asked = static_cast<int>(std::min<int64_t>(splits, INT_MAX));
+  const int per_chunk = std::max(1, std::min({asked, CH / (4 * step), kMaxSplits / NC}));
+  p.split_len = static_cast<int>(ceil_div(ceil_div(CH, per_chunk), step) * step);
+  p.splits_per_chunk = static_cast<int>(ceil_div(CH, p.split_len));
+  p.S = NC * p.splits_per_chunk;
+  TORCH_CHECK(p.S <= kMaxSplits, "eagle3_cuda::draft_fc: ", p.S, " splits exceed the reducer's ", kMaxSplits,
+              " (more than ", kMaxSplits, " chunks: use the cublas path)");
+  return p;
 }
 
-// At least `bytes` bytes of this device's `kind` scratch (uint8). The returned tensor holds a
-// reference, so it stays valid for this call even if another thread grows the slot meanwhile.
-at::Tensor scratch(const at::Device& device, Scratch kind, int64_t bytes) {
-  DeviceScratch& d = device_scratch(device.index());
-  const bool capturing = c10::cuda::currentStreamCaptureStatusMayInitCtx() != c10::cuda::CaptureStatus::None;
-  const int k = static_cast<int>(kind);
-  const std::lock_guard<std::mutex> lock(d.mu);
-  at::Tensor& buf = d.buf[k];
-  if (!buf.defined() || buf.numel() < bytes) {
-    int64_t size = buf.defined() ? std::max(bytes, buf.numel() + buf.numel() / 4) : bytes;
-    size = std::max(kScratchGranule, (size + kScratchGranule - 1) / kScratchGranule * kScratchGranule);
-    at::Tensor fresh = at::empty({size}, at::TensorOptions().dtype(at::kByte).device(device));
-    if (buf.defined()) {
-      if (d.captured[k] || capturing) {
-        d.retired.push_back(buf);
-      } else {
-        buf.record_stream(at::cuda::getCurrentCUDAStream(device.index()));
-      }
-    }
-    buf = std::move(fresh);
-    d.captured[k] = false;
+// Workspace regions of the skinny path: fp32 partials [S][M][N], then (with norms) fp32 sums of
+// squares [S][M][2]; none with one split and no norm (the kernel writes out directly).
+struct SkinnyRegions {
+  int64_t partial_bytes, sums_bytes;
+  int64_t total() const { return partial_bytes + sums_bytes; }
+};
+
+SkinnyRegions skinny_regions(const SkinnyPlan& p, int64_t M, int64_t N, bool norm) {
+  if (p.S == 1 && !norm) return {0, 0};
+  const int64_t partial = align_up(static_cast<int64_t>(p.S) * M * N * static_cast<int64_t>(sizeof(float)));
+  const int64_t sums = norm ? align_up(static_cast<int64_t>(p.S) * M * 2 * static_cast<int64_t>(sizeof(float))) : 0;
+  return {partial, sums};
+}
+
+// (chunk width, chunk count): (H, K) with chunk norm, else (KH, 1).
+std::pair<int64_t, int64_t> chunks(int64_t KH, int64_t K, bool chunk_norm) {
+  if (!chunk_norm) return {KH, 1};
+  TORCH_CHECK(K >= 1 && KH % K == 0 && KH / K > 0, "eagle3_cuda::draft_fc: chunk_norm needs K >= 1 chunks of ",
+              "equal, non-zero width (K*H = KH), got KH=", KH, ", K=", K);
+  return {KH / K, K};
+}
+
+int64_t workspace_bytes(int64_t M, int64_t N, int64_t KH, int64_t K, bool chunk_norm, bool input_norm, int64_t path,
+                        int64_t splits, at::ScalarType dtype) {
+  TORCH_CHECK(M >= 0 && N >= 0 && KH >= 0, "eagle3_cuda::draft_fc_workspace_bytes: negative size");
+  TORCH_CHECK(M <= INT32_MAX && N <= INT32_MAX && KH <= INT32_MAX,
+              "eagle3_cuda::draft_fc_workspace_bytes: sizes must fit int32");
+  TORCH_CHECK(dtype == at::kBFloat16 || dtype == at::kHalf || dtype == at::kFloat,
+              "eagle3_cuda::draft_fc_workspace_bytes: unsupported dtype ", dtype);
+  if (M == 0 || N == 0) return 0;
+  if (path == kPathSkinny) {
+    TORCH_CHECK(dtype != at::kFloat, "eagle3_cuda::draft_fc: the skinny path takes bf16/fp16 only");
+    const auto [CH, NC] = chunks(KH, K, chunk_norm);
+    const SkinnyPlan p = skinny_plan(M, N, static_cast<int>(CH), static_cast<int>(NC), splits);
+    return skinny_regions(p, M, N, chunk_norm || input_norm).total();
   }
-  if (capturing) d.captured[k] = true;
-  return buf;
+  TORCH_CHECK(path == kPathCublas, "eagle3_cuda::draft_fc: path must be 0 (skinny) or 2 (cublas), got ", path,
+              " (1, tiled, is a Triton kernel only)");
+  // The prepared input norm(x[rows]) [M, KH] in the dtype. (A call with no gather and no norm has
+  // nothing to prepare and needs none of it; the caller knows, see draft_fc below.)
+  return align_up(M * KH * static_cast<int64_t>(c10::elementSize(dtype)));
 }
-
-// `numel` elements of `dtype` at the start of the `kind` scratch.
-at::Tensor scratch_view(const at::Device& device, Scratch kind, int64_t numel, at::ScalarType dtype) {
-  const int64_t bytes = numel * static_cast<int64_t>(c10::elementSize(dtype));
-  return scratch(device, kind, bytes).narrow(0, 0, bytes).view(dtype);
-}
-
-// ---- host ------------------------------------------------------------------------------------------
-int ceil_div(int64_t a, int64_t b) { return static_cast<int>((a + b - 1) / b); }
-
-bool aligned16(const std::optional<at::Tensor>& t) { return !t.has_value() || is_aligned16(t->data_ptr()); }
 
 template <typename T, int NT>
 void launch_skinny_nt(const FcArgs& a, dim3 grid, bool norm, cudaStream_t stream) {
@@ -587,40 +563,25 @@ void launch_skinny_nt(const FcArgs& a, dim3 grid, bool norm, cudaStream_t stream
 }
 
 template <typename T>
-void run_skinny(FcArgs a, const at::Tensor& x, int num_sms, cudaStream_t stream) {
+void run_skinny(FcArgs a, const SkinnyPlan& p, uint8_t* workspace, cudaStream_t stream) {
   const bool norm = a.in_w != nullptr || a.chunk_w != nullptr;
-  const int groups = ceil_div(std::min(a.M, 8 * kMaxTokenGroups), 8);
-  const int nt = groups <= 1 ? 1 : groups <= 2 ? 2 : groups <= 4 ? 4 : 8;
-  const int token_tiles = ceil_div(a.M, 8 * nt);
-  const int weight_tiles = ceil_div(a.N, kRowsPerBlock);
-  // Splits: enough blocks for kBlocksPerSm per SM, each split a multiple of kSlab*kUnroll inside
-  // one chunk and at least 4 of those long, at most 16 per chunk and kMaxSplits in all.
-  const int step = kSlab * kUnroll;
-  const int64_t tiles = static_cast<int64_t>(token_tiles) * weight_tiles * a.NC;
-  int per_chunk = static_cast<int>(std::min<int64_t>(16, (static_cast<int64_t>(kBlocksPerSm) * num_sms + tiles - 1) / tiles));
-  per_chunk = std::max(1, std::min({per_chunk, a.CH / (4 * step), kMaxSplits / a.NC}));
-  a.split_len = ceil_div(ceil_div(a.CH, per_chunk), step) * step;
-  a.splits_per_chunk = ceil_div(a.CH, a.split_len);
-  a.S = a.NC * a.splits_per_chunk;
-  TORCH_CHECK(a.S <= kMaxSplits, "eagle3::draft_fc (cuda): ", a.S, " splits exceed the reducer's ", kMaxSplits);
-
-  at::Tensor workspace;  // keeps the scratch buffer referenced until the launches are queued
-  if (a.S > 1 || norm) {
-    const int64_t partial = static_cast<int64_t>(a.S) * a.M * a.N;
-    const int64_t sums = norm ? static_cast<int64_t>(a.S) * a.M * 2 : 0;
-    workspace = scratch_view(x.device(), Scratch::kSplitK, partial + sums, at::kFloat);
-    a.partial = workspace.data_ptr<float>();
-    a.sumsq = norm ? a.partial + partial : nullptr;
+  a.split_len = p.split_len;
+  a.splits_per_chunk = p.splits_per_chunk;
+  a.S = p.S;
+  const SkinnyRegions regions = skinny_regions(p, a.M, a.N, norm);
+  if (regions.total() > 0) {
+    a.partial = reinterpret_cast<float*>(workspace);
+    a.sumsq = norm ? reinterpret_cast<float*>(workspace + regions.partial_bytes) : nullptr;
   }
-  const dim3 grid(token_tiles, weight_tiles, a.S);
-  switch (nt) {
+  const dim3 grid(p.token_tiles, p.weight_tiles, a.S);
+  switch (p.nt) {
     case 1: launch_skinny_nt<T, 1>(a, grid, norm, stream); break;
     case 2: launch_skinny_nt<T, 2>(a, grid, norm, stream); break;
     case 4: launch_skinny_nt<T, 4>(a, grid, norm, stream); break;
     default: launch_skinny_nt<T, 8>(a, grid, norm, stream); break;
   }
   if (a.partial != nullptr) {
-    const dim3 rgrid(a.M, ceil_div(a.N, kReduceThreads * 4));
+    const dim3 rgrid(a.M, static_cast<unsigned>(ceil_div(a.N, kReduceThreads * 4)));
     if (a.N % 4 == 0) {
       fc_reduce_kernel<T, true><<<rgrid, kReduceThreads, 0, stream>>>(a);
     } else {
@@ -630,11 +591,12 @@ void run_skinny(FcArgs a, const at::Tensor& x, int num_sms, cudaStream_t stream)
   }
 }
 
+// norm(x[rows]) [M, KH] in the dtype, written into the workspace's first region.
 template <typename T>
-at::Tensor prepare_input(const FcArgs& a, const at::Tensor& x, cudaStream_t stream) {
+at::Tensor prepare_input(const FcArgs& a, const at::Tensor& workspace, at::ScalarType dtype, cudaStream_t stream) {
   constexpr int VEC = Vec16<T>::kElems;
-  at::Tensor prep =
-      scratch_view(x.device(), Scratch::kPrepared, static_cast<int64_t>(a.M) * a.KH, x.scalar_type()).view({a.M, a.KH});
+  const int64_t bytes = static_cast<int64_t>(a.M) * a.KH * static_cast<int64_t>(sizeof(T));
+  at::Tensor prep = workspace.narrow(0, 0, bytes).view(dtype).view({a.M, a.KH});
   const bool vec = a.KH % VEC == 0 && a.CH % VEC == 0 && a.stride_x % VEC == 0 && is_aligned16(a.x) &&
                    (a.in_w == nullptr || is_aligned16(a.in_w)) && (a.chunk_w == nullptr || is_aligned16(a.chunk_w));
   T* dst = reinterpret_cast<T*>(prep.data_ptr());
@@ -647,10 +609,13 @@ at::Tensor prepare_input(const FcArgs& a, const at::Tensor& x, cudaStream_t stre
   return prep;
 }
 
+bool aligned16(const std::optional<at::Tensor>& t) { return !t.has_value() || is_aligned16(t->data_ptr()); }
+
 template <typename T>
 void draft_fc_typed(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
                     const std::optional<at::Tensor>& rows, const std::optional<at::Tensor>& chunk_norm_weight,
-                    const std::optional<at::Tensor>& input_norm_weight, double eps, at::Tensor& out) {
+                    const std::optional<at::Tensor>& input_norm_weight, double eps, at::Tensor& out,
+                    const std::optional<at::Tensor>& workspace, int64_t path, int64_t splits) {
   FcArgs a{};
   a.x = x.data_ptr();
   a.stride_x = x.stride(0);
@@ -671,25 +636,26 @@ void draft_fc_typed(const at::Tensor& x, const at::Tensor& weight, const std::op
   a.CH = chunk_norm_weight.has_value() ? static_cast<int>(chunk_norm_weight->size(1)) : a.KH;
   a.eps = static_cast<float>(eps);
 
-  const auto* props = at::cuda::getCurrentDeviceProperties();
   cudaStream_t stream = at::cuda::getCurrentCUDAStream();
-  if constexpr (!std::is_same_v<T, float>) {
-    // 16-byte fragments: rows, chunk boundaries and norm weights must allow 8-element vectors.
-    const bool aligned = a.CH % 8 == 0 && a.stride_x % 8 == 0 && a.stride_w % 8 == 0 && is_aligned16(a.x) &&
-                         is_aligned16(a.w) && aligned16(chunk_norm_weight) && aligned16(input_norm_weight) &&
-                         (!input_norm_weight.has_value() || input_norm_weight->stride(0) == 1);
-    // fp16: the skinny kernel rounds the *unnormalized* x * input_norm_weight * chunk_norm_weight to the
-    // dtype before the MMA (the RMS scale is applied in the reducer); that product can exceed 65504
-    // where norm(x) cannot. bf16 has the range; fp16 with norms takes the prepare + cuBLAS path.
-    const bool fp16_norm = std::is_same_v<T, c10::Half> && (a.in_w != nullptr || a.chunk_w != nullptr);
-    if (aligned && !fp16_norm && a.KH > 0 && a.NC <= kMaxSplits && a.M <= skinny_max_m(props->major)) {
-      run_skinny<T>(a, x, props->multiProcessorCount, stream);
+  if (path == kPathSkinny) {
+    if constexpr (!std::is_same_v<T, float>) {
+      // The launch contract of the 16-byte fragments (cuda_backend checks it before choosing this
+      // path; here it guards direct callers against misaligned loads).
+      TORCH_CHECK(a.KH > 0 && a.CH % 8 == 0 && a.stride_x % 8 == 0 && a.stride_w % 8 == 0 && is_aligned16(a.x) &&
+                      is_aligned16(a.w) && aligned16(chunk_norm_weight) && aligned16(input_norm_weight),
+                  "eagle3_cuda::draft_fc: the skinny path needs K*H > 0, a chunk width and row strides that are ",
+                  "multiples of 8 and 16-byte aligned x, weight and norm weights; use the cublas path");
+      const SkinnyPlan p = skinny_plan(a.M, a.N, a.CH, a.NC, splits);
+      run_skinny<T>(a, p, workspace.has_value() ? static_cast<uint8_t*>(workspace->data_ptr()) : nullptr, stream);
       return;
     }
+    TORCH_CHECK(false, "eagle3_cuda::draft_fc: the skinny path takes bf16/fp16 only");
   }
-  const at::Tensor input = (rows.has_value() || chunk_norm_weight.has_value() || input_norm_weight.has_value())
-                               ? prepare_input<T>(a, x, stream)
-                               : x;
+  at::Tensor input = x;
+  if (rows.has_value() || chunk_norm_weight.has_value() || input_norm_weight.has_value()) {
+    // K*H = 0: nothing to prepare (and no workspace): an empty [M, 0] view; out = bias.
+    input = a.KH > 0 ? prepare_input<T>(a, *workspace, x.scalar_type(), stream) : x.as_strided({a.M, 0}, {0, 1});
+  }
   if (bias.has_value()) {
     at::addmm_out(out, *bias, input, weight.t());
   } else {
@@ -697,67 +663,89 @@ void draft_fc_typed(const at::Tensor& x, const at::Tensor& weight, const std::op
   }
 }
 
+bool unit_stride(const std::optional<at::Tensor>& t) {
+  return !t.has_value() || t->numel() <= 1 || t->stride(0) == 1;
+}
+
 }  // namespace
 
-void draft_fc_out(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
-                  const std::optional<at::Tensor>& rows, const std::optional<at::Tensor>& chunk_norm_weight,
-                  const std::optional<at::Tensor>& input_norm_weight, double eps, at::Tensor& out) {
-  TORCH_CHECK(x.is_cuda() && weight.is_cuda() && out.is_cuda(), "eagle3::draft_fc (cuda): tensors must be on CUDA");
-  // eagle3_ops/validation.py checks all of this with clear messages first; these guard direct callers
-  // of eagle3_ops._C against out-of-bounds reads.
+int64_t draft_fc_workspace_bytes(int64_t M, int64_t N, int64_t KH, int64_t K, bool chunk_norm, bool input_norm,
+                                 int64_t path, int64_t splits, at::ScalarType dtype) {
+  return workspace_bytes(M, N, KH, K, chunk_norm, input_norm, path, splits, dtype);
+}
+
+void draft_fc(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
+              const std::optional<at::Tensor>& rows, const std::optional<at::Tensor>& chunk_norm_weight,
+              const std::optional<at::Tensor>& input_norm_weight, double eps, at::Tensor& out,
+              const std::optional<at::Tensor>& workspace, int64_t path, int64_t splits) {
+  const char* op = "eagle3_cuda::draft_fc: ";
+  // eagle3_ops/validation.py checks all of this with clear messages first; these guard direct
+  // callers of the op against out-of-bounds accesses.
+  TORCH_CHECK(x.is_cuda() && weight.is_cuda() && out.is_cuda(), op, "tensors must be on CUDA");
   TORCH_CHECK(x.dim() == 2 && weight.dim() == 2 && out.dim() == 2 && weight.size(1) == x.size(1) &&
                   out.size(1) == weight.size(0) && (rows.has_value() || out.size(0) == x.size(0)),
-              "eagle3::draft_fc (cuda): shapes: x [R, KH], weight [N, KH], out [M, N] (M = R without rows)");
+              op, "shapes: x [R, KH], weight [N, KH], out [M, N] (M = R without rows)");
   TORCH_CHECK(weight.scalar_type() == x.scalar_type() && out.scalar_type() == x.scalar_type() &&
                   weight.device() == x.device() && out.device() == x.device(),
-              "eagle3::draft_fc (cuda): one dtype, one device");
+              op, "one dtype, one device");
   TORCH_CHECK(!rows.has_value() || (rows->device() == x.device() && rows->dim() == 1 && rows->numel() == out.size(0) &&
                                     (rows->scalar_type() == at::kInt || rows->scalar_type() == at::kLong)),
-              "eagle3::draft_fc (cuda): rows must be int32/int64 [M] on x's device");
-  TORCH_CHECK(!bias.has_value() || (bias->numel() == weight.size(0) && bias->scalar_type() == x.scalar_type() &&
-                                    bias->device() == x.device()),
-              "eagle3::draft_fc (cuda): bias must be [N]");
+              op, "rows must be int32/int64 [M] on x's device");
+  TORCH_CHECK(!bias.has_value() || (bias->dim() == 1 && bias->numel() == weight.size(0) &&
+                                    bias->scalar_type() == x.scalar_type() && bias->device() == x.device()),
+              op, "bias must be [N]");
   TORCH_CHECK(!input_norm_weight.has_value() ||
-                  (input_norm_weight->numel() == x.size(1) && input_norm_weight->scalar_type() == x.scalar_type() &&
-                   input_norm_weight->device() == x.device()),
-              "eagle3::draft_fc (cuda): input_norm_weight must be [KH]");
+                  (input_norm_weight->dim() == 1 && input_norm_weight->numel() == x.size(1) &&
+                   input_norm_weight->scalar_type() == x.scalar_type() && input_norm_weight->device() == x.device()),
+              op, "input_norm_weight must be [KH]");
   TORCH_CHECK(!chunk_norm_weight.has_value() ||
                   (chunk_norm_weight->dim() == 2 && chunk_norm_weight->numel() == x.size(1) &&
                    chunk_norm_weight->size(1) > 0 && chunk_norm_weight->scalar_type() == x.scalar_type() &&
                    chunk_norm_weight->device() == x.device()),
-              "eagle3::draft_fc (cuda): chunk_norm_weight must be [K, H], K*H = KH");
+              op, "chunk_norm_weight must be [K, H], K*H = KH");
   TORCH_CHECK((x.size(1) <= 1 || x.stride(1) == 1) && (weight.size(1) <= 1 || weight.stride(1) == 1) &&
                   (out.size(1) <= 1 || out.stride(1) == 1),
-              "eagle3::draft_fc (cuda): last dims must be contiguous");
-  TORCH_CHECK(!chunk_norm_weight.has_value() || chunk_norm_weight->is_contiguous(),
-              "eagle3::draft_fc (cuda): chunk_norm_weight must be contiguous");
-  TORCH_CHECK(x.size(1) <= INT32_MAX && weight.size(0) <= INT32_MAX && out.size(0) <= INT32_MAX,
-              "eagle3::draft_fc (cuda): sizes must fit int32");
+              op, "last dims must be contiguous");
+  TORCH_CHECK(!chunk_norm_weight.has_value() || chunk_norm_weight->is_contiguous(), op,
+              "chunk_norm_weight must be contiguous");
+  TORCH_CHECK(unit_stride(rows) && unit_stride(bias) && unit_stride(input_norm_weight), op,
+              "rows, bias and input_norm_weight must have stride 1 (copy strided views first)");
+  TORCH_CHECK(x.size(1) <= INT32_MAX && weight.size(0) <= INT32_MAX && out.size(0) <= INT32_MAX, op,
+              "sizes must fit int32");
+  TORCH_CHECK(path == kPathSkinny || path == kPathCublas, op, "path must be 0 (skinny) or 2 (cublas), got ", path);
   if (out.size(0) == 0 || out.size(1) == 0) return;
+  const bool prepares = rows.has_value() || chunk_norm_weight.has_value() || input_norm_weight.has_value();
+  const int64_t K = chunk_norm_weight.has_value() ? chunk_norm_weight->size(0) : 1;
+  const int64_t need = (path == kPathCublas && !prepares)
+                           ? 0
+                           : workspace_bytes(out.size(0), weight.size(0), x.size(1), K, chunk_norm_weight.has_value(),
+                                             input_norm_weight.has_value(), path, splits, x.scalar_type());
+  if (need > 0) {
+    TORCH_CHECK(workspace.has_value(), op, "this call needs a workspace of ", need,
+                " bytes (eagle3_cuda::draft_fc_workspace_bytes), got none");
+    TORCH_CHECK(workspace->device() == x.device() && workspace->scalar_type() == at::kByte && workspace->dim() == 1 &&
+                    (workspace->numel() <= 1 || workspace->stride(0) == 1),
+                op, "workspace must be a 1-D uint8 tensor with stride 1 on x's device");
+    TORCH_CHECK(workspace->numel() >= need, op, "workspace has ", workspace->numel(), " bytes, this call needs ", need,
+                " (eagle3_cuda::draft_fc_workspace_bytes)");
+    TORCH_CHECK(is_aligned16(workspace->data_ptr()), op, "workspace must be 16-byte aligned");
+  }
   const at::cuda::OptionalCUDAGuard guard(x.device());
-  // The kernels index the 1-D tensors with stride 1; validation allows strided views of them. The
-  // rare strided view is copied into scratch (one copy kernel, no allocation once warm).
-  const auto unit_stride = [](const std::optional<at::Tensor>& t, Scratch kind) -> std::optional<at::Tensor> {
-    if (!t.has_value() || t->is_contiguous()) return t;
-    at::Tensor dst = scratch_view(t->device(), kind, t->numel(), t->scalar_type());
-    dst.copy_(*t);
-    return dst;
-  };
-  const std::optional<at::Tensor> bias_c = unit_stride(bias, Scratch::kBias);
-  const std::optional<at::Tensor> rows_c = unit_stride(rows, Scratch::kRows);
-  const std::optional<at::Tensor> input_norm_c = unit_stride(input_norm_weight, Scratch::kInputNorm);
   switch (x.scalar_type()) {
     case at::kBFloat16:
-      draft_fc_typed<c10::BFloat16>(x, weight, bias_c, rows_c, chunk_norm_weight, input_norm_c, eps, out);
+      draft_fc_typed<c10::BFloat16>(x, weight, bias, rows, chunk_norm_weight, input_norm_weight, eps, out, workspace,
+                                    path, splits);
       break;
     case at::kHalf:
-      draft_fc_typed<c10::Half>(x, weight, bias_c, rows_c, chunk_norm_weight, input_norm_c, eps, out);
+      draft_fc_typed<c10::Half>(x, weight, bias, rows, chunk_norm_weight, input_norm_weight, eps, out, workspace, path,
+                                splits);
       break;
     case at::kFloat:
-      draft_fc_typed<float>(x, weight, bias_c, rows_c, chunk_norm_weight, input_norm_c, eps, out);
+      draft_fc_typed<float>(x, weight, bias, rows, chunk_norm_weight, input_norm_weight, eps, out, workspace, path,
+                            splits);
       break;
     default:
-      TORCH_CHECK(false, "eagle3::draft_fc (cuda): unsupported dtype ", x.scalar_type());
+      TORCH_CHECK(false, op, "unsupported dtype ", x.scalar_type());
   }
 }
 

@@ -56,22 +56,6 @@ struct Pack {
   }
 };
 
-__device__ __forceinline__ float warp_sum(float v) {
-#pragma unroll
-  for (int offset = 16; offset > 0; offset >>= 1) v += __shfl_xor_sync(0xffffffffu, v, offset);
-  return v;
-}
-
-// Sum over the block (blockDim.x a multiple of 32, <= 1024); every thread gets the total.
-__device__ __forceinline__ float block_sum(float v) {
-  __shared__ float warp_partials[32];
-  v = warp_sum(v);
-  const int lane = threadIdx.x & 31;
-  if (lane == 0) warp_partials[threadIdx.x >> 5] = v;
-  __syncthreads();
-  return warp_sum(lane < static_cast<int>(blockDim.x >> 5) ? warp_partials[lane] : 0.f);
-}
-
 // Most threads per block for VPT packs of VEC fp32 values held per thread (register budget).
 __host__ __device__ constexpr int max_threads_for(int floats_per_thread) {
   return floats_per_thread <= 8 ? 1024 : (floats_per_thread <= 32 ? 512 : 256);
@@ -122,7 +106,7 @@ __global__ void __launch_bounds__(max_threads_for(VEC * VPT))
     const int p = threadIdx.x + i * blockDim.x;
     if (p < packs) w[i].load(weight + p * VEC);
   }
-  const float rstd = rsqrtf(block_sum(sumsq) / static_cast<float>(H) + eps);
+  const float rstd = rsqrtf(block_sum<>(sumsq) / static_cast<float>(H) + eps);
 #pragma unroll
   for (int i = 0; i < VPT; ++i) {
     const int p = threadIdx.x + i * blockDim.x;
@@ -160,7 +144,7 @@ __global__ void __launch_bounds__(kTwoPassThreads)
     }
   }
   // block_sum's barrier also orders every pass-1 read before any pass-2 write.
-  const float rstd = rsqrtf(block_sum(sumsq) / static_cast<float>(H) + eps);
+  const float rstd = rsqrtf(block_sum<>(sumsq) / static_cast<float>(H) + eps);
   for (int p = threadIdx.x; p < packs; p += blockDim.x) {
     P a, b, w, o;
     a.load(in_row + p * VEC);
@@ -261,7 +245,7 @@ void fused_typed(at::Tensor& input, at::Tensor& residual, const at::Tensor& weig
 
 void fused_add_rmsnorm_capture(at::Tensor& input, at::Tensor& residual, const at::Tensor& weight, double eps,
                                at::Tensor& buffer, int64_t slot) {
-  const char* op = "eagle3::fused_add_rmsnorm_capture (cuda): ";
+  const char* op = "eagle3_cuda::fused_add_rmsnorm_capture: ";
   TORCH_CHECK(input.is_cuda() && residual.is_cuda() && weight.is_cuda() && buffer.is_cuda(), op,
               "tensors must be on CUDA");
   TORCH_CHECK(input.dim() == 2 && residual.sizes() == input.sizes() && buffer.dim() == 2 && weight.dim() == 1 &&

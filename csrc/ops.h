@@ -1,6 +1,8 @@
-// Host entry points of the compiled eagle3 kernels. Arguments are validated in Python
-// (eagle3_ops/validation.py) before these are called; the TORCH_CHECKs here only guard the
-// assumptions each kernel makes about its launch.
+// Host entry points of the compiled eagle3 kernels, registered as the torch ops eagle3_cuda::* in
+// csrc/bindings.cpp (the schemas are there). Arguments are validated in Python
+// (eagle3_ops/validation.py) and the tuning decisions (draft_fc's path and splits) are made in
+// Python (eagle3_ops/cuda_backend.py) before these are called; the TORCH_CHECKs here only guard
+// memory safety (devices, dtypes, shapes, strides, bounds, workspace size).
 #pragma once
 
 #include <ATen/ATen.h>
@@ -19,8 +21,19 @@ void fused_add_rmsnorm_capture(at::Tensor& input, at::Tensor& residual, const at
 
 // out[M, N] = linear(norm(x[rows]), weight, bias): input norm over the K*H row, then one RMSNorm
 // per H-wide chunk, fp32 accumulation, one rounding; rows outside [0, R) give NaN rows.
-void draft_fc_out(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
-                  const std::optional<at::Tensor>& rows, const std::optional<at::Tensor>& chunk_norm_weight,
-                  const std::optional<at::Tensor>& input_norm_weight, double eps, at::Tensor& out);
+// path: 0 skinny, 2 cublas (the index in eagle3_ops.plans.PATHS); splits: split-K splits per chunk
+// asked for (skinny only; clamped to the launch contract). Scratch is carved from `workspace`
+// (uint8, 16-byte aligned, at least draft_fc_workspace_bytes(...) bytes; none needed when that is 0).
+// rows, bias and input_norm_weight must have stride 1.
+void draft_fc(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
+              const std::optional<at::Tensor>& rows, const std::optional<at::Tensor>& chunk_norm_weight,
+              const std::optional<at::Tensor>& input_norm_weight, double eps, at::Tensor& out,
+              const std::optional<at::Tensor>& workspace, int64_t path, int64_t splits);
+
+// Bytes of workspace draft_fc needs for M output rows, N features, KH = K*H inputs (K chunks with
+// chunk_norm, else ignored), the given norms, path and splits, in dtype. Path 2 (cublas) counts the
+// prepared input [M, KH]; a call with no rows and no norms prepares nothing and needs 0 bytes.
+int64_t draft_fc_workspace_bytes(int64_t M, int64_t N, int64_t KH, int64_t K, bool chunk_norm, bool input_norm,
+                                 int64_t path, int64_t splits, at::ScalarType dtype);
 
 }  // namespace eagle3

@@ -1,4 +1,4 @@
-"""Work-arounds for two bf16 bugs of the Triton interpreter, and nothing else (DESIGN.md §6).
+"""Work-arounds for two bf16 bugs of the Triton interpreter, and nothing else (docs/design.md §13.2).
 
 Under ``TRITON_INTERPRET=1``, Triton 3.8 stores bfloat16 tensors as numpy ``uint16``, and
 
@@ -14,7 +14,7 @@ operands to fp32 first (exact: every bf16 value is an fp32 value) and :func:`cas
 nearest even by hand. On a GPU the flag is False, the branches are removed at compile time and the
 kernels are exactly ``tl.dot(a, b, acc)`` and ``v.to(dtype)``.
 
-``tests/test_draft_fc_triton.py`` proves each half: the raw interpreter results are wrong, the
+``tests/ops/test_backend_internals.py`` proves each half: the raw interpreter results are wrong, the
 shimmed ones are right, and the shim is inactive for a compiled (non-interpreted) kernel.
 """
 from __future__ import annotations

@@ -17,9 +17,11 @@ buffer slot gets the same rounded value; the norm reads the *unrounded* fp32 ``s
 
 Arguments are already validated (eagle3_ops.validation); T > 0. Both functions write only into
 caller memory, launch on the current stream and never synchronize (CUDA-graph safe once the
-kernels are compiled). Under ``TRITON_INTERPRET=1`` they run on CPU tensors (how CI tests them);
-``_interpreter_shim.cast`` then rounds bf16 outputs to nearest even as the GPU does (the
-interpreter truncates). Row index x row stride is computed in int64 (T * stride may exceed 2^31).
+kernels are compiled). Under ``TRITON_INTERPRET=1`` they run on CPU tensors (how CI tests them),
+one launch at a time across threads (``draft_fc.interpreter_serialized``: the interpreter is not
+thread-safe); ``_interpreter_shim.cast`` then rounds bf16 outputs to nearest even as the GPU does
+(the interpreter truncates). Row index x row stride is computed in int64 (T * stride may exceed
+2^31).
 """
 from __future__ import annotations
 
@@ -30,6 +32,7 @@ import triton
 import triton.language as tl
 
 from ._interpreter_shim import cast, interpreter_bf16
+from .draft_fc import interpreter_serialized
 
 # Widest row held whole by one fused program (elements); wider rows use the two-pass kernel.
 MAX_ROW_BLOCK = 16384
@@ -123,7 +126,7 @@ def capture(hidden: torch.Tensor, residual, buffer: torch.Tensor, slot: int) -> 
     grid = (T, triton.cdiv(H, block))
     has_residual = residual is not None
     res = residual if has_residual else hidden  # never read when HAS_RESIDUAL is False
-    with _on_device(hidden):
+    with _on_device(hidden), interpreter_serialized(_capture_kernel):
         _capture_kernel[grid](hidden, hidden.stride(0), res, res.stride(0), out, out.stride(0), H,
                               HAS_RESIDUAL=has_residual, BLOCK=block, num_warps=_num_warps(block),
                               INTERPRETER_BF16=interpreter_bf16(_capture_kernel, hidden.dtype))
@@ -139,6 +142,6 @@ def fused_add_rmsnorm_capture(input: torch.Tensor, residual: torch.Tensor, weigh
         kernel, block = _fused_row_kernel, block
     else:
         kernel, block = _fused_two_pass_kernel, min(CHUNK_BLOCK, MAX_ROW_BLOCK)
-    with _on_device(input):
+    with _on_device(input), interpreter_serialized(kernel):
         kernel[(T,)](*args, BLOCK=block, num_warps=_num_warps(block),
                      INTERPRETER_BF16=interpreter_bf16(kernel, input.dtype))

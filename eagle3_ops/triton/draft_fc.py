@@ -1,13 +1,16 @@
-"""Triton draft fc: ``out[M, N] = linear(norm(x[rows]), weight, bias)`` (DESIGN.md §4 op 3).
+"""Triton draft fc: ``out[M, N] = linear(norm(x[rows]), weight, bias)`` (docs/design.md §5.4).
 
-Exact math: ``eagle3_ops.reference.draft_fc_ref`` (input_norm over the K*H row first, then one
-RMSNorm per H-wide chunk, fp32 accumulation, one rounding into ``out``).
+Backend functions: :func:`draft_fc` and :func:`draft_fc_workspace_bytes` (the contract of every
+backend: arguments already validated, output non-empty, scratch carved from a caller-owned
+workspace). Exact math: ``eagle3_ops.reference.draft_fc_ref`` (input_norm over the K*H row first,
+then one RMSNorm per H-wide chunk, fp32 accumulation, one rounding into ``out``).
 
 Bytes and FLOPs: the weight is N*K*H elements (3*7168*7168*2 B = 308 MB in bf16 at H=7168) and is
 read once; x contributes M*K*H elements, out M*N; FLOPs = 2*M*N*K*H. Below M ~ 130-280 (device
-dependent, DESIGN.md §2) the weight read is the floor, above it the matrix units are.
+dependent, docs/kernels.md §4) the weight read is the floor, above it the matrix units are.
 
-Three paths, chosen per call by :data:`CROSSOVER` (the one table of crossover points):
+Three paths; ``eagle3_ops.plans.choose("triton", device, M)`` picks one per call (the one crossover
+table, ``eagle3_ops/plans.py``, docs/design.md §9; ``plans.forced_path`` forces one for tests and benchmarks):
 
 * ``skinny`` (decode/verify, small M): swap-AB split-K. Program (token tile, weight tile, split)
   computes ``W[n tile, k range] @ x[rows][token tile, k range]^T`` with the weight on the MMA's
@@ -15,30 +18,31 @@ Three paths, chosen per call by :data:`CROSSOVER` (the one table of crossover po
   evict-first / evict-last hints where plain loads are used) while the few gathered x rows stay
   in cache. Each split lies inside one H-wide chunk, so a chunk's RMS scale
   multiplies the fp32 partial (linearity) instead of every program re-reading the whole row. fp32
-  partials go to a workspace; a second kernel sums the splits in fixed order (deterministic), adds
-  bias and writes ``out``. With one split the first kernel writes ``out`` directly.
+  partials go to the workspace; a second kernel sums the splits in fixed order (deterministic), adds
+  bias and writes ``out``. With one split the first kernel writes ``out`` directly. fp16 with norm
+  weights takes ``tiled`` instead, forced or not (``fc_rules.fp16_norm_overflow``: the skinny
+  kernel rounds x * norm weights before the RMS scale, which can overflow fp16).
 * ``tiled`` (mid M): a tiled GEMM with the same prologue (row gather; norm weights and the chunk's
-  RMS scale multiply the x tile on the fly); no split, no workspace.
+  RMS scale multiply the x tile on the fly); no split.
 * ``cublas`` (large M): cuBLAS (``torch.addmm``/``torch.mm`` with ``out=``, the GEMM ``F.linear``
   runs) on the prepared input ``norm(x[rows])`` rounded to the dtype (what stock SGLang feeds it);
   x is passed straight through when there is no gather and no norm.
 
-Pre-fc norms without a K-wide pre-pass inside every program (KERNELS.md fact 6): a tiny kernel
+Pre-fc norms without a K-wide pre-pass inside every program (docs/kernels.md §5): a tiny kernel
 computes one fp32 scale per (row, chunk) first, ``a[m, c] = s_m * rsqrt(s_m^2 * mean_c((x*g_in)^2)
 + eps)`` where ``s_m = rsqrt(mean(x^2) + eps)`` is the input-norm scale (1 without it). The norm
 weights ``g = input_norm_weight * chunk_norm_weight`` multiply x on the fly. Row indices outside
 ``[0, R)`` are never dereferenced: those rows load as zeros and their outputs are NaN. Index
 arithmetic is int64 wherever a row index meets a row stride (M * K*H or M * N may exceed 2^31).
 
-Memory (DESIGN.md §4, ``_out`` does not allocate): the row scales, the split-K partials, the
-prepared cuBLAS input and unit-stride copies of strided 1-D views (rows / bias / input_norm_weight;
-contiguous ones are used in place) live in :mod:`eagle3_ops.workspace`, a grow-only scratch per
-(device, kind). After one call with the largest problem, ``draft_fc_out`` allocates nothing
-(cuBLAS's own workspace is PyTorch's, also allocated once per stream). Growth while a CUDA graph
-is being captured is ALLOWED (legal: the buffer comes from the graph's pool) and a buffer a
-capture has seen is never freed afterwards, so replays stay valid; warm up eagerly with the
-largest M before capturing to keep the graph pool out of it. Calls on one device must be
-stream-ordered (they share the scratch).
+Memory (docs/design.md §7.2, docs/kernels.md §9): nothing is allocated. Every scratch region is
+carved from the ``workspace`` argument with ``eagle3_ops.workspace.Carver`` (256-byte aligned
+regions, in this order): the unit-stride copies of strided 1-D arguments
+(``fc_rules.unit_stride_copies``: bias, rows, input_norm_weight), then the fp32 row scales [M, K]
+(skinny and tiled, with norms), then the fp32 split-K partials [S, M, N] (skinny, S > 1), or the
+prepared cuBLAS input [M, K*H] in the dtype (cublas, with a gather or a norm).
+:func:`draft_fc_workspace_bytes` is the sum for exactly those arguments (cuBLAS's own workspace is
+PyTorch's).
 
 Under ``TRITON_INTERPRET=1`` (CPU tests) ``_interpreter_shim`` upcasts bf16 ``tl.dot`` operands and
 rounds bf16 conversions to nearest even (the interpreter gets both wrong); the compiled GPU kernels
@@ -46,7 +50,9 @@ never see that shim (its constexpr flag is False there).
 """
 from __future__ import annotations
 
+import contextlib
 import math
+import threading
 from dataclasses import dataclass
 from typing import Optional
 
@@ -54,63 +60,24 @@ import torch
 import triton
 import triton.language as tl
 
-from .. import workspace
+from .. import fc_rules, plans
+from ..workspace import Carver, aligned
 from ._interpreter_shim import cast, dot, interpreted, interpreter_bf16
 
 
-# ---- the crossover table -------------------------------------------------------------------------
-@dataclass(frozen=True)
-class Crossover:
-    """Which path serves which M on one device family: skinny for M <= skinny_max_m, tiled for
-    skinny_max_m < M <= tiled_max_m, cuBLAS above."""
-
-    device: str
-    skinny_max_m: int
-    tiled_max_m: int
-    basis: str
-
-    def path(self, M: int) -> str:
-        if M <= self.skinny_max_m:
-            return "skinny"
-        if M <= self.tiled_max_m:
-            return "tiled"
-        return "cublas"
+# The Triton interpreter is not thread-safe: while a kernel runs it patches triton.language
+# module-wide, so interpreted launches from two threads corrupt each other (InterpreterError, wrong
+# grids). Interpreted calls (the CPU test vehicle) are serialized, here and in triton/capture.py;
+# compiled kernels never take the lock.
+_INTERPRETER_LOCK = threading.RLock()
 
 
-# THE crossover table. Update it from `pytest benchmarks/bench_draft_fc.py` on the device (the
-# benchmark prints every path for every M; set the entries to the measured crossover points and
-# replace `basis` with the device, date and numbers). Until then the entries are DESIGN ESTIMATES
-# from DESIGN.md §2 / KERNELS.md, NOT measurements: no GPU was available when they were written.
-CROSSOVER = {
-    "sm_90": Crossover(
-        device="H200 (sm_90, 132 SMs, ~4.3 TB/s copy, ~790 TFLOP/s bf16)",
-        skinny_max_m=128, tiled_max_m=128,
-        basis="design estimate, not measured: the weight read is the floor up to M ~ 790e12/4.3e12 ~ 180 "
-              "(72 us at H=7168); skinny stops at 128 to leave margin for the split-K partial traffic "
-              "(S*M*N*4 B). Above it cuBLAS's wgmma GEMM is assumed to beat a Triton tile, so tiled is off."),
-    "sm_120": Crossover(
-        device="RTX PRO 6000 / RTX 5090 (sm_120, 1.79 TB/s, ~500 / ~210 TFLOP/s bf16)",
-        skinny_max_m=128, tiled_max_m=512,
-        basis="design estimate, not measured: memory-bound up to M ~ 280 (PRO 6000) / ~117 (5090); "
-              "cuBLAS on sm_120 runs sm80 tiles plus a separate split-K reduce (KERNELS.md fact 5), so a "
-              "fused tiled kernel is assumed to win up to M = 512 by skipping the prepared-input pass."),
-    "default": Crossover(
-        device="any other GPU", skinny_max_m=64, tiled_max_m=64,
-        basis="conservative guess, not measured: short skinny range, cuBLAS above"),
-    "interpreter": Crossover(
-        device="CPU, Triton interpreter (tests only; no speed meaning)", skinny_max_m=16, tiled_max_m=1 << 30,
-        basis="chosen so that the CPU tests run both Triton kernels"),
-}
+def interpreter_serialized(kernel):
+    """A context manager: the interpreter's lock when ``kernel`` is interpreted, else nothing."""
+    return _INTERPRETER_LOCK if interpreted(kernel) else contextlib.nullcontext()
 
 
-def crossover_for(device: torch.device) -> Crossover:
-    if device.type != "cuda":
-        return CROSSOVER["interpreter"]
-    major, _ = torch.cuda.get_device_capability(device)
-    return CROSSOVER.get(f"sm_{major}0", CROSSOVER["default"])
-
-
-# ---- launch configuration (design estimates as well; the benchmark is the judge) -----------------
+# ---- launch configuration (design estimates; the benchmark is the judge) -------------------------
 def arch_major(device: torch.device) -> int:
     """Compute-capability major of a GPU; 0 stands for the CPU interpreter in the configs below."""
     return torch.cuda.get_device_capability(device)[0] if device.type == "cuda" else 0
@@ -144,30 +111,11 @@ class _Problem:
     has_scale: bool
 
 
-def _problem(x, weight, rows, chunk_norm_weight, input_norm_weight, out) -> _Problem:
+def _problem(x, weight, rows, chunk_norm_weight, input_norm_weight, out=None) -> _Problem:
     R, KH = x.shape
-    NC, CH = (chunk_norm_weight.shape[0], chunk_norm_weight.shape[1]) if chunk_norm_weight is not None else (1, KH)
-    has_scale = chunk_norm_weight is not None or input_norm_weight is not None
-    return _Problem(out.shape[0], weight.shape[0], R, KH, NC, CH, has_scale)
-
-
-def _scratch(device: torch.device, kind: str, numel: int, dtype: torch.dtype) -> torch.Tensor:
-    return workspace.get(device, "draft_fc." + kind, numel, dtype)
-
-
-def _unit_stride(t: Optional[torch.Tensor], kind: str) -> Optional[torch.Tensor]:
-    """The kernels index bias / rows / norm weights with stride 1; validation allows any stride for
-    1-D tensors, so a strided view is copied into scratch (one copy kernel, no allocation once
-    warm); the usual contiguous tensors are passed through untouched."""
-    if t is None or t.is_contiguous():
-        return t
-    dst = _scratch(t.device, kind, t.numel(), t.dtype)
-    dst.copy_(t)
-    return dst
-
-
-def _unit_stride_args(bias, rows, input_norm_weight) -> tuple:
-    return _unit_stride(bias, "bias"), _unit_stride(rows, "rows"), _unit_stride(input_norm_weight, "input_norm")
+    M = out.shape[0] if out is not None else fc_rules.num_rows(x, rows)
+    NC, CH = fc_rules.chunks(x, chunk_norm_weight)
+    return _Problem(M, weight.shape[0], R, KH, NC, CH, fc_rules.has_norm(chunk_norm_weight, input_norm_weight))
 
 
 def _dummy(t: Optional[torch.Tensor], like: torch.Tensor) -> torch.Tensor:
@@ -385,9 +333,13 @@ def _tiled_kernel(x_ptr, stride_x, w_ptr, stride_w, rows_ptr, in_w_ptr, chunk_w_
 
 
 # ---- host side -------------------------------------------------------------------------------------
-def _row_scales(x, rows, chunk_norm_weight, input_norm_weight, eps, p: _Problem) -> torch.Tensor:
-    """fp32 [M, NC] scales a[m, c] (the tiny first pass; reads only the M gathered rows)."""
-    scales = _scratch(x.device, "row_scales", p.M * p.NC, torch.float32).view(p.M, p.NC)
+def _row_scales(x, rows, chunk_norm_weight, input_norm_weight, eps, p: _Problem,
+                scales: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """fp32 [M, NC] scales a[m, c] (the tiny first pass; reads only the M gathered rows), written
+    into ``scales`` (M*NC fp32 elements; a new tensor when None: tests)."""
+    if scales is None:
+        scales = torch.empty(p.M * p.NC, dtype=torch.float32, device=x.device)
+    scales = scales.view(p.M, p.NC)
     block = 256 if x.device.type != "cuda" else 1024
     _row_scales_kernel[(p.M,)](
         x, x.stride(0), _dummy(rows, x), _dummy(input_norm_weight, x), _dummy(chunk_norm_weight, x), scales, x, 0,
@@ -420,23 +372,78 @@ def split_plan(CH: int, NC: int, programs_per_split: int, block_k: int, num_sms:
     return max(1, math.ceil(CH / split_len)), split_len  # one (empty) split when K*H = 0
 
 
-def skinny_fc_out(x, weight, bias, rows, chunk_norm_weight, input_norm_weight, eps, out,
-                  split_len: Optional[int] = None) -> None:
-    """The skinny split-K path (any M; chosen for small M). ``split_len`` overrides the split
-    length (tests use it to force several splits per chunk)."""
-    bias, rows, input_norm_weight = _unit_stride_args(bias, rows, input_norm_weight)
-    p = _problem(x, weight, rows, chunk_norm_weight, input_norm_weight, out)
+def tiled_config(arch: int, itemsize: int) -> dict:
+    if arch == 0:  # interpreter: few, large programs
+        return dict(BLOCK_M=32, BLOCK_N=64, BLOCK_K=64, GROUP_M=2, num_warps=4, num_stages=1)
+    bm, bn, bk = 128, 128, 64
+    stages = _stages(arch, (bm + bn) * bk * itemsize, max_stages=4)
+    return dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=8, num_warps=8, num_stages=stages)
+
+
+@dataclass(frozen=True)
+class Plan:
+    """One draft_fc call: its path, launch configuration and workspace regions (bytes, each
+    ``workspace.ALIGN``-aligned, carved in this order)."""
+
+    path: str  # "skinny" | "tiled" | "cublas"
+    problem: _Problem
+    cfg: dict  # the kernel's launch configuration (skinny / tiled); {} for cublas
+    splits_per_chunk: int = 1  # skinny
+    split_len: int = 0  # skinny
+    copy_bytes: int = 0  # unit-stride copies of strided bias / rows / input_norm_weight
+    scale_bytes: int = 0  # fp32 row scales [M, NC]
+    partial_bytes: int = 0  # fp32 split-K partials [S, M, N]
+    prepared_bytes: int = 0  # prepared cuBLAS input [M, K*H]
+
+    @property
+    def S(self) -> int:
+        return self.problem.NC * self.splits_per_chunk
+
+    @property
+    def nbytes(self) -> int:
+        return self.copy_bytes + self.scale_bytes + self.partial_bytes + self.prepared_bytes
+
+
+def plan(x, weight, bias, rows, chunk_norm_weight, input_norm_weight, split_len: Optional[int] = None) -> Plan:
+    """The path (``plans.choose``, then the fp16-with-norms rule) and workspace regions of one call.
+    ``split_len`` overrides the skinny split length (tests use it to force several splits)."""
+    p = _problem(x, weight, rows, chunk_norm_weight, input_norm_weight)
     device = x.device
-    scales = _row_scales(x, rows, chunk_norm_weight, input_norm_weight, eps, p) if p.has_scale else None
-    cfg = skinny_config(arch_major(device), p.M, x.element_size())
+    path = plans.choose("triton", device, p.M)
+    if path == "skinny" and fc_rules.fp16_norm_overflow(x.dtype, chunk_norm_weight, input_norm_weight):
+        path = "tiled"  # the tiled kernel scales x on the fly: no fp16 overflow
+    copy_bytes = fc_rules.unit_stride_copy_bytes(bias, rows, input_norm_weight)
+    scale_bytes = aligned(p.M * p.NC * 4) if p.has_scale and path != "cublas" else 0
+    if path == "skinny":
+        cfg = skinny_config(arch_major(device), p.M, x.element_size())
+        tiles = triton.cdiv(p.M, cfg["BLOCK_M"]) * triton.cdiv(p.N, cfg["BLOCK_N"])
+        per_chunk, length = split_plan(p.CH, p.NC, tiles, cfg["BLOCK_K"], _num_sms(device), split_len)
+        S = p.NC * per_chunk
+        return Plan(path, p, cfg, per_chunk, length, copy_bytes, scale_bytes,
+                    partial_bytes=aligned(S * p.M * p.N * 4) if S > 1 else 0)
+    if path == "tiled":
+        return Plan(path, p, tiled_config(arch_major(device), x.element_size()), copy_bytes=copy_bytes,
+                    scale_bytes=scale_bytes)
+    prepared = fc_rules.prepares_input(rows, chunk_norm_weight, input_norm_weight)
+    return Plan(path, p, {}, copy_bytes=copy_bytes,
+                prepared_bytes=aligned(p.M * p.KH * x.element_size()) if prepared else 0)
+
+
+def _skinny(x, weight, bias, rows, chunk_norm_weight, input_norm_weight, eps, out, carver: Carver, pl: Plan) -> None:
+    p = pl.problem
+    device = x.device
+    scales = None
+    if p.has_scale:
+        scales = _row_scales(x, rows, chunk_norm_weight, input_norm_weight, eps, p,
+                             carver.take(p.M * p.NC, torch.float32))
+    cfg = pl.cfg
     tiles_m, tiles_n = triton.cdiv(p.M, cfg["BLOCK_M"]), triton.cdiv(p.N, cfg["BLOCK_N"])
-    per_chunk, split_len = split_plan(p.CH, p.NC, tiles_m * tiles_n, cfg["BLOCK_K"], _num_sms(device), split_len)
-    S = p.NC * per_chunk
-    ws = _scratch(device, "splitk", S * p.M * p.N, torch.float32) if S > 1 else None
+    S = pl.S
+    ws = carver.take(S * p.M * p.N, torch.float32) if S > 1 else None
     _skinny_kernel[(tiles_m, tiles_n, S)](
         x, x.stride(0), weight, weight.stride(0), _dummy(rows, x), _dummy(input_norm_weight, x),
         _dummy(chunk_norm_weight, x), _dummy(scales, x), _dummy(bias, x), out, out.stride(0), _dummy(ws, x),
-        p.M, p.N, p.R, p.CH, p.NC, per_chunk, split_len,
+        p.M, p.N, p.R, p.CH, p.NC, pl.splits_per_chunk, pl.split_len,
         HAS_ROWS=rows is not None, HAS_IN_NORM=input_norm_weight is not None,
         HAS_CHUNK_NORM=chunk_norm_weight is not None, HAS_SCALE=p.has_scale, HAS_BIAS=bias is not None,
         WRITE_PARTIAL=S > 1, INTERPRETER_BF16=interpreter_bf16(_skinny_kernel, x.dtype),
@@ -449,20 +456,13 @@ def skinny_fc_out(x, weight, bias, rows, chunk_norm_weight, input_norm_weight, e
             INTERPRETER_BF16=interpreter_bf16(_splitk_reduce_kernel, x.dtype), num_warps=4)
 
 
-def tiled_config(arch: int, itemsize: int) -> dict:
-    if arch == 0:  # interpreter: few, large programs
-        return dict(BLOCK_M=32, BLOCK_N=64, BLOCK_K=64, GROUP_M=2, num_warps=4, num_stages=1)
-    bm, bn, bk = 128, 128, 64
-    stages = _stages(arch, (bm + bn) * bk * itemsize, max_stages=4)
-    return dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=8, num_warps=8, num_stages=stages)
-
-
-def tiled_fc_out(x, weight, bias, rows, chunk_norm_weight, input_norm_weight, eps, out) -> None:
-    """The tiled GEMM path with the fused prologue (any M; chosen for mid M)."""
-    bias, rows, input_norm_weight = _unit_stride_args(bias, rows, input_norm_weight)
-    p = _problem(x, weight, rows, chunk_norm_weight, input_norm_weight, out)
-    scales = _row_scales(x, rows, chunk_norm_weight, input_norm_weight, eps, p) if p.has_scale else None
-    cfg = tiled_config(arch_major(x.device), x.element_size())
+def _tiled(x, weight, bias, rows, chunk_norm_weight, input_norm_weight, eps, out, carver: Carver, pl: Plan) -> None:
+    p = pl.problem
+    scales = None
+    if p.has_scale:
+        scales = _row_scales(x, rows, chunk_norm_weight, input_norm_weight, eps, p,
+                             carver.take(p.M * p.NC, torch.float32))
+    cfg = pl.cfg
     grid = (triton.cdiv(p.M, cfg["BLOCK_M"]) * triton.cdiv(p.N, cfg["BLOCK_N"]),)
     _tiled_kernel[grid](
         x, x.stride(0), weight, weight.stride(0), _dummy(rows, x), _dummy(input_norm_weight, x),
@@ -473,12 +473,17 @@ def tiled_fc_out(x, weight, bias, rows, chunk_norm_weight, input_norm_weight, ep
         INTERPRETER_BF16=interpreter_bf16(_tiled_kernel, x.dtype), INPUT_PRECISION=_input_precision(x.dtype), **cfg)
 
 
-def prepare_input(x, rows, chunk_norm_weight, input_norm_weight, eps, M: int) -> torch.Tensor:
-    """``norm(x[rows])`` rounded to x's dtype, [M, K*H] (NaN rows for out-of-range indices), in
-    scratch: valid until the next draft_fc call on this device."""
+def prepare_input(x, rows, chunk_norm_weight, input_norm_weight, eps, M: int,
+                  out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """``norm(x[rows])`` rounded to x's dtype, [M, K*H] (NaN rows for out-of-range indices),
+    written into ``out`` (M*K*H elements of x's dtype; a new tensor when None: tests)."""
     R, KH = x.shape
-    NC, CH = (chunk_norm_weight.shape[0], chunk_norm_weight.shape[1]) if chunk_norm_weight is not None else (1, KH)
-    prep = _scratch(x.device, "prepared", M * KH, x.dtype).view(M, KH)
+    NC, CH = fc_rules.chunks(x, chunk_norm_weight)
+    if out is None:
+        out = torch.empty(M * KH, dtype=x.dtype, device=x.device)
+    prep = out.view(M, KH)
+    if KH == 0:
+        return prep
     block = 256 if x.device.type != "cuda" else 1024
     _row_scales_kernel[(M,)](
         x, x.stride(0), _dummy(rows, x), _dummy(input_norm_weight, x), _dummy(chunk_norm_weight, x), x, prep,
@@ -489,37 +494,41 @@ def prepare_input(x, rows, chunk_norm_weight, input_norm_weight, eps, M: int) ->
     return prep
 
 
-def cublas_fc_out(x, weight, bias, rows, chunk_norm_weight, input_norm_weight, eps, out) -> None:
+def _cublas(x, weight, bias, rows, chunk_norm_weight, input_norm_weight, eps, out, carver: Carver, pl: Plan) -> None:
     """``F.linear`` (cuBLAS on a GPU) on the prepared input; x itself when nothing is to prepare."""
-    bias, rows, input_norm_weight = _unit_stride_args(bias, rows, input_norm_weight)
-    if rows is None and chunk_norm_weight is None and input_norm_weight is None:
+    p = pl.problem
+    if not fc_rules.prepares_input(rows, chunk_norm_weight, input_norm_weight):
         inp = x
+    elif p.KH == 0:
+        inp = x.as_strided((p.M, 0), (0, 1))  # nothing to prepare: out = bias (or 0)
     else:
-        inp = prepare_input(x, rows, chunk_norm_weight, input_norm_weight, eps, out.shape[0])
+        inp = prepare_input(x, rows, chunk_norm_weight, input_norm_weight, eps, p.M, carver.take(p.M * p.KH, x.dtype))
     if bias is not None:
         torch.addmm(bias, inp, weight.t(), out=out)
     else:
         torch.mm(inp, weight.t(), out=out)
 
 
-PATHS = {"skinny": skinny_fc_out, "tiled": tiled_fc_out, "cublas": cublas_fc_out}
+_RUN = {"skinny": _skinny, "tiled": _tiled, "cublas": _cublas}
 
 
-def choose_path(M: int, device: torch.device) -> str:
-    return crossover_for(device).path(M)
+def draft_fc_workspace_bytes(x, weight, bias, rows, chunk_norm_weight, input_norm_weight,
+                             split_len: Optional[int] = None) -> int:
+    """Workspace bytes :func:`draft_fc` carves for exactly these arguments on x.device (pure)."""
+    return plan(x, weight, bias, rows, chunk_norm_weight, input_norm_weight, split_len).nbytes
 
 
-def draft_fc_out(x, weight, bias, rows, chunk_norm_weight, input_norm_weight, eps, out) -> None:
-    """Backend entry point (arguments already validated, M > 0): the path from :data:`CROSSOVER`."""
-    path = choose_path(out.shape[0], x.device)
-    if path == "skinny" and x.dtype == torch.float16 and (chunk_norm_weight is not None or input_norm_weight is not None):
-        # The skinny kernel feeds the dot x * norm weights *before* the RMS scale (applied to the fp32
-        # partials); in fp16 that product can overflow 65504 where norm(x) cannot. The tiled kernel
-        # scales x on the fly, so it is safe.
-        path = "tiled"
-    PATHS[path](x, weight, bias, rows, chunk_norm_weight, input_norm_weight, eps, out)
+def draft_fc(x, weight, bias, rows, chunk_norm_weight, input_norm_weight, eps, out, workspace,
+             split_len: Optional[int] = None) -> None:
+    """Backend entry point (arguments validated, M > 0): ``out = linear(norm(x[rows]), weight, bias)``
+    on the path :func:`plan` picks; scratch is carved from ``workspace`` (uint8, at least
+    :func:`draft_fc_workspace_bytes` bytes; None when that is 0). ``split_len``: see :func:`plan`."""
+    pl = plan(x, weight, bias, rows, chunk_norm_weight, input_norm_weight, split_len)
+    carver = Carver(workspace)
+    bias, rows, input_norm_weight = fc_rules.unit_stride_copies(carver, bias, rows, input_norm_weight)
+    with interpreter_serialized(_skinny_kernel):
+        _RUN[pl.path](x, weight, bias, rows, chunk_norm_weight, input_norm_weight, eps, out, carver, pl)
 
 
-
-__all__ = ["CROSSOVER", "Crossover", "choose_path", "crossover_for", "cublas_fc_out", "draft_fc_out",
-           "interpreted", "prepare_input", "skinny_fc_out", "split_plan", "tiled_fc_out", "PATHS"]
+__all__ = ["Plan", "draft_fc", "draft_fc_workspace_bytes", "interpreted", "interpreter_serialized", "plan",
+           "prepare_input", "skinny_config", "split_plan", "tiled_config"]

@@ -1,0 +1,325 @@
+"""The compiled CUDA backend as torch ops (namespace ``eagle3_cuda``, csrc/bindings.cpp): the ops are
+registered with the agreed schemas, the kernels are CUDA-only (plus do-nothing Meta kernels for
+tracing) while the workspace size query is a catch-all op (so it runs here, on the CPU), the query's bytes for a few shapes and paths,
+``cuda_backend``'s plan (path, splits, workspace bytes) against the query, and, on a GPU (marker
+``gpu``), each op against the reference.
+
+Needs the extension: skipped where no nvcc was found at install time (as tests/test_build.py)."""
+import math
+import os
+import shutil
+
+import pytest
+import torch
+
+from eagle3_ops import cuda_backend, plans, reference
+from eagle3_ops.workspace import ALIGN, aligned
+
+
+def _nvcc_expected() -> bool:
+    return shutil.which("nvcc") is not None and os.environ.get("EAGLE3_OPS_SKIP_CUDA", "0") != "1"
+
+
+pytestmark = pytest.mark.skipif(not _nvcc_expected(),
+                                reason="no nvcc on PATH (or EAGLE3_OPS_SKIP_CUDA=1): the extension is not built")
+
+SCHEMAS = {
+    "capture": "eagle3_cuda::capture(Tensor hidden, Tensor? residual, Tensor(a!) buffer, int slot) -> ()",
+    "fused_add_rmsnorm_capture": (
+        "eagle3_cuda::fused_add_rmsnorm_capture(Tensor(a!) input, Tensor(b!) residual, Tensor weight, float eps, "
+        "Tensor(c!) buffer, int slot) -> ()"),
+    "draft_fc": (
+        "eagle3_cuda::draft_fc(Tensor x, Tensor weight, Tensor? bias, Tensor? rows, Tensor? chunk_norm_weight, "
+        "Tensor? input_norm_weight, float eps, Tensor(a!) out, Tensor(b!)? workspace, int path, int splits) -> ()"),
+    "draft_fc_workspace_bytes": (
+        "eagle3_cuda::draft_fc_workspace_bytes(int M, int N, int KH, int K, bool chunk_norm, bool input_norm, "
+        "int path, int splits, ScalarType dtype) -> int"),
+}
+SKINNY, TILED, CUBLAS = (plans.PATHS.index(p) for p in ("skinny", "tiled", "cublas"))
+
+
+@pytest.fixture(scope="module")
+def ops():
+    ext = cuda_backend.cuda_extension()
+    assert ext is not None, "nvcc is present but eagle3_ops._C was not built/importable"
+    assert cuda_backend.ops_registered(), "eagle3_ops._C imports but registers no eagle3_cuda ops"
+    return torch.ops.eagle3_cuda
+
+
+# ---- registration ------------------------------------------------------------------------------------
+def test_ops_are_registered_with_the_agreed_schemas(ops):
+    assert set(cuda_backend.OPS) == set(SCHEMAS)
+    for name, schema in SCHEMAS.items():
+        assert str(getattr(ops, name).default._schema) == schema, name
+
+
+def test_kernels_are_cuda_only_and_the_size_query_is_a_catch_all(ops):
+    has = torch._C._dispatch_has_kernel_for_dispatch_key
+    for name in ("capture", "fused_add_rmsnorm_capture", "draft_fc"):
+        assert has(f"eagle3_cuda::{name}", "CUDA") and not has(f"eagle3_cuda::{name}", "CPU"), name
+    assert has("eagle3_cuda::draft_fc_workspace_bytes", "CompositeImplicitAutograd")
+    x, w = torch.zeros(2, 8), torch.zeros(4, 8)
+    with pytest.raises(NotImplementedError):  # no CPU kernel: the dispatcher says so
+        ops.draft_fc(x, w, None, None, None, None, 1e-6, torch.zeros(2, 4), None, CUBLAS, 0)
+
+
+def test_ops_have_meta_kernels_so_they_trace_without_data(ops):
+    """Meta / FakeTensor (torch.compile tracing): the ops write into their arguments and return
+    nothing, so their meta kernels do nothing and accept any device-less tensors."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    def run(device):
+        x = torch.empty(8, 64, device=device, dtype=torch.bfloat16)
+        w = torch.empty(16, 64, device=device, dtype=torch.bfloat16)
+        buf = torch.empty(8, 128, device=device, dtype=torch.bfloat16)
+        ops.capture(x, None, buf, 1)
+        ops.fused_add_rmsnorm_capture(x, x.clone(), torch.empty(64, device=device, dtype=torch.bfloat16), 1e-6, buf, 1)
+        ops.draft_fc(x, w, None, None, None, None, 1e-6, torch.empty(8, 16, device=device, dtype=torch.bfloat16),
+                     torch.empty(512, device=device, dtype=torch.uint8), CUBLAS, 0)
+
+    run("meta")
+    with FakeTensorMode():
+        run("cpu")
+
+
+def test_the_python_module_carries_only_compiled_archs(ops):
+    ext = cuda_backend.cuda_extension()
+    assert {n for n in dir(ext) if not n.startswith("__")} == {"compiled_archs"}
+    assert cuda_backend.compiled_archs() == tuple(ext.compiled_archs.split(","))
+    assert not cuda_backend.serves(torch.device("cpu"))
+
+
+# ---- the size query ----------------------------------------------------------------------------------
+def skinny_bytes(M, N, KH, K, chunk, inorm, splits):
+    """The skinny path's workspace, computed independently of the C++ (draft_fc.cu's split rule:
+    steps of 128, at least 4 per split, at most 64 splits; partials then sums, 256-byte aligned)."""
+    CH, NC = (KH // K, K) if chunk else (KH, 1)
+    step = 128
+    per_chunk = max(1, min(splits, CH // (4 * step), 64 // NC))
+    split_len = math.ceil(math.ceil(CH / per_chunk) / step) * step
+    S = NC * math.ceil(CH / split_len)
+    norm = chunk or inorm
+    if S == 1 and not norm:
+        return 0
+    return aligned(S * M * N * 4) + (aligned(S * M * 2 * 4) if norm else 0)
+
+
+QUERY_CASES = [  # (M, N, KH, K, chunk_norm, input_norm, path, splits, dtype, bytes worked out by hand)
+    (7, 72, 240, 3, True, True, SKINNY, 4, torch.bfloat16, 6144 + 256),  # S = 3: 3*7*72*4 -> 6144, sums 168 -> 256
+    (7, 4096, 3 * 4096, 3, True, True, SKINNY, 16, torch.bfloat16, 2752512 + 1536),  # 8 splits x 3 chunks
+    (7, 4096, 3 * 4096, 1, False, False, SKINNY, 16, torch.float16, 1835008),  # S = 16, no sums
+    (1000, 4096, 3 * 4096, 1, False, False, SKINNY, 1, torch.bfloat16, 0),  # one split, no norm: out directly
+    (7, 72, 240, 3, False, True, CUBLAS, 0, torch.bfloat16, 3584),  # prepared input 7*240*2 = 3360 -> 3584
+    (7, 72, 240, 3, True, False, CUBLAS, 0, torch.float32, 6912),  # 6720 -> 6912
+    (0, 72, 240, 3, True, True, SKINNY, 4, torch.bfloat16, 0),  # nothing to compute
+]
+
+
+@pytest.mark.parametrize("M,N,KH,K,chunk,inorm,path,splits,dtype,want", QUERY_CASES)
+def test_size_query_bytes(ops, M, N, KH, K, chunk, inorm, path, splits, dtype, want):
+    got = ops.draft_fc_workspace_bytes(M, N, KH, K, chunk, inorm, path, splits, dtype)
+    assert got == want
+    assert got % ALIGN == 0
+    if path == SKINNY and M > 0:
+        assert got == skinny_bytes(M, N, KH, K, chunk, inorm, splits)
+
+
+@pytest.mark.parametrize("M", [1, 7, 64, 128, 1000])
+@pytest.mark.parametrize("K,chunk,inorm", [(3, True, True), (1, False, False), (3, False, True), (48, True, False)])
+@pytest.mark.parametrize("splits", [1, 3, 16, 1000])
+def test_size_query_follows_the_split_rule(ops, M, K, chunk, inorm, splits):
+    N, KH = 1000, 3 * 1024
+    got = ops.draft_fc_workspace_bytes(M, N, KH, K, chunk, inorm, SKINNY, splits, torch.bfloat16)
+    assert got == skinny_bytes(M, N, KH, K, chunk, inorm, splits)
+
+
+@pytest.mark.parametrize("args,match", [
+    ((7, 72, 240, 3, True, True, TILED, 4, torch.bfloat16), "tiled, is a Triton kernel only"),
+    ((7, 72, 240, 3, True, True, SKINNY, 4, torch.float32), "bf16/fp16 only"),
+    ((7, 72, 240, 7, True, True, SKINNY, 4, torch.bfloat16), "equal, non-zero width"),
+    ((7, 72, 0, 1, False, False, SKINNY, 4, torch.bfloat16), "K\\*H > 0"),
+    ((7, 72, 65 * 8, 65, True, False, SKINNY, 1, torch.bfloat16), "exceed the reducer's 64"),
+    ((7, 72, 240, 3, True, True, SKINNY, 0, torch.bfloat16), "splits >= 1"),
+    ((7, 72, 240, 3, True, True, CUBLAS, 0, torch.int32), "unsupported dtype"),
+])
+def test_size_query_rejects_what_the_kernels_cannot_launch(ops, args, match):
+    with pytest.raises(RuntimeError, match=match):
+        ops.draft_fc_workspace_bytes(*args)
+
+
+# ---- cuda_backend's plan against the query -------------------------------------------------------------
+SMS = 132
+
+
+@pytest.fixture
+def h200_sms(monkeypatch):
+    """cuda_backend asks the GPU for its SM count; here (CPU tensors) it is an H200's."""
+    monkeypatch.setattr(cuda_backend, "sm_count", lambda device: SMS)
+
+
+def fc_args(M, H, K, N, dtype, bias=False, rows=False, chunk=False, inorm=False, device="cpu"):
+    gen = torch.Generator().manual_seed(M * 1000 + H)
+    R = M + 3
+    x = torch.randn(R, K * H, generator=gen).to(device=device, dtype=dtype)
+    w = torch.randn(N, K * H, generator=gen).to(device=device, dtype=dtype)
+    b = torch.randn(N, generator=gen).to(device=device, dtype=dtype) if bias else None
+    r = torch.randint(0, R, (M,), generator=gen).to(device) if rows else None
+    cn = torch.rand(K, H, generator=gen).add(0.5).to(device=device, dtype=dtype) if chunk else None
+    inw = torch.rand(K * H, generator=gen).add(0.5).to(device=device, dtype=dtype) if inorm else None
+    return x, w, b, r, cn, inw
+
+
+def expected_splits(M, N, NC):
+    nt = {1: 1, 2: 2, 3: 4, 4: 4}.get(math.ceil(min(M, 64) / 8), 8)
+    tiles = math.ceil(M / (8 * nt)) * math.ceil(N / 64) * NC
+    return min(16, math.ceil(3 * SMS / tiles))
+
+
+VARIANTS = {"plain": {}, "rows": dict(rows=True), "norms": dict(chunk=True, inorm=True),
+            "all": dict(bias=True, rows=True, chunk=True, inorm=True)}
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+@pytest.mark.parametrize("forced", ["skinny", "tiled", "cublas", None])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=str)
+@pytest.mark.parametrize("M", [7, 300])
+def test_backend_plan_agrees_with_the_size_query(ops, h200_sms, variant, forced, dtype, M):
+    kw = VARIANTS[variant]
+    args = fc_args(M, 256, 3, 200, dtype, **kw)
+    x, w, b, rows, cn, inw = args
+    M = rows.numel() if rows is not None else x.shape[0]  # fc_args gives x M + 3 rows
+    with plans.forced_path(forced):
+        p = cuda_backend.plan(*args)
+        assert cuda_backend.draft_fc_workspace_bytes(*args) == p.nbytes
+    # the path: forced tiled has no CUDA kernel; fp32 and fp16 with norms never go skinny
+    table = plans.choose("cuda", x.device, M)
+    want_skinny = (forced or table) == "skinny" and dtype != torch.float32 and not (
+        dtype == torch.float16 and (cn is not None or inw is not None))
+    assert p.path == ("skinny" if want_skinny else "cublas")
+    NC = 3 if cn is not None else 1
+    assert p.splits == (expected_splits(M, 200, NC) if want_skinny else 0)
+    assert p.copy_bytes == 0
+    prepares = p.path == "skinny" or rows is not None or cn is not None or inw is not None
+    path = cuda_backend.PATH_INDEX[p.path]
+    want = ops.draft_fc_workspace_bytes(M, 200, 768, NC, cn is not None, inw is not None, path, p.splits, dtype)
+    assert p.op_bytes == (want if prepares else 0)
+
+
+def test_backend_plan_copies_strided_views_and_falls_back_on_layouts_skinny_cannot_take(ops, h200_sms):
+    x, w, b, rows, cn, inw = fc_args(7, 256, 3, 200, torch.bfloat16, bias=True, rows=True, chunk=True, inorm=True)
+    with plans.forced_path("skinny"):
+        base = cuda_backend.plan(x, w, b, rows, cn, inw)
+        assert base.path == "skinny" and base.copy_bytes == 0
+        # strided 1-D views: one aligned copy each, first in the workspace; skinny still serves
+        sb, sr, si = (torch.stack([t, t], 1).reshape(-1)[::2] for t in (b, rows, inw))
+        p = cuda_backend.plan(x, w, sb, sr, cn, si)
+        assert p.path == "skinny" and p.op_bytes == base.op_bytes
+        assert p.copy_bytes == aligned(200 * 2) + aligned(7 * 8) + aligned(768 * 2)
+        # x not 16-byte aligned, or a row stride that is not a multiple of 8: cuBLAS
+        xs = torch.zeros(8, 768 + 1, dtype=torch.bfloat16)[:, 1:]
+        assert cuda_backend.plan(xs, w, b, rows, cn, inw).path == "cublas"
+        xp = torch.zeros(10, 768 + 4, dtype=torch.bfloat16)[:, :768]
+        assert cuda_backend.plan(xp, w, b, rows, cn, inw).path == "cublas"
+        # a chunk width that is not a multiple of 8; more chunks than the reducer takes
+        x2, w2, _, r2, cn2, _ = fc_args(7, 12, 64, 200, torch.bfloat16, rows=True, chunk=True)
+        assert cuda_backend.plan(x2, w2, None, r2, cn2, None).path == "cublas"
+        x3, w3, _, r3, cn3, _ = fc_args(7, 8, 96, 200, torch.bfloat16, rows=True, chunk=True)
+        assert cuda_backend.plan(x3, w3, None, r3, cn3, None).path == "cublas"
+    with plans.forced_path("cublas"):
+        assert cuda_backend.draft_fc_workspace_bytes(x, w, b, None, None, None) == 0  # x straight to cuBLAS
+        assert cuda_backend.draft_fc_workspace_bytes(x, w, b, rows, None, None) == aligned(7 * 768 * 2)
+
+
+def test_backend_plan_on_meta_tensors_matches_real_ones(ops, h200_sms):
+    for variant in VARIANTS.values():
+        args = fc_args(7, 256, 3, 200, torch.bfloat16, **variant)
+        meta = tuple(t.to("meta") if t is not None else None for t in args)
+        for forced in ("skinny", "cublas"):
+            with plans.forced_path(forced):
+                assert cuda_backend.plan(*meta) == cuda_backend.plan(*args)
+
+
+# ---- on a GPU: each op against the reference ----------------------------------------------------------
+def _gpu_device():
+    dev = torch.device("cuda", torch.cuda.current_device())
+    if not cuda_backend.serves(dev):
+        pytest.skip(f"extension not built for {cuda_backend.device_arch(dev)} (built: {cuda_backend.compiled_archs()})")
+    return dev
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("H", [4096, 1002])  # 1002: the unaligned launch
+@pytest.mark.parametrize("residual", [False, True])
+def test_gpu_capture_matches_the_reference(ops, H, residual):
+    dev = _gpu_device()
+    gen = torch.Generator(device=dev).manual_seed(1)
+    T, K, slot = 37, 3, 1
+    hidden = torch.randn(T, H, generator=gen, device=dev).to(torch.bfloat16)
+    res = torch.randn(T, H, generator=gen, device=dev).to(torch.bfloat16) if residual else None
+    got = torch.full((T + 2, K * H), float("nan"), device=dev, dtype=torch.bfloat16)
+    want = got.clone()
+    ops.capture(hidden, res, got, slot)
+    reference.capture_ref(hidden, res, want, slot)
+    assert torch.equal(got.isnan(), want.isnan()) and torch.equal(got.nan_to_num(), want.nan_to_num())
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("H", [4096, 1002, 20000])  # 20000: the two-pass kernel
+def test_gpu_fused_add_rmsnorm_capture_matches_the_reference(ops, H):
+    dev = _gpu_device()
+    gen = torch.Generator(device=dev).manual_seed(2)
+    T, K, slot = 37, 3, 2
+    inp = torch.randn(T, H, generator=gen, device=dev).to(torch.bfloat16)
+    res = torch.randn(T, H, generator=gen, device=dev).to(torch.bfloat16)
+    weight = torch.rand(H, generator=gen, device=dev).add(0.5).to(torch.bfloat16)
+    buf = torch.zeros(T, K * H, device=dev, dtype=torch.bfloat16)
+    inp2, res2, buf2 = inp.clone(), res.clone(), buf.clone()
+    ops.fused_add_rmsnorm_capture(inp, res, weight, 1e-6, buf, slot)
+    reference.fused_add_rmsnorm_capture_ref(inp2, res2, weight, 1e-6, buf2, slot)
+    assert torch.equal(res, res2) and torch.equal(buf, buf2)  # one rounding of the same fp32 sum
+    torch.testing.assert_close(inp.float(), inp2.float(), rtol=2 ** -7, atol=1e-6)  # rsqrt / sum order
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("variant", list(VARIANTS))
+@pytest.mark.parametrize("forced", ["skinny", "cublas", None])
+@pytest.mark.parametrize("M", [7, 300])
+def test_gpu_draft_fc_matches_the_reference(ops, variant, forced, M):
+    dev = _gpu_device()
+    args = fc_args(M, 4096, 3, 1000, torch.bfloat16, device=dev, **VARIANTS[variant])
+    x, w, b, rows, cn, inw = args
+    want = reference.draft_fc_ref(*args, 1e-6, acc_dtype=torch.float64)
+    outs = []
+    for _ in range(2):
+        with plans.forced_path(forced):
+            need = cuda_backend.draft_fc_workspace_bytes(*args)
+            ws = torch.empty(need, dtype=torch.uint8, device=dev) if need else None
+            out = torch.full((M, 1000), float("nan"), dtype=torch.bfloat16, device=dev)
+            cuda_backend.draft_fc(*args, 1e-6, out, ws)
+        outs.append(out)
+    torch.cuda.synchronize()
+    err = ((outs[0].double() - want).abs().max() / want.abs().max()).item()
+    assert err <= 1e-2, err
+    assert torch.equal(outs[0].view(torch.int16), outs[1].view(torch.int16))  # deterministic
+
+
+@pytest.mark.gpu
+def test_gpu_draft_fc_op_checks_memory_safety(ops):
+    dev = _gpu_device()
+    x, w, b, rows, cn, inw = fc_args(7, 4096, 3, 1000, torch.bfloat16, device=dev, bias=True, rows=True, chunk=True,
+                                     inorm=True)
+    out = torch.empty(7, 1000, dtype=torch.bfloat16, device=dev)
+    need = ops.draft_fc_workspace_bytes(7, 1000, 3 * 4096, 3, True, True, SKINNY, 4, torch.bfloat16)
+    ws = torch.empty(need + 16, dtype=torch.uint8, device=dev)
+    ops.draft_fc(x, w, b, rows, cn, inw, 1e-6, out, ws[:need], SKINNY, 4)  # exactly enough
+    with pytest.raises(RuntimeError, match="workspace has"):
+        ops.draft_fc(x, w, b, rows, cn, inw, 1e-6, out, ws[:need - 1], SKINNY, 4)
+    with pytest.raises(RuntimeError, match="16-byte aligned"):
+        ops.draft_fc(x, w, b, rows, cn, inw, 1e-6, out, ws[1:need + 1], SKINNY, 4)
+    with pytest.raises(RuntimeError, match="needs a workspace"):
+        ops.draft_fc(x, w, b, rows, cn, inw, 1e-6, out, None, CUBLAS, 0)
+    xs = torch.zeros(8, 3 * 4096 + 1, dtype=torch.bfloat16, device=dev)[:, 1:]
+    with pytest.raises(RuntimeError, match="skinny path needs"):
+        ops.draft_fc(xs, w, b, rows, cn, inw, 1e-6, out, ws[:need], SKINNY, 4)
+    with pytest.raises(RuntimeError, match="stride 1"):
+        ops.draft_fc(x, w, torch.stack([b, b], 1).reshape(-1)[::2], rows, cn, inw, 1e-6, out, ws[:need], SKINNY, 4)
