@@ -13,6 +13,10 @@
   ``sgl_kernel.fused_add_rmsnorm`` or FlashInfer's when installed; otherwise torch eager with SGLang's
   ``forward_native`` math, and the row's ``stock`` names which one ran.
 
+Inputs come from ``eagle3_ops.testing.capture_problem`` (the op tests' builder; here with unpadded,
+aligned rows and a [T, K*H] buffer), and ours is checked against stock (bitwise for the captures,
+``testing.rel_err`` for the normed output) before it is timed.
+
 Shapes: H in {4096, 7168, 8192}, T in {1, 16, 64, 256, 2048, 8192} on a GPU; on the CPU only
 T=1, H=4096 runs (smoke test of this file, reference backend, rows marked smoke).
 """
@@ -22,6 +26,7 @@ import pytest
 import torch
 
 import eagle3_ops
+from eagle3_ops import testing
 
 SMOKE = not torch.cuda.is_available()
 DTYPE = torch.bfloat16
@@ -41,8 +46,11 @@ def _shape_id(T, H):
     return f"T={T},H={H}"
 
 
-def _rand(T, H, device, gen):
-    return torch.randn(T, H, generator=gen, device=device, dtype=torch.float32).to(DTYPE)
+def _problems(T, H, device, key, fused=False):
+    """K capture problems (the op tests' builder) with contiguous [T, H] inputs; the first one's
+    [T, K*H] buffer (aligned rows, no padding) is the one every capture writes."""
+    return [testing.capture_problem(T, H, K, DTYPE, device, key=(key, k), slot=k, fused=fused, extra_rows=0,
+                                    buffer_pad=0) for k in range(K)]
 
 
 @pytest.fixture
@@ -98,10 +106,9 @@ def _stock_time(key, fn, gpu_time_us):
 @pytest.mark.parametrize("ours_backend", OURS_BACKENDS, indirect=True)
 @pytest.mark.parametrize("T,H", SHAPES, ids=[_shape_id(*s) for s in SHAPES])
 def test_capture3_llama(T, H, ours_backend, bench_device, bench_record, gpu_time_us):
-    gen = torch.Generator(device=bench_device).manual_seed(T + H)
-    hs = [_rand(T, H, bench_device, gen) for _ in range(K)]
-    rs = [_rand(T, H, bench_device, gen) for _ in range(K)]
-    buffer = torch.empty(T, K * H, dtype=DTYPE, device=bench_device)
+    problems = _problems(T, H, bench_device, "capture3_llama")
+    hs, rs = [p.hidden for p in problems], [p.residual for p in problems]
+    buffer = problems[0].buffer
 
     def stock():
         captured = []
@@ -114,7 +121,7 @@ def test_capture3_llama(T, H, ours_backend, bench_device, bench_record, gpu_time
             eagle3_ops.capture(hs[k], rs[k], buffer, k)
 
     ours()
-    assert torch.equal(buffer, stock()), "ours and stock disagree: not benchmarking the same thing"
+    assert testing.same_bits(buffer, stock()), "ours and stock disagree: not benchmarking the same thing"
     stock_us = _stock_time(("capture3_llama", T, H), stock, gpu_time_us)
     bench_record("capture3_llama", _shape_id(T, H), K * 3 * T * H * ELEM, ours_backend, ours,
                  stock_name="add+clone+cat", stock_us=stock_us, dtype="bf16",
@@ -124,10 +131,10 @@ def test_capture3_llama(T, H, ours_backend, bench_device, bench_record, gpu_time
 @pytest.mark.parametrize("ours_backend", OURS_BACKENDS, indirect=True)
 @pytest.mark.parametrize("T,H", SHAPES, ids=[_shape_id(*s) for s in SHAPES])
 def test_capture3_packer(T, H, ours_backend, bench_device, bench_record, gpu_time_us):
-    gen = torch.Generator(device=bench_device).manual_seed(T + H + 1)
-    hs = [_rand(T, H, bench_device, gen) for _ in range(K)]
-    stock_buffer = torch.empty(T, K * H, dtype=DTYPE, device=bench_device)
-    buffer = torch.empty(T, K * H, dtype=DTYPE, device=bench_device)
+    problems = _problems(T, H, bench_device, "capture3_packer")
+    hs = [p.hidden for p in problems]
+    buffer = problems[0].buffer
+    stock_buffer = torch.empty_like(buffer)
 
     def stock():
         for k, h in enumerate(hs):
@@ -139,7 +146,7 @@ def test_capture3_packer(T, H, ours_backend, bench_device, bench_record, gpu_tim
 
     stock()
     ours()
-    assert torch.equal(buffer, stock_buffer), "ours and stock disagree: not benchmarking the same thing"
+    assert testing.same_bits(buffer, stock_buffer), "ours and stock disagree: not benchmarking the same thing"
     stock_us = _stock_time(("capture3_packer", T, H), stock, gpu_time_us)
     bench_record("capture3_packer", _shape_id(T, H), K * 2 * T * H * ELEM, ours_backend, ours,
                  stock_name="slot.copy_", stock_us=stock_us, dtype="bf16", stock_bytes=K * 2 * T * H * ELEM)
@@ -148,12 +155,10 @@ def test_capture3_packer(T, H, ours_backend, bench_device, bench_record, gpu_tim
 @pytest.mark.parametrize("ours_backend", OURS_BACKENDS, indirect=True)
 @pytest.mark.parametrize("T,H", SHAPES, ids=[_shape_id(*s) for s in SHAPES])
 def test_fused_add_rmsnorm_capture(T, H, ours_backend, bench_device, bench_record, gpu_time_us):
-    gen = torch.Generator(device=bench_device).manual_seed(T + H + 2)
-    x, r = _rand(T, H, bench_device, gen), _rand(T, H, bench_device, gen)
-    w = (torch.rand(H, generator=gen, device=bench_device) + 0.5).to(DTYPE)
+    p = _problems(T, H, bench_device, "fused", fused=True)[1]
+    x, r, w, buffer = p.hidden, p.residual, p.weight, p.buffer
     stock_x, stock_r = x.clone(), r.clone()
-    stock_buffer = torch.empty(T, K * H, dtype=DTYPE, device=bench_device)
-    buffer = torch.empty(T, K * H, dtype=DTYPE, device=bench_device)
+    stock_buffer = torch.empty_like(buffer)
     stock_name, stock_fused = stock_fused_add_rmsnorm(bench_device.type)
 
     def stock():
@@ -164,9 +169,12 @@ def test_fused_add_rmsnorm_capture(T, H, ours_backend, bench_device, bench_recor
         eagle3_ops.fused_add_rmsnorm_capture(x, r, w, EPS, buffer, 1)
 
     # Same math on the first call (the ops update their inputs in place, so only the first compares).
+    stock_out, _ = stock_fused(stock_x.clone(), stock_r.clone(), w, EPS)
     stock()
     ours()
-    assert torch.equal(buffer[:, H:2 * H], stock_buffer[:, H:2 * H]), "captured residuals differ"
+    assert testing.same_bits(buffer[:, H:2 * H], stock_buffer[:, H:2 * H]), "captured residuals differ"
+    err = testing.rel_err(x, stock_out.double())
+    assert err <= 2 * testing.NORM_TOL[DTYPE], f"normed outputs differ (rel err {err:.3g})"
     stock_us = _stock_time(("fused_add_rmsnorm_capture", T, H), stock, gpu_time_us)
     bench_record("fused_add_rmsnorm_capture", _shape_id(T, H), (5 * T * H + H) * ELEM, ours_backend, ours,
                  stock_name=f"{stock_name} + slot.copy_", stock_us=stock_us, dtype="bf16",

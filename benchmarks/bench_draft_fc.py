@@ -6,9 +6,9 @@
   ``x[rows]``, ``chunk(K)``, one RMSNorm per chunk, ``torch.cat``, ``F.linear``; ours = draft_fc_out
   with ``chunk_norm_weight``. The RMSNorm is sgl_kernel's or FlashInfer's when installed, else
   ``F.rms_norm``; the row's ``stock`` names which one ran.
-* ``draft_fc_paths``: every path of each backend at H = 7168, to set the crossover tables (Triton:
-  ``eagle3_ops/triton/draft_fc.py`` CROSSOVER; CUDA: ``kCrossover`` in ``csrc/draft_fc.cu``, forced
-  here with ``EAGLE3_OPS_CUDA_FC_SKINNY_MAX_M``). stock = ``F.linear(x[rows], weight)``.
+* ``draft_fc_paths``: every path of each backend at H = 7168, to set the one crossover table
+  (``eagle3_ops/plans.py`` CROSSOVER, both backends), each forced with ``plans.forced_path``.
+  stock = ``F.linear(x[rows], weight)``.
 
 Bytes that must move (the contract's minimum, ``bytes``): weight N*K*H + gathered x rows M*K*H +
 out M*N, times 2 bytes; ``weight_GB/s`` = weight bytes / time (the issue's headline number: fc is a
@@ -17,19 +17,23 @@ bf16 cuBLAS GEMM (8192^3) measured in the same run; ``vs_F.linear`` = F.linear(x
 L2 is flushed before every timed call (conftest ``gpu_time_us``): the fc weight is assumed cold, as
 it is in serving (the target model's traffic evicts it between draft steps).
 
+Problems come from ``eagle3_ops.testing.fc_problem`` (the op tests' builder: x [M + 13, K*H] with a
+gather of M rows, weight [H, K*H] ~ 1/sqrt(K*H), cached per shape on a GPU), and ours is checked
+against stock with ``eagle3_ops.testing.rel_err`` before it is timed.
+
 Shapes: H in {4096, 7168, 8192}, M in {1, 2, 7, 16, 64, 256, 1000, 4096} (chunk norm: H = 7168 only)
 on a GPU. On the CPU only a tiny shape runs (H = 256, M = 1, reference backend; the Triton paths at
 H = 64 under the interpreter) as a smoke test of this file: those rows are marked smoke and say
 nothing about GPU kernels.
 """
 import functools
-import os
 
 import pytest
 import torch
 import torch.nn.functional as F
 
 import eagle3_ops
+from eagle3_ops import plans, testing
 
 SMOKE = not torch.cuda.is_available()
 DTYPE = torch.bfloat16
@@ -44,7 +48,7 @@ OURS_BACKENDS = ("reference",) if SMOKE else ("cuda", "triton")
 PATH_H = 64 if SMOKE else 7168
 PATH_M = (1,) if SMOKE else (1, 16, 64, 128, 256, 512, 1000, 4096)
 TRITON_PATHS = ("skinny", "tiled", "cublas")
-CUDA_PATHS = {"cuda:skinny": 1 << 30, "cuda:cublas": 0}  # EAGLE3_OPS_CUDA_FC_SKINNY_MAX_M
+CUDA_PATHS = {"cuda:skinny": "skinny", "cuda:cublas": "cublas"}  # row name -> plans.forced_path
 CUDA_SKINNY_MAX_BENCH_M = 1000  # the skinny kernel at M = 4096 would only measure 64 weight re-reads
 
 _stock_us_cache = {}
@@ -59,20 +63,11 @@ def fc_bytes(M, H):
     return (N * K * H + M * K * H + M * N) * ELEM
 
 
-@functools.lru_cache(maxsize=2)
-def fc_weight(H, device_str):
-    gen = torch.Generator(device=device_str).manual_seed(H)
-    return (torch.randn(H, K * H, generator=gen, device=device_str) * (K * H) ** -0.5).to(DTYPE)
-
-
 def fc_problem(M, H, device):
-    gen = torch.Generator(device=device).manual_seed(M * 7 + H)
-    R = M + EXTRA_ROWS
-    x = torch.randn(R, K * H, generator=gen, device=device).to(DTYPE)
-    rows = torch.randperm(R, generator=gen, device=device)[:M]
-    chunk_w = (torch.rand(K, H, generator=gen, device=device) + 0.5).to(DTYPE)
+    """(x, weight, rows, chunk_norm_weight, out) from the op tests' problem builder."""
+    p = testing.fc_problem(M, H, K, DTYPE, device, rows=True, chunk=True, extra_rows=EXTRA_ROWS, x_scale=1.0)
     out = torch.empty(M, H, dtype=DTYPE, device=device)
-    return x, fc_weight(H, str(device)), rows, chunk_w, out
+    return p.x, p.weight, p.rows, p.chunk_norm_weight, out
 
 
 @functools.lru_cache(maxsize=None)
@@ -118,7 +113,7 @@ def _stock_time(key, fn, gpu_time_us):
 
 
 def _close(ours, stock):
-    err = ((ours.float() - stock.float()).abs().max() / stock.float().abs().max()).item()
+    err = testing.rel_err(ours, stock.double(), normwise=True)
     assert err < 3e-2, f"ours and stock disagree (rel err {err:.3g}): not benchmarking the same thing"
 
 
@@ -190,29 +185,20 @@ def _path_cases():
 def test_draft_fc_paths(backend, path, M, bench_device, bench_record, gpu_time_us, gemm_tflops, monkeypatch):
     H = PATH_H
     x, w, rows, _, out = fc_problem(M, H, bench_device)
-    if backend == "triton":
-        from eagle3_ops.triton import draft_fc as triton_fc
+    monkeypatch.setenv("EAGLE3_OPS_BACKEND", backend)
+    forced = path if backend == "triton" else CUDA_PATHS[path]
+    name = f"triton:{path}" if backend == "triton" else path
 
-        fn = triton_fc.PATHS[path]
-        name = f"triton:{path}"
-
-        def ours():
-            fn(x, w, None, rows, None, None, EPS, out)
-    else:
-        monkeypatch.setenv("EAGLE3_OPS_BACKEND", "cuda")
-        monkeypatch.setenv("EAGLE3_OPS_CUDA_FC_SKINNY_MAX_M", str(CUDA_PATHS[path]))
-        name = path
-
-        def ours():
-            eagle3_ops.draft_fc_out(x, w, None, rows, None, None, EPS, out)
+    def ours():
+        eagle3_ops.draft_fc_out(x, w, None, rows, None, None, EPS, out)
 
     def stock():
         return F.linear(x[rows], w)
 
-    ours()
-    _close(out, stock())
-    stock_us = _stock_time(("rows", M, H), stock, gpu_time_us)
-    row = bench_record("draft_fc_paths", shape_id(M, H), fc_bytes(M, H), name, ours,
-                       stock_name="F.linear(x[rows])", stock_us=stock_us, dtype="bf16",
-                       crossover_env=os.environ.get("EAGLE3_OPS_CUDA_FC_SKINNY_MAX_M"))
+    with plans.forced_path(forced):  # every call below, timed ones included, takes this path
+        ours()
+        _close(out, stock())
+        stock_us = _stock_time(("rows", M, H), stock, gpu_time_us)
+        row = bench_record("draft_fc_paths", shape_id(M, H), fc_bytes(M, H), name, ours,
+                           stock_name="F.linear(x[rows])", stock_us=stock_us, dtype="bf16", forced_path=forced)
     row.update(_extra(M, H, row["ours_us"], stock_us, gemm_tflops))
