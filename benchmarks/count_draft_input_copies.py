@@ -114,7 +114,7 @@ def count(plugin: bool, family: str = "llama", dtype=torch.bfloat16) -> dict:
     import weakref
 
     from eagle3_ops.sglang import capture_hooks
-    from eagle3_ops.sglang import cpu_harness as h
+    from eagle3_ops.demos import sglang_cpu_harness as h
     from eagle3_ops.sglang import static_inputs
     from sglang.srt.layers.aux_hidden_states import pack_aux_hidden_states
     from sglang.srt.model_executor.runner_backend.breakable_cuda_graph_backend import BreakableCudaGraphBackend
@@ -187,7 +187,7 @@ def kimi_bytes(units: float, tokens: int, K: int = 3, H: int = 7168, elem: int =
 
 
 def main() -> None:
-    from eagle3_ops.sglang import cpu_harness as h
+    from eagle3_ops.demos import sglang_cpu_harness as h
 
     h.disable_dynamo()
     h.init_distributed()

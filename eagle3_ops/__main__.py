@@ -14,14 +14,37 @@ commands:
 """
 
 
+def _backend_problem():
+    """One line when EAGLE3_OPS_BACKEND cannot be used here (a bad value, or a backend that cannot
+    serve this machine's device), else None."""
+    import torch
+
+    from . import dispatch, settings
+
+    try:
+        dispatch.forced_backend()
+        device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+        dispatch.backends(device)
+    except settings.SettingError as e:
+        return str(e)
+    except dispatch.BackendUnavailableError as e:
+        return f"{e}"
+    return None
+
+
 def main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] in ("-h", "--help"):
         print(USAGE)
         return 0 if argv else 2
     cmd, rest = argv[0], argv[1:]
+    if cmd in ("demo", "info"):
+        problem = _backend_problem()
+        if problem is not None:
+            print(f"error: {problem}", file=sys.stderr)
+            return 2
     if cmd == "demo":
-        from .demo import main as demo_main
+        from .demos.ops_demo import main as demo_main
 
         return demo_main()
     if cmd == "doctor":

@@ -334,7 +334,7 @@ def test_doctor_agrees_with_sglang_execution(tmp_path):
     import torch._dynamo
     import transformers
 
-    from eagle3_ops.sglang import cpu_harness as h
+    from eagle3_ops.demos import sglang_cpu_harness as h
 
     h.init_distributed()
     cfg = h.FAMILIES["llama"].make_config()

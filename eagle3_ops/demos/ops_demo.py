@@ -8,10 +8,11 @@ import importlib.util
 import torch
 import torch.nn.functional as F
 
-from . import dispatch, reference
-from .buffer import AuxCaptureBuffer
-from .ops import capture, draft_fc
-from .timing import device_label, median_ms
+from .. import dispatch
+from ..buffer import AuxCaptureBuffer
+from ..ops import capture, draft_fc
+from ..timing import device_label, median_ms
+from .table import print_table
 
 
 def _rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
@@ -55,23 +56,10 @@ def kernel_demo(device: torch.device) -> list:
     return rows
 
 
-def print_table(rows: list) -> None:
-    """A GitHub-style table of dict rows (tabulate when installed)."""
-    try:
-        from tabulate import tabulate
-
-        print(tabulate(rows, headers="keys", tablefmt="github"))
-    except ImportError:
-        keys = list(rows[0])
-        print(" | ".join(keys))
-        for r in rows:
-            print(" | ".join(str(r[k]) for k in keys))
-
-
 def main() -> int:
     device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
     kernel_demo(device)
-    if importlib.util.find_spec("sglang") is not None and importlib.util.find_spec("eagle3_ops.sglang_demo"):
+    if importlib.util.find_spec("sglang") is not None:
         from .sglang_demo import run_sglang_demo
 
         print()

@@ -14,7 +14,7 @@ from typing import List
 
 import torch
 
-from .demo import print_table
+from .table import print_table
 
 LAYER_IDS = [0, 1, 2]
 
@@ -39,9 +39,9 @@ def _max_rel(a: torch.Tensor, b: torch.Tensor) -> float:
 def run_sglang_demo(dtype: torch.dtype = torch.bfloat16, hidden_size: int = 128,
                     prompt_len: int = 32, batch: int = 2, draft_tokens: int = 4) -> List[dict]:
     """Run the comparison, print a table, return its rows."""
-    from .sglang import cpu_harness as h
-    from .sglang.capture_hooks import capture_state
-    from .sglang.draft_fc_hooks import draft_fc_state
+    from . import sglang_cpu_harness as h
+    from ..sglang.capture_hooks import capture_state
+    from ..sglang.draft_fc_hooks import draft_fc_state
 
     h.init_distributed()
     active = h.plugin_install()

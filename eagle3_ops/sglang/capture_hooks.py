@@ -343,11 +343,6 @@ def supported_target(inner):
     return None
 
 
-def supported_kind(inner) -> Optional[str]:
-    found = supported_target(inner)
-    return found[0] if found is not None else None
-
-
 def serving_backends(ops_needed, device: torch.device, dtype: torch.dtype, site: str) -> Optional[Dict[str, str]]:
     """{op: backend} for the ops a site needs, or None (one warning) when they cannot be served:
     the one policy of both sides for a forced ``EAGLE3_OPS_BACKEND`` that cannot serve this device

@@ -1,13 +1,13 @@
 """Test side of the CPU harness: the SGLang-running part lives in
-``eagle3_ops.sglang.cpu_harness`` (shared with the demo); here are the Hugging Face references."""
+``eagle3_ops.demos.sglang_cpu_harness`` (shared with the demo); here are the Hugging Face references."""
 from __future__ import annotations
 
 from typing import List, Optional, Sequence
 
 import torch
 
-from eagle3_ops.sglang.cpu_harness import *  # noqa: F401,F403
-from eagle3_ops.sglang.cpu_harness import FAMILIES, sglang_model
+from eagle3_ops.demos.sglang_cpu_harness import *  # noqa: F401,F403
+from eagle3_ops.demos.sglang_cpu_harness import FAMILIES, sglang_model
 
 
 def hf_model(family: str, config, dtype: torch.dtype, seed: int = 0):
@@ -106,7 +106,7 @@ def assert_plugin_matches_stock(plugin: torch.Tensor, stock: torch.Tensor, dtype
 def two_forwards(model, cfg, dtype, prompts, drafts, kv=None):
     """EXTEND ``prompts``, then TARGET_VERIFY the ``drafts`` chains on top (a fresh KV cache unless
     ``kv`` is given). Returns (extend output, its aux states cloned, their data_ptr, verify output)."""
-    from eagle3_ops.sglang.cpu_harness import KVCache, Req, extend_batch, run
+    from eagle3_ops.demos.sglang_cpu_harness import KVCache, Req, extend_batch, run
 
     kv = KVCache(cfg, dtype) if kv is None else kv
     reqs = [Req(kv.new_req()) for _ in prompts]
@@ -147,7 +147,7 @@ def inner_forward(model, cfg, dtype, prompts):
     target): what SGLang's breakable prefill CUDA graph captures (``layer_model.forward``)."""
     from sglang.srt.model_executor.forward_context import ForwardContext, forward_context
 
-    from eagle3_ops.sglang.cpu_harness import KVCache, Req, extend_batch
+    from eagle3_ops.demos.sglang_cpu_harness import KVCache, Req, extend_batch
 
     kv = KVCache(cfg, dtype)
     fb = extend_batch(kv, [Req(kv.new_req()) for _ in prompts], prompts)
@@ -163,7 +163,7 @@ def run_ranks(worker: str, outdir, world_size: int = 2, timeout: int = 420):
     import subprocess
     import sys
 
-    from eagle3_ops.sglang.cpu_harness import free_port
+    from eagle3_ops.demos.sglang_cpu_harness import free_port
 
     here = os.path.dirname(os.path.abspath(__file__))
     root = os.path.dirname(os.path.dirname(here))
