@@ -20,7 +20,8 @@
 // constrain it). A block is 4 warps; warp w owns 16 weight rows (64 per block), all warps share one
 // token tile of 8*NT tokens and one k range (a split), so the gathered x rows come from L1 for all
 // four warps while each weight element is loaded exactly once, 16 bytes per load, without L1
-// allocation, kUnroll 32-wide k slabs (8 loads = 128 B per thread) in flight before the MMAs.
+// allocation and L2 evict-first (the weight is read once per call), kUnroll 32-wide k slabs
+// (8 loads = 128 B per thread) in flight before the MMAs.
 // Thread (g = lane/4, t = lane%4) loads W[row g][k+8t, k+8t+8), W[row g+8][same] and x[token
 // g][same]. The k order inside one MMA is free as long as A and B agree, so these 16-byte vectors
 // ARE the fragments of two m16n8k16 MMAs (k slots {2t, 2t+1, 2t+8, 2t+9} <- k+8t..k+8t+3, then
@@ -40,9 +41,10 @@
 // (1, tiled, is a Triton kernel only.)
 //
 // Splits: the `splits` argument is the number of splits per chunk asked for (cuda_backend derives
-// it from the SM count); it is clamped here to the launch contract: every split a whole number of
-// kSlab*kUnroll steps, at least 4 of them, and at most kMaxSplits splits in all
-// (docs/kernels.md §7.5).
+// it from the SM count and the kernel variant's occupancy, eagle3_cuda::skinny_occupancy, so that
+// the grid fills whole waves of resident blocks); it is clamped here to the launch contract: every
+// split a whole number of kSlab*kUnroll steps, at least 4 of them, and at most kMaxSplits splits in
+// all (docs/kernels.md §7.5; cuda_backend.skinny_split_shape mirrors this clamp).
 //
 // Memory: nothing is allocated here. The split-K partials and sums of squares (skinny) or the
 // prepared input (cublas) are carved from the caller's uint8 `workspace`, 256-byte aligned regions
@@ -69,8 +71,9 @@ namespace eagle3 {
 namespace {
 
 // ---- launch shape ----------------------------------------------------------------------------------
-// eagle3_ops/cuda_backend.py mirrors kRowsPerBlock and the token tile (8 * NT tokens, NT from M) to
-// size its split request; keep them in step.
+// eagle3_ops/cuda_backend.py mirrors kThreads, kRowsPerBlock, the token tile (8 * NT tokens, NT from
+// M), kSlab * kUnroll and kMaxSplits to plan its split request, and keeps each variant's register
+// count (SKINNY_REGISTERS, checked against the built cubins by tests/test_build.py); keep them in step.
 constexpr int kThreads = 128;       // 4 warps
 constexpr int kRowsPerWarp = 16;    // the MMA's M side: weight rows
 constexpr int kRowsPerBlock = 64;
@@ -157,18 +160,29 @@ struct Pair<c10::Half> {
   }
 };
 
+// L2 eviction policy for the weight stream: evict first (the weight is read exactly once per call,
+// so its lines should be the first to leave L2 and not push out x, the partials or the target
+// model's working set). createpolicy is sm_80+; ptxas folds the constant policy into the load's
+// memory descriptor (no per-load cost).
+__device__ __forceinline__ uint64_t l2_evict_first_policy() {
+  uint64_t policy;
+  asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;\n" : "=l"(policy));
+  return policy;
+}
+
 // One 16-byte weight load, streamed: read-only path, no L1 allocation (L1 is for the shared x rows),
-// 256-byte L2 prefetch (the thread group reads 256 contiguous bytes of each row per iteration).
-// Inline asm volatile keeps all kUnroll*2 loads of an iteration issued before the MMAs that
-// consume them (plain loads were interleaved with the MMAs by the compiler, ~2 in flight). Zero
-// when !pred (tails of k ranges and of the weight rows: nothing is read).
-__device__ __forceinline__ uint4 load_weight16(const void* p, bool pred) {
+// L2 evict-first (the policy above, as a cache hint), 256-byte L2 prefetch (the thread group reads
+// 256 contiguous bytes of each row per iteration). Inline asm volatile keeps all kUnroll*2 loads of
+// an iteration issued before the MMAs that consume them (plain loads were interleaved with the MMAs
+// by the compiler, ~2 in flight). Zero when !pred (tails of k ranges and of the weight rows:
+// nothing is read). tests/test_build.py checks the hint in the PTX and the SASS.
+__device__ __forceinline__ uint4 load_weight16(const void* p, bool pred, uint64_t policy) {
   uint4 v;
   asm volatile(
       "{\n .reg .pred p;\n setp.ne.b32 p, %5, 0;\n mov.b32 %0, 0;\n mov.b32 %1, 0;\n mov.b32 %2, 0;\n"
-      " mov.b32 %3, 0;\n @p ld.global.nc.L1::no_allocate.L2::256B.v4.u32 {%0, %1, %2, %3}, [%4];\n}\n"
+      " mov.b32 %3, 0;\n @p ld.global.nc.L1::no_allocate.L2::cache_hint.L2::256B.v4.u32 {%0, %1, %2, %3}, [%4], %6;\n}\n"
       : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
-      : "l"(p), "r"(static_cast<int>(pred)));
+      : "l"(p), "r"(static_cast<int>(pred)), "l"(policy));
   return v;
 }
 
@@ -229,6 +243,7 @@ __global__ void __launch_bounds__(kThreads) fc_skinny_kernel(const FcArgs a) {
   // One warp per (token tile, split) records the sums of squares the reducer needs for the scales.
   const bool track = kNorm && blockIdx.y == 0 && warp == 0;
   const uint4 zero = make_uint4(0u, 0u, 0u, 0u);
+  const uint64_t w_policy = l2_evict_first_policy();
 
   // Register double buffer: the weight loads of the next iteration are issued before the MMAs of
   // this one, so 2 * kUnroll * 2 16-byte loads per thread can be in flight.
@@ -237,8 +252,8 @@ __global__ void __launch_bounds__(kThreads) fc_skinny_kernel(const FcArgs a) {
   for (int u = 0; u < kUnroll; ++u) {
     const int k = k_lo + u * kSlab + 8 * t;
     const bool k_in = k < k_hi;  // k_hi - k is a multiple of 8: the 8-run is all in or all out
-    wa[u] = load_weight16(w0 + k, k_in && w0_ok);
-    wb[u] = load_weight16(w1 + k, k_in && w1_ok);
+    wa[u] = load_weight16(w0 + k, k_in && w0_ok, w_policy);
+    wb[u] = load_weight16(w1 + k, k_in && w1_ok, w_policy);
   }
   for (int kb = k_lo; kb < k_hi; kb += kSlab * kUnroll) {
     uint4 na[kUnroll], nb[kUnroll];
@@ -246,8 +261,8 @@ __global__ void __launch_bounds__(kThreads) fc_skinny_kernel(const FcArgs a) {
     for (int u = 0; u < kUnroll; ++u) {
       const int k = kb + kSlab * kUnroll + u * kSlab + 8 * t;
       const bool k_in = k < k_hi;
-      na[u] = load_weight16(w0 + k, k_in && w0_ok);
-      nb[u] = load_weight16(w1 + k, k_in && w1_ok);
+      na[u] = load_weight16(w0 + k, k_in && w0_ok, w_policy);
+      nb[u] = load_weight16(w1 + k, k_in && w1_ok, w_policy);
     }
 #pragma unroll
     for (int u = 0; u < kUnroll; ++u) {
@@ -667,7 +682,35 @@ bool unit_stride(const std::optional<at::Tensor>& t) {
   return !t.has_value() || t->numel() <= 1 || t->stride(0) == 1;
 }
 
+template <typename T>
+const void* skinny_kernel_for(int64_t nt, bool norm) {
+  switch (nt) {
+    case 1: return norm ? reinterpret_cast<const void*>(&fc_skinny_kernel<T, 1, true>)
+                        : reinterpret_cast<const void*>(&fc_skinny_kernel<T, 1, false>);
+    case 2: return norm ? reinterpret_cast<const void*>(&fc_skinny_kernel<T, 2, true>)
+                        : reinterpret_cast<const void*>(&fc_skinny_kernel<T, 2, false>);
+    case 4: return norm ? reinterpret_cast<const void*>(&fc_skinny_kernel<T, 4, true>)
+                        : reinterpret_cast<const void*>(&fc_skinny_kernel<T, 4, false>);
+    case 8: return norm ? reinterpret_cast<const void*>(&fc_skinny_kernel<T, 8, true>)
+                        : reinterpret_cast<const void*>(&fc_skinny_kernel<T, 8, false>);
+    default: TORCH_CHECK(false, "eagle3_cuda::skinny_occupancy: nt must be 1, 2, 4 or 8, got ", nt);
+  }
+  return nullptr;
+}
+
 }  // namespace
+
+int64_t skinny_occupancy(int64_t nt, bool norm, at::ScalarType dtype) {
+  const void* kernel = nullptr;
+  switch (dtype) {
+    case at::kBFloat16: kernel = skinny_kernel_for<c10::BFloat16>(nt, norm); break;
+    case at::kHalf: kernel = skinny_kernel_for<c10::Half>(nt, norm); break;
+    default: TORCH_CHECK(false, "eagle3_cuda::skinny_occupancy: the skinny kernel takes bf16/fp16 only, got ", dtype);
+  }
+  int blocks = 0;
+  C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, kernel, kThreads, 0));
+  return blocks;
+}
 
 int64_t draft_fc_workspace_bytes(int64_t M, int64_t N, int64_t KH, int64_t K, bool chunk_norm, bool input_norm,
                                  int64_t path, int64_t splits, at::ScalarType dtype) {

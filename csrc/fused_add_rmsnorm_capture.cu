@@ -15,8 +15,9 @@
 // Launch: one block per row, the whole row in registers: thread t holds packs t, t+B, ... (B =
 // threads per block, VPT packs per thread; a pack is one 16-byte vector, or one element when the
 // layout does not allow vectors). Both tensors are loaded once (all loads issued before the first
-// use), the residual and the buffer slot are written, a block reduction gives rsqrt, and the output
-// is written from the registers. Threads per block: <= 1024 while T < 256 rows (spread a row over
+// use; 8 packs at a time when a thread holds more than 8, which only the scalar layout does), the
+// residual and the buffer slot are written, a block reduction gives rsqrt, and the output is
+// written from the registers. Threads per block: <= 1024 while T < 256 rows (spread a row over
 // many threads when few rows fill the GPU), <= 256 from T >= 256 on (more, smaller blocks per SM to
 // overlap one block's reduction with others' loads), capped by the registers the row needs; this
 // holds the whole row for H <= 16384 (every dtype, vector or scalar). Wider rows use a two-pass
@@ -72,45 +73,61 @@ __global__ void __launch_bounds__(max_threads_for(VEC * VPT))
   T* res_row = residual + row * residual_stride;
   T* out_row = out + row * out_stride;
 
-  P a[VPT], b[VPT];
-#pragma unroll
-  for (int i = 0; i < VPT; ++i) {
-    const int p = threadIdx.x + i * blockDim.x;
-    if (p < packs) {
-      a[i].load(in_row + p * VEC);
-      b[i].load(res_row + p * VEC);
-    }
-  }
+  // Packs this thread owns: p = threadIdx.x + i * blockDim.x for i < mine (one count instead of VPT
+  // predicates). With the grouped loads below this keeps the scalar VPT = 32 layout (512 threads, so
+  // at most 128 registers) free of local memory on sm_90a, where it had a 48-56 byte stack frame
+  // (tests/test_build.py checks every kernel for STACK:0 / LOCAL:0).
+  const int tid = static_cast<int>(threadIdx.x);
+  const int mine = tid < packs ? (packs - 1 - tid) / static_cast<int>(blockDim.x) + 1 : 0;
+
+  // Loads of input and residual are issued kGroup packs at a time before their first use (all of
+  // them when VPT <= kGroup); the fp32 sums and the sum of squares are formed in pack order i, so
+  // the grouping changes no result.
+  constexpr int kGroup = VPT < 8 ? VPT : 8;
   float s[VPT][VEC];
   float sumsq = 0.f;
 #pragma unroll
-  for (int i = 0; i < VPT; ++i) {
-    const int p = threadIdx.x + i * blockDim.x;
+  for (int i0 = 0; i0 < VPT; i0 += kGroup) {
+    P a[kGroup], b[kGroup];
 #pragma unroll
-    for (int j = 0; j < VEC; ++j) s[i][j] = 0.f;
-    if (p < packs) {
-#pragma unroll
-      for (int j = 0; j < VEC; ++j) {
-        const float v = to_float(a[i].e[j]) + to_float(b[i].e[j]);  // unrounded: the norm reads this
-        s[i][j] = v;
-        sumsq += v * v;
-        b[i].e[j] = from_float<T>(v);  // the residual, stored in its dtype
+    for (int u = 0; u < kGroup; ++u) {
+      const int i = i0 + u;
+      const int p = threadIdx.x + i * blockDim.x;
+      if (i < mine) {
+        a[u].load(in_row + p * VEC);
+        b[u].load(res_row + p * VEC);
       }
-      b[i].store(res_row + p * VEC);
-      b[i].store_streaming(out_row + p * VEC);
+    }
+#pragma unroll
+    for (int u = 0; u < kGroup; ++u) {
+      const int i = i0 + u;
+      const int p = threadIdx.x + i * blockDim.x;
+#pragma unroll
+      for (int j = 0; j < VEC; ++j) s[i][j] = 0.f;
+      if (i < mine) {
+#pragma unroll
+        for (int j = 0; j < VEC; ++j) {
+          const float v = to_float(a[u].e[j]) + to_float(b[u].e[j]);  // unrounded: the norm reads this
+          s[i][j] = v;
+          sumsq += v * v;
+          b[u].e[j] = from_float<T>(v);  // the residual, stored in its dtype
+        }
+        b[u].store(res_row + p * VEC);
+        b[u].store_streaming(out_row + p * VEC);
+      }
     }
   }
   P w[VPT];  // issue the weight loads before the reduction so they overlap it
 #pragma unroll
   for (int i = 0; i < VPT; ++i) {
     const int p = threadIdx.x + i * blockDim.x;
-    if (p < packs) w[i].load(weight + p * VEC);
+    if (i < mine) w[i].load(weight + p * VEC);
   }
   const float rstd = rsqrtf(block_sum<>(sumsq) / static_cast<float>(H) + eps);
 #pragma unroll
   for (int i = 0; i < VPT; ++i) {
     const int p = threadIdx.x + i * blockDim.x;
-    if (p < packs) {
+    if (i < mine) {
       P o;
 #pragma unroll
       for (int j = 0; j < VEC; ++j) o.e[j] = from_float<T>(s[i][j] * rstd * to_float(w[i].e[j]));

@@ -36,4 +36,10 @@ void draft_fc(const at::Tensor& x, const at::Tensor& weight, const std::optional
 int64_t draft_fc_workspace_bytes(int64_t M, int64_t N, int64_t KH, int64_t K, bool chunk_norm, bool input_norm,
                                  int64_t path, int64_t splits, at::ScalarType dtype);
 
+// Resident blocks per SM of the skinny kernel variant (token groups nt in {1, 2, 4, 8}, with or
+// without norms, bf16/fp16) on the current device: cudaOccupancyMaxActiveBlocksPerMultiprocessor
+// for its 128-thread launch (no dynamic shared memory). Needs a GPU whose arch the extension
+// carries; eagle3_ops/cuda_backend.py plans split-K from it (docs/kernels.md §7.5).
+int64_t skinny_occupancy(int64_t nt, bool norm, at::ScalarType dtype);
+
 }  // namespace eagle3

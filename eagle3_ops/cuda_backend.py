@@ -13,8 +13,13 @@ the output is non-empty): :func:`capture`, :func:`fused_add_rmsnorm_capture`, :f
   most 64 chunks, a chunk width and x / weight row strides that are multiples of 8, 16-byte aligned
   x, weight, chunk_norm_weight and input_norm_weight with stride 1 (after the unit-stride copy).
   Anything else, and a forced ``tiled`` (the CUDA backend has no tiled kernel), takes ``cublas``;
-* the split-K splits per chunk: enough skinny blocks for :data:`BLOCKS_PER_SM` per SM, at most
-  :data:`MAX_SPLITS_PER_CHUNK` (the op clamps further to its launch contract);
+* the split-K splits per chunk (:func:`skinny_splits`): the count whose grid fills whole waves of
+  the blocks that can really be resident (:func:`skinny_blocks_per_sm`: on the GPU, the kernel
+  variant's ``cudaOccupancyMaxActiveBlocksPerMultiprocessor`` through ``eagle3_cuda::skinny_occupancy``,
+  asked once per (device, variant); without a GPU, the register counts of the built cubins,
+  :data:`SKINNY_REGISTERS`, through :func:`blocks_per_sm_from_registers`), at most
+  :data:`MAX_SPLITS_PER_CHUNK` (the op clamps to its launch contract exactly as
+  :func:`skinny_split_shape` does);
 * the workspace: strided 1-D arguments are copied into its first regions
   (``fc_rules.unit_stride_copies``), the rest goes to the op, which carves its split-K partials /
   sums of squares or its prepared input from it (``eagle3_cuda::draft_fc_workspace_bytes`` says how
@@ -35,21 +40,130 @@ from .workspace import Carver
 
 log = logging.getLogger("eagle3_ops")
 
-OPS = ("capture", "fused_add_rmsnorm_capture", "draft_fc", "draft_fc_workspace_bytes")
+OPS = ("capture", "fused_add_rmsnorm_capture", "draft_fc", "draft_fc_workspace_bytes", "skinny_occupancy")
 # The op's path argument: the index in plans.PATHS (skinny 0, tiled 1, cublas 2; CUDA has no tiled).
 PATH_INDEX = {name: i for i, name in enumerate(plans.PATHS)}
 
-# Split-K tuning (a design estimate, not measured): resident skinny blocks per SM to aim for. Each
-# keeps 128 threads x 8 x 16 B = 16 KB of weight loads in flight; ~3 per SM cover the
-# latency-bandwidth product of H200 (~4.3 TB/s x ~1 us / 132 SMs). More splits also cost S*M*N*4
-# bytes of workspace traffic, hence the cap per chunk.
+# Split-K tuning (a design estimate, not measured): skinny blocks per SM that saturate the weight
+# stream. Each keeps 128 threads x 8 x 16 B = 16 KB of weight loads in flight; ~3 per SM cover the
+# latency-bandwidth product of H200 (~4.3 TB/s x ~1 us / 132 SMs). Fewer resident blocks run
+# latency-bound; more share the bandwidth. More splits also cost S*M*N*4 bytes of partials written
+# and read again, hence the cap per chunk.
 BLOCKS_PER_SM = 3
 MAX_SPLITS_PER_CHUNK = 16
-# The skinny kernel's launch shape, mirrored from csrc/draft_fc.cu (kRowsPerBlock, kMaxTokenGroups,
-# kMaxSplits): a block covers 64 weight rows and a token tile of 8, 16, 32 or 64 tokens.
+# The skinny kernel's launch shape, mirrored from csrc/draft_fc.cu (kThreads, kRowsPerBlock,
+# kMaxTokenGroups, kMaxSplits, kSlab * kUnroll): a block is 128 threads, covers 64 weight rows and a
+# token tile of 8, 16, 32 or 64 tokens; a split is a whole number of 128-wide k steps, at least 4.
+SKINNY_THREADS = 128
 ROWS_PER_BLOCK = 64
 MAX_TOKEN_GROUPS = 8
 MAX_SPLITS = 64
+SPLIT_STEP = 128
+MIN_STEPS_PER_SPLIT = 4
+
+# Registers per thread of every fc_skinny_kernel variant, (dtype, NT, norm) -> REG, as ptxas
+# allocated them in the built cubins (`cuobjdump -res-usage eagle3_ops/_C*.so`; none has a stack
+# frame or local memory). tests/test_build.py checks this table against the built extension, so a
+# kernel change that moves a count fails CI until the table is regenerated (the failure prints it).
+SKINNY_REGISTERS = {
+    "sm_90a": {
+        ("bfloat16", 1, False): 72, ("bfloat16", 1, True): 94, ("bfloat16", 2, False): 80,
+        ("bfloat16", 2, True): 110, ("bfloat16", 4, False): 93, ("bfloat16", 4, True): 143,
+        ("bfloat16", 8, False): 148, ("bfloat16", 8, True): 191,
+        ("float16", 1, False): 72, ("float16", 1, True): 92, ("float16", 2, False): 80,
+        ("float16", 2, True): 114, ("float16", 4, False): 93, ("float16", 4, True): 142,
+        ("float16", 8, False): 148, ("float16", 8, True): 194,
+    },
+    "sm_120a": {
+        ("bfloat16", 1, False): 72, ("bfloat16", 1, True): 93, ("bfloat16", 2, False): 70,
+        ("bfloat16", 2, True): 110, ("bfloat16", 4, False): 84, ("bfloat16", 4, True): 148,
+        ("bfloat16", 8, False): 111, ("bfloat16", 8, True): 214,
+        ("float16", 1, False): 72, ("float16", 1, True): 94, ("float16", 2, False): 70,
+        ("float16", 2, True): 105, ("float16", 4, False): 84, ("float16", 4, True): 150,
+        ("float16", 8, False): 111, ("float16", 8, True): 211,
+    },
+}
+
+
+@dataclass(frozen=True)
+class SmLimits:
+    """Per-SM residency limits of a compute capability (CUDA C++ Programming Guide, "Features and
+    Technical Specifications"; the register allocation rule of the CUDA occupancy calculator,
+    cuda_occupancy.h: registers per warp rounded up to 256, allocated per SM sub-partition)."""
+
+    max_threads: int       # resident threads per SM: 2048 on cc 9.0, 1536 on cc 12.0
+    max_blocks: int = 32   # resident blocks per SM
+    registers: int = 65536
+    reg_alloc_unit: int = 256
+    sub_partitions: int = 4
+
+
+SM_LIMITS = {"sm_90": SmLimits(max_threads=2048), "sm_120": SmLimits(max_threads=1536)}
+
+
+def blocks_per_sm_from_registers(regs_per_thread: int, threads_per_block: int, limits: SmLimits) -> int:
+    """Resident blocks per SM for a kernel with these registers per thread and block size (no
+    shared memory): the smallest of the register, thread and block limits. E.g. 148 registers x 128
+    threads on sm_90: 4864 registers per warp -> 3 warps per sub-partition -> 12 warps -> 3 blocks."""
+    warps = -(-threads_per_block // 32)
+    per_warp = -(-(regs_per_thread * 32) // limits.reg_alloc_unit) * limits.reg_alloc_unit
+    warps_by_regs = (limits.registers // limits.sub_partitions // per_warp) * limits.sub_partitions
+    return max(0, min(warps_by_regs // warps, limits.max_threads // (32 * warps), limits.max_blocks))
+
+
+def token_groups(M: int) -> int:
+    """NT, the skinny kernel's token groups of 8 per tile for M output rows (1, 2, 4 or 8)."""
+    groups = -(-min(M, 8 * MAX_TOKEN_GROUPS) // 8)
+    return 1 if groups <= 1 else 2 if groups <= 2 else 4 if groups <= 4 else 8
+
+
+def skinny_split_shape(CH: int, NC: int, asked: int) -> tuple:
+    """(splits per chunk, split length) the op launches for ``asked`` splits per chunk: the clamp
+    of csrc/draft_fc.cu skinny_plan (whole 128-wide steps, at least 4 of them, at most 64 splits)."""
+    per_chunk = max(1, min(asked, CH // (MIN_STEPS_PER_SPLIT * SPLIT_STEP), MAX_SPLITS // NC))
+    split_len = -(-(-(-CH // per_chunk)) // SPLIT_STEP) * SPLIT_STEP
+    return -(-CH // split_len), split_len
+
+
+def skinny_cost(M: int, N: int, CH: int, NC: int, asked: int, sms: int, blocks_per_sm: int, norm: bool,
+                elem_bytes: int = 2) -> float:
+    """Predicted time of the skinny launch in bytes moved at full bandwidth (a model, not a
+    measurement): the grid runs in waves of ``blocks_per_sm * sms`` resident blocks, all blocks of
+    a wave stream split_len/128 steps of 64x128 weight elements, and a wave of n blocks runs at the
+    rate of max(n, BLOCKS_PER_SM * sms) blocks (fewer than that are latency-bound, more share the
+    bandwidth); plus the split-K partials written and read again (S*M*N*4 bytes twice)."""
+    per_chunk, split_len = skinny_split_shape(CH, NC, asked)
+    S = NC * per_chunk
+    blocks = -(-M // (8 * token_groups(M))) * -(-N // ROWS_PER_BLOCK) * S
+    slots = max(1, blocks_per_sm * sms)
+    saturating = BLOCKS_PER_SM * sms
+    step_bytes = ROWS_PER_BLOCK * split_len * elem_bytes  # one block's weight bytes
+    full, rest = divmod(blocks, slots)
+    cost = full * step_bytes * max(slots, saturating) + (step_bytes * max(rest, saturating) if rest else 0)
+    if S > 1 or norm:
+        cost += 2 * S * M * N * 4
+    return float(cost)
+
+
+@functools.lru_cache(maxsize=4096)
+def skinny_splits(M: int, N: int, CH: int, NC: int, sms: int, blocks_per_sm: int, norm: bool = False,
+                  elem_bytes: int = 2) -> int:
+    """Split-K splits per chunk to ask the skinny kernel for: the count (<= MAX_SPLITS_PER_CHUNK,
+    after the op's clamp) with the least :func:`skinny_cost`, fewest splits on a tie. With all
+    blocks equally long this is the count whose grid fills whole waves of the resident blocks:
+    e.g. H200, M = 64 (NT = 8, 148 registers -> 3 blocks per SM, 396 slots), N = 7168 (112 weight
+    tiles), K*H = 21504: 7 splits = 784 blocks = 1.98 waves, where 4 (448 blocks) left a
+    latency-bound tail of 52."""
+    best, best_cost, seen = 1, None, set()
+    for asked in range(1, MAX_SPLITS_PER_CHUNK + 1):
+        shape = skinny_split_shape(CH, NC, asked)
+        if shape in seen:
+            continue
+        seen.add(shape)
+        cost = skinny_cost(M, N, CH, NC, asked, sms, blocks_per_sm, norm, elem_bytes)
+        if best_cost is None or cost < best_cost:
+            best, best_cost = asked, cost
+    return best
 
 
 # ---- the extension -------------------------------------------------------------------------------
@@ -135,13 +249,32 @@ def sm_count(device: torch.device) -> int:
     return _num_sms(device.index if device.index is not None else torch.cuda.current_device())
 
 
-def skinny_splits(M: int, N: int, NC: int, sms: int) -> int:
-    """Split-K splits per chunk to ask the skinny kernel for: enough blocks for BLOCKS_PER_SM per SM
-    over the (token tile, weight tile, chunk) grid, at most MAX_SPLITS_PER_CHUNK."""
-    groups = -(-min(M, 8 * MAX_TOKEN_GROUPS) // 8)
-    nt = 1 if groups <= 1 else 2 if groups <= 2 else 4 if groups <= 4 else 8
-    tiles = -(-M // (8 * nt)) * -(-N // ROWS_PER_BLOCK) * NC
-    return min(MAX_SPLITS_PER_CHUNK, -(-(BLOCKS_PER_SM * sms) // tiles))
+@functools.lru_cache(maxsize=None)
+def _measured_occupancy(device_index: int, nt: int, norm: bool, dtype: torch.dtype) -> int:
+    with torch.cuda.device(device_index):
+        blocks = int(_ops().skinny_occupancy(nt, norm, dtype))
+    log.debug("eagle3_ops: skinny kernel (%s, NT=%d, norm=%s) on cuda:%d: %d resident blocks per SM",
+              dtype, nt, norm, device_index, blocks)
+    return blocks
+
+
+def table_blocks_per_sm(arch: str, nt: int, norm: bool, dtype: torch.dtype) -> int:
+    """Resident skinny blocks per SM predicted from :data:`SKINNY_REGISTERS` (arch ``sm_90`` or
+    ``sm_120``, with or without the ``a``)."""
+    base = arch.rstrip("a")
+    regs = SKINNY_REGISTERS[base + "a"][(str(dtype).replace("torch.", ""), nt, norm)]
+    return blocks_per_sm_from_registers(regs, SKINNY_THREADS, SM_LIMITS[base])
+
+
+def skinny_blocks_per_sm(device: torch.device, nt: int, norm: bool, dtype: torch.dtype) -> int:
+    """Resident blocks per SM of the skinny variant on a GPU this backend serves: the CUDA runtime's
+    answer (``eagle3_cuda::skinny_occupancy``), asked at first use and cached per (device, variant).
+    Should the runtime answer 0 (it cannot, for a kernel that launches), the register table's."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    blocks = _measured_occupancy(index, nt, norm, dtype)
+    if blocks <= 0:
+        return table_blocks_per_sm(device_arch(torch.device("cuda", index)), nt, norm, dtype)
+    return blocks
 
 
 def skinny_launchable(x, weight, chunk_norm_weight, input_norm_weight) -> bool:
@@ -185,11 +318,17 @@ def plan(x, weight, bias, rows, chunk_norm_weight, input_norm_weight) -> Plan:
     copy_bytes = fc_rules.unit_stride_copy_bytes(bias, rows, input_norm_weight)
     if M == 0 or N == 0:
         return Plan("cublas", 0, 0, 0)  # nothing to compute (the face never calls with an empty output)
-    path = plans.choose("cuda", x.device, M)
+    # The GPU is weight's device: x and rows may be meta tensors when sizing a workspace (ops.py).
+    device = weight.device
+    path = plans.choose("cuda", device, M)
     if path != "skinny" or not skinny_launchable(x, weight, chunk_norm_weight, input_norm_weight):
         path = "cublas"
-    NC, _ = fc_rules.chunks(x, chunk_norm_weight)
-    splits = skinny_splits(M, N, NC, sm_count(x.device)) if path == "skinny" else 0
+    NC, CH = fc_rules.chunks(x, chunk_norm_weight)
+    splits = 0
+    if path == "skinny":
+        norm = fc_rules.has_norm(chunk_norm_weight, input_norm_weight)
+        occupancy = skinny_blocks_per_sm(device, token_groups(M), norm, x.dtype)
+        splits = skinny_splits(M, N, CH, NC, sm_count(device), occupancy, norm, x.element_size())
     if path == "cublas" and not fc_rules.prepares_input(rows, chunk_norm_weight, input_norm_weight):
         op_bytes = 0  # x goes straight to cuBLAS
     else:
@@ -214,7 +353,8 @@ def draft_fc(x, weight, bias, rows, chunk_norm_weight, input_norm_weight, eps, o
                             PATH_INDEX[p.path], p.splits)
 
 
-__all__ = ["BLOCKS_PER_SM", "MAX_SPLITS_PER_CHUNK", "OPS", "PATH_INDEX", "Plan", "capture", "compiled_archs",
-           "cuda_extension", "device_arch", "draft_fc", "draft_fc_workspace_bytes", "fused_add_rmsnorm_capture",
-           "ops_registered", "plan", "serves", "skinny_launchable", "skinny_splits",
-           "sm_count"]
+__all__ = ["BLOCKS_PER_SM", "MAX_SPLITS_PER_CHUNK", "OPS", "PATH_INDEX", "Plan", "SKINNY_REGISTERS", "SM_LIMITS",
+           "SmLimits", "blocks_per_sm_from_registers", "capture", "compiled_archs", "cuda_extension", "device_arch",
+           "draft_fc", "draft_fc_workspace_bytes", "fused_add_rmsnorm_capture", "ops_registered", "plan", "serves",
+           "skinny_blocks_per_sm", "skinny_cost", "skinny_launchable", "skinny_split_shape", "skinny_splits",
+           "sm_count", "table_blocks_per_sm", "token_groups"]

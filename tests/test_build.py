@@ -1,7 +1,8 @@
 """The build: one source list for setup.py and CMake, and when nvcc is present the extension is
 built (a missing extension is a failure) with sm_90a and sm_120a cubins for every kernel family,
-registers its torch ops (tests/test_cuda_ops_registration.py checks them), and the draft_fc and
-capture kernels use no local memory (no register spills)."""
+registers its torch ops (tests/test_cuda_ops_registration.py checks them), no kernel uses local
+memory (no stack frame, no register spills), the skinny kernels' register counts are the ones
+cuda_backend plans split-K with, and the skinny weight stream carries the L2 evict-first hint."""
 import glob
 import os
 import re
@@ -88,19 +89,91 @@ def _resource_usage(tool: str, so: str) -> dict:
     return usage
 
 
-@pytest.mark.skipif(not _nvcc_expected(), reason="no nvcc on PATH (or EAGLE3_OPS_SKIP_CUDA=1): pure-Python install")
-def test_draft_fc_and_capture_kernels_do_not_spill():
-    """Every draft_fc kernel (skinny: up to 213 registers with NT = 8 and norms) and every capture
-    kernel runs from registers: no stack frame, no local memory. (Not checked: fused_add_rmsnorm_capture's
-    scalar variant with 32 packs per thread, which holds up to a 16384-wide unaligned row in registers,
-    has a ~50-byte spill stack frame on sm_90a, as before the kernels became torch ops.)"""
+needs_extension = pytest.mark.skipif(not _nvcc_expected(),
+                                     reason="no nvcc on PATH (or EAGLE3_OPS_SKIP_CUDA=1): pure-Python install")
+
+
+def _built():
     ext = cuda_backend.cuda_extension()
     tool = _cuobjdump()
-    assert ext is not None and tool is not None
+    assert ext is not None, "nvcc is present but eagle3_ops._C was not built/importable"
+    assert tool is not None, "cuobjdump not found (ships with triton)"
+    return ext, tool
+
+
+@needs_extension
+def test_no_kernel_uses_local_memory():
+    """Every kernel of the extension, on both archs, runs from registers: STACK:0 and LOCAL:0 in
+    `cuobjdump -res-usage` (a spill shows as a stack frame). Covers every family: capture,
+    fused_add_rmsnorm_capture (incl. its scalar 32-packs-per-thread variant, which had a 48-56 byte
+    frame on sm_90a), draft_fc (skinny up to ~214 registers with NT = 8 and norms, reduce, prepare)."""
+    ext, tool = _built()
     usage = _resource_usage(tool, ext.__file__)
-    pattern = re.compile(r"\d(fc_(skinny|reduce|prepare)|capture_(aligned|any))_kernelI")
-    kernels = {k: v for k, v in usage.items() if pattern.search(k[1])}
-    assert {a for a, _ in kernels} == {"sm_90a", "sm_120a"}
-    assert sum("fc_skinny_kernel" in fn for _, fn in kernels) == 2 * 16  # {bf16, fp16} x NT {1,2,4,8} x norm
-    spilling = {k: v for k, v in kernels.items() if v["STACK"] or v["LOCAL"]}
+    assert {a for a, _ in usage} == {"sm_90a", "sm_120a"}
+    families = {fam: sum(fam in fn for _, fn in usage) for fam in
+                ("capture_aligned_kernel", "capture_any_kernel", "fused_row_kernel", "fused_two_pass_kernel",
+                 "fc_skinny_kernel", "fc_reduce_kernel", "fc_prepare_kernel")}
+    assert all(families.values()), families  # the parse found every family
+    assert families["fc_skinny_kernel"] == 2 * 16  # {bf16, fp16} x NT {1,2,4,8} x norm, per arch
+    spilling = {k: v for k, v in usage.items() if v["STACK"] or v["LOCAL"]}
     assert not spilling, spilling
+
+
+_SKINNY = re.compile(r"fc_skinny_kernelIN3c10(\d+)(BFloat16|Half)ELi(\d)ELb([01])E")
+
+
+def _skinny_registers(usage: dict) -> dict:
+    table = {}
+    for (arch, fn), v in usage.items():
+        if m := _SKINNY.search(fn):
+            dtype = "bfloat16" if m.group(2) == "BFloat16" else "float16"
+            table.setdefault(arch, {})[(dtype, int(m.group(3)), m.group(4) == "1")] = v["REG"]
+    return table
+
+
+@needs_extension
+def test_skinny_register_table_matches_the_built_cubins():
+    """cuda_backend.SKINNY_REGISTERS (what split-K planning assumes without a GPU) is exactly what
+    ptxas allocated in the built extension. On a mismatch, paste the printed table."""
+    ext, tool = _built()
+    built = _skinny_registers(_resource_usage(tool, ext.__file__))
+    assert built == cuda_backend.SKINNY_REGISTERS, f"regenerate cuda_backend.SKINNY_REGISTERS: {built!r}"
+    # and the planning limits cover both archs the build carries
+    assert {a.rstrip("a") for a in built} <= set(cuda_backend.SM_LIMITS)
+
+
+def _sass_functions(tool: str, so: str) -> dict:
+    """(arch, kernel symbol) -> SASS text."""
+    text = subprocess.run([tool, "-sass", so], capture_output=True, text=True, check=True).stdout
+    out, arch, fn, lines = {}, None, None, []
+    for line in text.splitlines():
+        if m := re.match(r"\s*code for (sm_\d+a?)", line):
+            arch = m.group(1)
+        elif m := re.match(r"\s*Function : (\S+)", line):
+            if fn is not None:
+                out[(arch, fn)] = "\n".join(lines)
+            fn, lines = m.group(1), []
+        elif fn is not None:
+            lines.append(line)
+    if fn is not None:
+        out[(arch, fn)] = "\n".join(lines)
+    return out
+
+
+@needs_extension
+def test_skinny_weight_stream_is_evict_first():
+    """The skinny kernels' weight loads (`ld.global.nc.L1::no_allocate.L2::cache_hint.L2::256B.v4`
+    with a `createpolicy.fractional.L2::evict_first` policy) reach the SASS as
+    LDG.E.NA.LTC256B.128.CONSTANT through their own memory descriptor: ptxas folds the L2 policy
+    into the descriptor (`desc[URx]`), so the weight loads use a descriptor register that no other
+    global access of the kernel (x, norm weights, rows, partials, out: the default descriptor) uses.
+    Without the hint every access shares the default descriptor."""
+    ext, tool = _built()
+    sass = {k: v for k, v in _sass_functions(tool, ext.__file__).items() if "fc_skinny_kernel" in k[1]}
+    assert len(sass) == 2 * 16 and {a for a, _ in sass} == {"sm_90a", "sm_120a"}
+    for key, text in sass.items():
+        weight = re.findall(r"LDG\.E\.NA\.LTC256B\.128\.CONSTANT \S+, desc\[(UR\d+)\]", text)
+        other = re.findall(r"(?:LDG|STG)(?!\.E\.NA\.LTC256B)\S* (?:\S+, )?desc\[(UR\d+)\]", text)
+        assert len(weight) >= 16, (key, "2 x kUnroll x 2 weight loads (prologue + loop) expected")
+        assert other, key
+        assert not set(weight) & set(other), (key, set(weight), set(other))

@@ -34,6 +34,7 @@ SCHEMAS = {
     "draft_fc_workspace_bytes": (
         "eagle3_cuda::draft_fc_workspace_bytes(int M, int N, int KH, int K, bool chunk_norm, bool input_norm, "
         "int path, int splits, ScalarType dtype) -> int"),
+    "skinny_occupancy": "eagle3_cuda::skinny_occupancy(int nt, bool norm, ScalarType dtype) -> int",
 }
 SKINNY, TILED, CUBLAS = (plans.PATHS.index(p) for p in ("skinny", "tiled", "cublas"))
 
@@ -58,6 +59,7 @@ def test_kernels_are_cuda_only_and_the_size_query_is_a_catch_all(ops):
     for name in ("capture", "fused_add_rmsnorm_capture", "draft_fc"):
         assert has(f"eagle3_cuda::{name}", "CUDA") and not has(f"eagle3_cuda::{name}", "CPU"), name
     assert has("eagle3_cuda::draft_fc_workspace_bytes", "CompositeImplicitAutograd")
+    assert has("eagle3_cuda::skinny_occupancy", "CompositeImplicitAutograd")
     x, w = torch.zeros(2, 8), torch.zeros(4, 8)
     with pytest.raises(NotImplementedError):  # no CPU kernel: the dispatcher says so
         ops.draft_fc(x, w, None, None, None, None, 1e-6, torch.zeros(2, 4), None, CUBLAS, 0)
@@ -153,8 +155,21 @@ SMS = 132
 
 @pytest.fixture
 def h200_sms(monkeypatch):
-    """cuda_backend asks the GPU for its SM count; here (CPU tensors) it is an H200's."""
+    """cuda_backend asks the GPU for its SM count and the skinny kernel's occupancy; here (CPU
+    tensors) they are an H200's: 132 SMs, occupancy from the sm_90a register table."""
     monkeypatch.setattr(cuda_backend, "sm_count", lambda device: SMS)
+    monkeypatch.setattr(cuda_backend, "skinny_blocks_per_sm",
+                        lambda device, nt, norm, dtype: cuda_backend.table_blocks_per_sm("sm_90", nt, norm, dtype))
+
+
+def test_skinny_occupancy_needs_a_gpu(ops):
+    """The occupancy query asks the CUDA runtime about the kernel: no GPU, no answer (an error,
+    never a made-up number); cuda_backend then never plans (the backend does not serve)."""
+    if torch.cuda.is_available():
+        assert ops.skinny_occupancy(8, False, torch.bfloat16) >= 1
+        return
+    with pytest.raises(RuntimeError):
+        ops.skinny_occupancy(8, False, torch.bfloat16)
 
 
 def fc_args(M, H, K, N, dtype, bias=False, rows=False, chunk=False, inorm=False, device="cpu"):
@@ -169,10 +184,11 @@ def fc_args(M, H, K, N, dtype, bias=False, rows=False, chunk=False, inorm=False,
     return x, w, b, r, cn, inw
 
 
-def expected_splits(M, N, NC):
+def expected_splits(M, N, KH, NC, norm, dtype):
+    """The planner's answer for this launch (tests/ops/test_kernel_plans.py tests the planner)."""
     nt = {1: 1, 2: 2, 3: 4, 4: 4}.get(math.ceil(min(M, 64) / 8), 8)
-    tiles = math.ceil(M / (8 * nt)) * math.ceil(N / 64) * NC
-    return min(16, math.ceil(3 * SMS / tiles))
+    bpsm = cuda_backend.table_blocks_per_sm("sm_90", nt, norm, dtype)
+    return cuda_backend.skinny_splits(M, N, KH // NC, NC, SMS, bpsm, norm)
 
 
 VARIANTS = {"plain": {}, "rows": dict(rows=True), "norms": dict(chunk=True, inorm=True),
@@ -197,7 +213,8 @@ def test_backend_plan_agrees_with_the_size_query(ops, h200_sms, variant, forced,
         dtype == torch.float16 and (cn is not None or inw is not None))
     assert p.path == ("skinny" if want_skinny else "cublas")
     NC = 3 if cn is not None else 1
-    assert p.splits == (expected_splits(M, 200, NC) if want_skinny else 0)
+    norm = cn is not None or inw is not None
+    assert p.splits == (expected_splits(M, 200, 768, NC, norm, dtype) if want_skinny else 0)
     assert p.copy_bytes == 0
     prepares = p.path == "skinny" or rows is not None or cn is not None or inw is not None
     path = cuda_backend.PATH_INDEX[p.path]
@@ -239,6 +256,19 @@ def test_backend_plan_on_meta_tensors_matches_real_ones(ops, h200_sms):
                 assert cuda_backend.plan(*meta) == cuda_backend.plan(*args)
 
 
+def test_backend_plan_decides_on_weights_device(ops, h200_sms, monkeypatch):
+    """x (and rows) may be meta tensors when sizing a workspace for a larger M (ops.py): the path
+    table and the occupancy are weight's device's, so a meta x plans exactly as a real one."""
+    seen = []
+    real_choose = plans.choose
+    monkeypatch.setattr(plans, "choose", lambda backend, device, M: seen.append(device.type) or
+                        real_choose(backend, device, M))
+    args = fc_args(100, 256, 3, 200, torch.bfloat16, rows=True)
+    x, w, b, rows, cn, inw = args
+    got = cuda_backend.plan(x.to("meta"), w, b, rows.to("meta"), cn, inw)
+    assert got == cuda_backend.plan(*args) and seen == ["cpu", "cpu"]
+
+
 # ---- on a GPU: each op against the reference ----------------------------------------------------------
 def _gpu_device():
     dev = torch.device("cuda", torch.cuda.current_device())
@@ -264,7 +294,9 @@ def test_gpu_capture_matches_the_reference(ops, H, residual):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("H", [4096, 1002, 20000])  # 20000: the two-pass kernel
+# 1002: scalar, 1 element per thread; 16382: scalar, 32 per thread (fused_row_kernel<T, 1, 32>, 512
+# threads: the variant whose stack frame was removed); 20000: the two-pass kernel
+@pytest.mark.parametrize("H", [4096, 1002, 16382, 20000])
 def test_gpu_fused_add_rmsnorm_capture_matches_the_reference(ops, H):
     dev = _gpu_device()
     gen = torch.Generator(device=dev).manual_seed(2)
@@ -301,6 +333,21 @@ def test_gpu_draft_fc_matches_the_reference(ops, variant, forced, M):
     err = ((outs[0].double() - want).abs().max() / want.abs().max()).item()
     assert err <= 1e-2, err
     assert torch.equal(outs[0].view(torch.int16), outs[1].view(torch.int16))  # deterministic
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_gpu_skinny_occupancy_matches_the_register_table(ops, dtype):
+    """What the CUDA runtime reports for each skinny variant is what the register table
+    (cuda_backend.SKINNY_REGISTERS, checked against the cubins in tests/test_build.py) and the
+    occupancy rule predict; the planner uses the runtime's number on the device."""
+    dev = _gpu_device()
+    arch = cuda_backend.device_arch(dev)
+    for nt in (1, 2, 4, 8):
+        for norm in (False, True):
+            got = ops.skinny_occupancy(nt, norm, dtype)
+            assert got == cuda_backend.table_blocks_per_sm(arch, nt, norm, dtype), (nt, norm, got)
+            assert cuda_backend.skinny_blocks_per_sm(dev, nt, norm, dtype) == got
 
 
 @pytest.mark.gpu

@@ -375,7 +375,12 @@ def split_plan(CH: int, NC: int, programs_per_split: int, block_k: int, num_sms:
 def tiled_config(arch: int, itemsize: int) -> dict:
     if arch == 0:  # interpreter: few, large programs
         return dict(BLOCK_M=32, BLOCK_N=64, BLOCK_K=64, GROUP_M=2, num_warps=4, num_stages=1)
-    bm, bn, bk = 128, 128, 64
+    # sm_120 (188 / 170 SMs, mma.sync, 64K registers for 1-2 programs): 128 x 64 tiles. 128 x 128
+    # needed 255 registers and spilled with rows and norms (compile-checked), and at M = 256,
+    # N = 7168 gave 112 programs, 0.6 of a wave; 128 x 64 holds 140 registers without a spill and
+    # gives 224 programs (>= one wave), still reading the weight once per 128 tokens.
+    # (tests/ops/test_kernel_plans.py compile-checks both archs.)
+    bm, bn, bk = (128, 64, 64) if arch == 12 else (128, 128, 64)
     stages = _stages(arch, (bm + bn) * bk * itemsize, max_stages=4)
     return dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=8, num_warps=8, num_stages=stages)
 
