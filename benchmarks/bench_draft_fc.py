@@ -1,32 +1,44 @@
 """draft fc benchmarks: stock PyTorch/cuBLAS vs eagle3_ops, bf16, K = 3, one row per (shape, backend).
 
 * ``draft_fc_rows``: the verify-path fc. stock = ``F.linear(x[rows], weight)`` (gather + cuBLAS);
-  ours = ``eagle3_ops.draft_fc_out(x, weight, None, rows, None, None, eps, out)``.
+  ours = ``eagle3_ops.draft_fc_out(x, weight, None, rows, None, None, eps, out)``. N = H, plus the
+  Kimi-K2.5 draft fc sharded over TP = 8 (H = 7168, N = 896 rows per rank).
 * ``draft_fc_chunk_norm``: a draft with ``fc_norm``. stock = SGLang llama_eagle3's sequence:
   ``x[rows]``, ``chunk(K)``, one RMSNorm per chunk, ``torch.cat``, ``F.linear``; ours = draft_fc_out
-  with ``chunk_norm_weight``. The RMSNorm is sgl_kernel's or FlashInfer's when installed, else
-  ``F.rms_norm``; the row's ``stock`` names which one ran.
+  with ``chunk_norm_weight``. The RMSNorm is sgl_kernel's or FlashInfer's when it imports and passes
+  a probe on this device, else ``F.rms_norm`` (torch); the row's ``stock_impl`` names which one ran
+  and ``stock_note`` why (the device image has no SGLang).
 * ``draft_fc_paths``: every path of each backend at H = 7168, to set the one crossover table
   (``eagle3_ops/plans.py`` CROSSOVER, both backends), each forced with ``plans.forced_path``.
   stock = ``F.linear(x[rows], weight)``.
 
+Every row records what ran: ``backend`` (``eagle3_ops.backends()[\"draft_fc\"]`` under the forced
+backend), ``path_table`` (``plans.choose(backend, device, M)``), ``path`` and ``splits_per_chunk``
+(the backend's own plan for exactly these arguments: what it launches after its launch-contract
+fallbacks) and, in ``draft_fc_paths``, ``forced_path``.
+
 Bytes that must move (the contract's minimum, ``bytes``): weight N*K*H + gathered x rows M*K*H +
-out M*N, times 2 bytes; ``weight_GB/s`` = weight bytes / time (the issue's headline number: fc is a
-weight read up to M ~ 130-280). ``TFLOP/s`` = 2*M*N*K*H / time, ``%gemm-rate`` = that over a large
-bf16 cuBLAS GEMM (8192^3) measured in the same run; ``vs_F.linear`` = F.linear(x[rows]) time / ours.
-L2 is flushed before every timed call (conftest ``gpu_time_us``): the fc weight is assumed cold, as
-it is in serving (the target model's traffic evicts it between draft steps).
+out M*N, times 2 bytes. The fc only READS its weight, so the floor is
+``max(bytes / read bandwidth, FLOPs / gemm rate)``, both measured in the same run (conftest: a
+1 GiB read-only stream; here: an 8192^3 bf16 ``F.linear``); the M*N output writes are counted at
+the read rate (negligible below M ~ 1000, FLOP-bound above). ``weight_GB/s`` = weight bytes /
+time (the headline number: fc is a weight read up to M ~ 130-280); ``TFLOP/s`` = 2*M*N*K*H / time,
+``%gemm-rate`` = that over the measured gemm rate; ``vs_F.linear`` = F.linear(x[rows]) time / ours.
+L2 is flushed by a read before every timed call (conftest): the fc weight is cold, as it is in
+serving (the target model's traffic evicts it between draft steps).
 
 Problems come from ``eagle3_ops.testing.fc_problem`` (the op tests' builder: x [M + 13, K*H] with a
-gather of M rows, weight [H, K*H] ~ 1/sqrt(K*H), cached per shape on a GPU), and ours is checked
+gather of M rows, weight [N, K*H] ~ 1/sqrt(K*H), cached per shape on a GPU), and ours is checked
 against stock with ``eagle3_ops.testing.rel_err`` before it is timed.
 
-Shapes: H in {4096, 7168, 8192}, M in {1, 2, 7, 16, 64, 256, 1000, 4096} (chunk norm: H = 7168 only)
-on a GPU. On the CPU only a tiny shape runs (H = 256, M = 1, reference backend; the Triton paths at
-H = 64 under the interpreter) as a smoke test of this file: those rows are marked smoke and say
-nothing about GPU kernels.
+Shapes: H in {4096, 7168, 8192}, M in {1, 2, 7, 16, 64, 256, 1000, 4096} (chunk norm and TP-8: H =
+7168 only) on a GPU (``EAGLE3_BENCH_SET=quick``: H in {7168, 4096}, M in {1, 16, 64, 256, 4096}).
+On the CPU only a tiny shape runs (H = 256, M = 1, reference backend; the Triton paths at H = 64
+under the interpreter) as a smoke test of this file: those rows are marked smoke and say nothing
+about GPU kernels.
 """
 import functools
+import os
 
 import pytest
 import torch
@@ -36,14 +48,20 @@ import eagle3_ops
 from eagle3_ops import plans, testing
 
 SMOKE = not torch.cuda.is_available()
+QUICK = os.environ.get("EAGLE3_BENCH_SET", "full") == "quick"
 DTYPE = torch.bfloat16
 ELEM = 2
 K = 3
 EPS = 1e-6
 EXTRA_ROWS = 13  # x has more rows than the verify path gathers
-H_VALUES = (256,) if SMOKE else (4096, 7168, 8192)
-M_VALUES = (1,) if SMOKE else (1, 2, 7, 16, 64, 256, 1000, 4096)
-NORM_H_VALUES = (256,) if SMOKE else (7168,)
+TP8 = 8          # Kimi-K2.5's draft fc sharded over 8 ranks: N = 7168 / 8 rows per rank
+if SMOKE:
+    H_VALUES, M_VALUES, NORM_H_VALUES, TP_H_VALUES = (256,), (1,), (256,), ()
+elif QUICK:
+    H_VALUES, M_VALUES, NORM_H_VALUES, TP_H_VALUES = (7168, 4096), (1, 16, 64, 256, 4096), (7168,), (7168,)
+else:
+    H_VALUES, M_VALUES = (7168, 4096, 8192), (1, 2, 7, 16, 64, 256, 1000, 4096)
+    NORM_H_VALUES, TP_H_VALUES = (7168,), (7168,)
 OURS_BACKENDS = ("reference",) if SMOKE else ("cuda", "triton")
 PATH_H = 64 if SMOKE else 7168
 PATH_M = (1,) if SMOKE else (1, 16, 64, 128, 256, 512, 1000, 4096)
@@ -51,52 +69,104 @@ TRITON_PATHS = ("skinny", "tiled", "cublas")
 CUDA_PATHS = {"cuda:skinny": "skinny", "cuda:cublas": "cublas"}  # row name -> plans.forced_path
 CUDA_SKINNY_MAX_BENCH_M = 1000  # the skinny kernel at M = 4096 would only measure 64 weight re-reads
 
-_stock_us_cache = {}
+
+def shape_id(M, H, N=None):
+    return f"M={M},H={H},K={K}" + ("" if N is None or N == H else f",N={N}")
 
 
-def shape_id(M, H):
-    return f"M={M},H={H},K={K}"
-
-
-def fc_bytes(M, H):
-    N = H
+def fc_bytes(M, H, N=None):
+    N = H if N is None else N
     return (N * K * H + M * K * H + M * N) * ELEM
 
 
-def fc_problem(M, H, device):
+def fc_flops(M, H, N=None):
+    N = H if N is None else N
+    return 2 * M * N * K * H
+
+
+def fc_problem(M, H, device, N=None):
     """(x, weight, rows, chunk_norm_weight, out) from the op tests' problem builder."""
-    p = testing.fc_problem(M, H, K, DTYPE, device, rows=True, chunk=True, extra_rows=EXTRA_ROWS, x_scale=1.0)
-    out = torch.empty(M, H, dtype=DTYPE, device=device)
+    N = H if N is None else N
+    p = testing.fc_problem(M, H, K, DTYPE, device, N=N, rows=True, chunk=True, extra_rows=EXTRA_ROWS, x_scale=1.0)
+    out = torch.empty(M, N, dtype=DTYPE, device=device)
     return p.x, p.weight, p.rows, p.chunk_norm_weight, out
+
+
+def path_info(backend, x, weight, bias, rows, chunk_norm_weight, input_norm_weight, M):
+    """What ``backend`` launches for these arguments right now (call inside any forced_path scope):
+    ``path_table`` = plans.choose, ``path`` / ``splits_per_chunk`` / ``launch`` = the backend's own
+    plan (after its launch-contract fallbacks)."""
+    if backend == "reference":
+        return {"path_table": None, "path": "reference (torch)", "splits_per_chunk": None}
+    info = {"path_table": plans.choose(backend, x.device, M)}
+    try:
+        if backend == "cuda":
+            from eagle3_ops import cuda_backend
+
+            pl = cuda_backend.plan(x, weight, bias, rows, chunk_norm_weight, input_norm_weight)
+            info.update(path=pl.path, splits_per_chunk=getattr(pl, "splits", None))
+        else:
+            from eagle3_ops.triton import draft_fc as triton_fc
+
+            pl = triton_fc.plan(x, weight, bias, rows, chunk_norm_weight, input_norm_weight)
+            info.update(path=pl.path, splits_per_chunk=getattr(pl, "splits_per_chunk", None),
+                        launch=str(pl.cfg) if getattr(pl, "cfg", None) else None)
+    except Exception as e:  # the row still says what the table chose, and why the plan is unknown
+        info.update(path=f"unknown ({type(e).__name__}: {e})"[:200], splits_per_chunk=None)
+    return info
+
+
+def _probe_rmsnorm(fn, device):
+    gen = testing.generator(device, "rmsnorm-probe")
+    x = testing.randn((5, 512), DTYPE, device, gen)
+    w = testing.positive((512,), DTYPE, device, gen)
+    got = fn(x, w, EPS)
+    want = F.rms_norm(x.float(), (512,), w.float(), EPS)
+    err = testing.rel_err(got, want.double())
+    if not err <= 2 * testing.NORM_TOL[DTYPE] + 2.0 ** -8:
+        raise RuntimeError(f"differs from F.rms_norm (rel err {err:.3g})")
 
 
 @functools.lru_cache(maxsize=None)
 def stock_rmsnorm(device_type):
-    """(name, fn(x, weight, eps)) of the best stock RMSNorm here."""
-    if device_type == "cuda":
-        try:
-            from sgl_kernel import rmsnorm as sgl_rmsnorm
+    """(impl, note, fn(x, weight, eps)) of the best stock RMSNorm here: sgl_kernel's, then
+    FlashInfer's, each only if it imports and passes a probe on this device; else ``F.rms_norm``."""
+    if device_type != "cuda":
+        return "F.rms_norm", "CPU smoke run", lambda x, w, eps: F.rms_norm(x, (x.shape[-1],), w, eps)
+    device = torch.device("cuda", torch.cuda.current_device())
+    why = []
+    try:
+        from sgl_kernel import rmsnorm as sgl_rmsnorm
 
-            return "sgl_kernel.rmsnorm", lambda x, w, eps: sgl_rmsnorm(x.contiguous(), w, eps)
-        except ImportError:
-            pass
-        try:
-            from flashinfer.norm import rmsnorm as fi_rmsnorm
+        fn = lambda x, w, eps: sgl_rmsnorm(x.contiguous(), w, eps)  # noqa: E731
+        _probe_rmsnorm(fn, device)
+        return "sgl_kernel.rmsnorm", "SGLang's own kernel", fn
+    except Exception as e:
+        why.append(f"sgl_kernel: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:160])
+    try:
+        from flashinfer.norm import rmsnorm as fi_rmsnorm
 
-            return "flashinfer.norm.rmsnorm", lambda x, w, eps: fi_rmsnorm(x.contiguous(), w, eps)
-        except ImportError:
-            pass
-    return "F.rms_norm", lambda x, w, eps: F.rms_norm(x, (x.shape[-1],), w, eps)
+        fn = lambda x, w, eps: fi_rmsnorm(x.contiguous(), w, eps)  # noqa: E731
+        _probe_rmsnorm(fn, device)
+        return "flashinfer.norm.rmsnorm", f"FlashInfer's kernel ({why[0]})", fn
+    except Exception as e:
+        why.append(f"flashinfer: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:160])
+    return ("F.rms_norm", "torch (F.rms_norm): " + "; ".join(why) + ". On the device image (no SGLang) this is the "
+            "baseline; SGLang's rmsnorm kernel may be faster",
+            lambda x, w, eps: F.rms_norm(x, (x.shape[-1],), w, eps))
 
 
 @pytest.fixture(scope="session")
-def gemm_tflops(bench_device, gpu_time_us):
-    """bf16 dense rate of this device measured here: F.linear of 8192 x 8192 by 8192 x 8192 (TFLOP/s)."""
+def gemm_tflops(bench_device, gpu_time_us, bench_results):
+    """bf16 dense rate of this device measured here: F.linear of 8192 x 8192 by 8192 x 8192 (TFLOP/s;
+    random data, never zeros). Recorded in the JSON meta as ``gemm_TFLOPs``."""
     n = 512 if bench_device.type != "cuda" else 8192
     a = torch.randn(n, n, device=bench_device).to(DTYPE)
     b = torch.randn(n, n, device=bench_device).to(DTYPE)
     us = gpu_time_us(lambda: F.linear(a, b), reps=10, flush=False)
-    return 2 * n ** 3 / (us * 1e6)
+    tflops = 2 * n ** 3 / (us * 1e6)
+    bench_results.meta_extra.update(gemm_TFLOPs=round(tflops, 1), gemm_method=f"F.linear bf16 {n}^3, median of 10")
+    return tflops
 
 
 @pytest.fixture
@@ -106,32 +176,31 @@ def ours_backend(request, monkeypatch):
     return request.param
 
 
-def _stock_time(key, fn, gpu_time_us):
-    if key not in _stock_us_cache:
-        _stock_us_cache[key] = gpu_time_us(fn)
-    return _stock_us_cache[key]
-
-
 def _close(ours, stock):
     err = testing.rel_err(ours, stock.double(), normwise=True)
     assert err < 3e-2, f"ours and stock disagree (rel err {err:.3g}): not benchmarking the same thing"
 
 
-def _extra(M, H, us, linear_us, gemm_tflops):
-    weight_bytes = H * K * H * ELEM
-    tflops = 2 * M * H * K * H / (us * 1e6)
+def _extra(M, H, N, row, linear_us, gemm_tflops):
+    us = row["ours_us"]
+    weight_bytes = N * K * H * ELEM
+    tflops = fc_flops(M, H, N) / (us * 1e6)
     return {"weight_GB/s": round(weight_bytes / (us * 1e3), 1), "TFLOP/s": round(tflops, 2),
-            "%gemm-rate": round(100 * tflops / gemm_tflops, 1), "vs_F.linear": round(linear_us / us, 3),
-            "gemm_TFLOP/s_measured": round(gemm_tflops, 1)}
+            "%gemm-rate": round(100 * tflops / gemm_tflops, 1),
+            "vs_F.linear": None if not linear_us else round(linear_us / us, 3)}
 
 
-SHAPES = [(M, H) for H in H_VALUES for M in M_VALUES]
+LINEAR_STOCK = dict(stock_name="F.linear(x[rows])", stock_impl="torch: index gather + F.linear (cuBLAS)",
+                    stock_note="what SGLang's draft runs (nn.Linear on the gathered rows)")
+
+SHAPES = [(M, H, H) for H in H_VALUES for M in M_VALUES] + \
+         [(M, H, H // TP8) for H in TP_H_VALUES for M in M_VALUES]
 
 
 @pytest.mark.parametrize("ours_backend", OURS_BACKENDS, indirect=True)
-@pytest.mark.parametrize("M,H", SHAPES, ids=[shape_id(*s) for s in SHAPES])
-def test_draft_fc_rows(M, H, ours_backend, bench_device, bench_record, gpu_time_us, gemm_tflops):
-    x, w, rows, _, out = fc_problem(M, H, bench_device)
+@pytest.mark.parametrize("M,H,N", SHAPES, ids=[shape_id(*s) for s in SHAPES])
+def test_draft_fc_rows(M, H, N, ours_backend, bench_device, bench_record, bench_timer, gemm_tflops):
+    x, w, rows, _, out = fc_problem(M, H, bench_device, N)
 
     def stock():
         return F.linear(x[rows], w)
@@ -141,10 +210,11 @@ def test_draft_fc_rows(M, H, ours_backend, bench_device, bench_record, gpu_time_
 
     ours()
     _close(out, stock())
-    stock_us = _stock_time(("rows", M, H), stock, gpu_time_us)
-    row = bench_record("draft_fc_rows", shape_id(M, H), fc_bytes(M, H), ours_backend, ours,
-                       stock_name="F.linear(x[rows])", stock_us=stock_us, dtype="bf16")
-    row.update(_extra(M, H, row["ours_us"], stock_us, gemm_tflops))
+    key = ("rows", M, H, N)
+    bench_record("draft_fc_rows", shape_id(M, H, N), fc_bytes(M, H, N), ours_backend, ours, op="draft_fc",
+                       stock_fn=stock, stock_key=key, dtype="bf16", bw="read", flops=fc_flops(M, H, N),
+                       tflops=gemm_tflops, post=lambda row: _extra(M, H, N, row, row["stock_us"], gemm_tflops),
+                       **LINEAR_STOCK, **path_info(ours_backend, x, w, None, rows, None, None, M))
 
 
 NORM_SHAPES = [(M, H) for H in NORM_H_VALUES for M in M_VALUES]
@@ -152,9 +222,9 @@ NORM_SHAPES = [(M, H) for H in NORM_H_VALUES for M in M_VALUES]
 
 @pytest.mark.parametrize("ours_backend", OURS_BACKENDS, indirect=True)
 @pytest.mark.parametrize("M,H", NORM_SHAPES, ids=[shape_id(*s) for s in NORM_SHAPES])
-def test_draft_fc_chunk_norm(M, H, ours_backend, bench_device, bench_record, gpu_time_us, gemm_tflops):
+def test_draft_fc_chunk_norm(M, H, ours_backend, bench_device, bench_record, bench_timer, gemm_tflops):
     x, w, rows, chunk_w, out = fc_problem(M, H, bench_device)
-    norm_name, rmsnorm = stock_rmsnorm(bench_device.type)
+    norm_impl, norm_note, rmsnorm = stock_rmsnorm(bench_device.type)
 
     def stock():  # SGLang llama_eagle3: chunk, RMSNorm each, cat, fc
         chunks = x[rows].chunk(K, dim=-1)
@@ -165,11 +235,13 @@ def test_draft_fc_chunk_norm(M, H, ours_backend, bench_device, bench_record, gpu
 
     ours()
     _close(out, stock())
-    stock_us = _stock_time(("chunk_norm", M, H), stock, gpu_time_us)
-    linear_us = _stock_time(("rows", M, H), lambda: F.linear(x[rows], w), gpu_time_us)
-    row = bench_record("draft_fc_chunk_norm", shape_id(M, H), fc_bytes(M, H), ours_backend, ours,
-                       stock_name=f"x[rows] + {K}x {norm_name} + cat + F.linear", stock_us=stock_us, dtype="bf16")
-    row.update(_extra(M, H, row["ours_us"], linear_us, gemm_tflops))
+    linear = bench_timer.measure_cached(("rows", M, H, H), lambda: F.linear(x[rows], w))
+    bench_record("draft_fc_chunk_norm", shape_id(M, H), fc_bytes(M, H), ours_backend, ours, op="draft_fc",
+                       stock_name=f"x[rows] + {K}x {norm_impl} + cat + F.linear", stock_fn=stock,
+                       stock_key=("chunk_norm", M, H), stock_impl=f"torch gather/cat + {norm_impl} + F.linear (cuBLAS)",
+                       stock_note=norm_note, dtype="bf16", bw="read", flops=fc_flops(M, H), tflops=gemm_tflops,
+                       post=lambda row: _extra(M, H, H, row, linear.eager_us, gemm_tflops),
+                       **path_info(ours_backend, x, w, None, rows, chunk_w, None, M))
 
 
 def _path_cases():
@@ -182,7 +254,7 @@ def _path_cases():
 
 
 @pytest.mark.parametrize("backend,path,M", _path_cases())
-def test_draft_fc_paths(backend, path, M, bench_device, bench_record, gpu_time_us, gemm_tflops, monkeypatch):
+def test_draft_fc_paths(backend, path, M, bench_device, bench_record, gemm_tflops, monkeypatch):
     H = PATH_H
     x, w, rows, _, out = fc_problem(M, H, bench_device)
     monkeypatch.setenv("EAGLE3_OPS_BACKEND", backend)
@@ -195,10 +267,11 @@ def test_draft_fc_paths(backend, path, M, bench_device, bench_record, gpu_time_u
     def stock():
         return F.linear(x[rows], w)
 
-    with plans.forced_path(forced):  # every call below, timed ones included, takes this path
+    with plans.forced_path(forced):  # every call below, timed and captured ones included, takes this path
         ours()
         _close(out, stock())
-        stock_us = _stock_time(("rows", M, H), stock, gpu_time_us)
-        row = bench_record("draft_fc_paths", shape_id(M, H), fc_bytes(M, H), name, ours,
-                           stock_name="F.linear(x[rows])", stock_us=stock_us, dtype="bf16", forced_path=forced)
-    row.update(_extra(M, H, row["ours_us"], stock_us, gemm_tflops))
+        bench_record("draft_fc_paths", shape_id(M, H), fc_bytes(M, H), name, ours, op="draft_fc",
+                           stock_fn=stock, stock_key=("rows", M, H, H), dtype="bf16", bw="read",
+                           flops=fc_flops(M, H), tflops=gemm_tflops, forced_path=forced,
+                           post=lambda row: _extra(M, H, H, row, row["stock_us"], gemm_tflops),
+                           **LINEAR_STOCK, **path_info(backend, x, w, None, rows, None, None, M))
