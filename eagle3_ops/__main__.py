@@ -11,6 +11,7 @@ commands:
   doctor           check which hidden states an engine feeds an EAGLE-3 draft (--help for options)
   capture-states   record a target's hidden states for `doctor --replay` (--help for options)
   info             build info and the backend serving each op on this machine
+  qualify          check and time every candidate path at a model's shapes on this device (--help)
 """
 
 
@@ -38,6 +39,18 @@ def main(argv=None) -> int:
         print(USAGE)
         return 0 if argv else 2
     cmd, rest = argv[0], argv[1:]
+    if cmd == "qualify" and not ({"-h", "--help"} & set(rest)):
+        problem = _backend_problem()
+        if problem is not None:
+            print(f"error: {problem}", file=sys.stderr)
+            return 2
+        from .qualify import main as qualify_main
+
+        return qualify_main(rest)
+    if cmd == "qualify":
+        from .qualify import main as qualify_main
+
+        return qualify_main(rest)
     if cmd in ("demo", "info"):
         problem = _backend_problem()
         if problem is not None:

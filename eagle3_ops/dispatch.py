@@ -14,6 +14,7 @@ backend that fails is disabled for the process with an error log, and the next o
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import os
@@ -148,9 +149,27 @@ def candidate_backends(device: torch.device) -> tuple:
     return BACKENDS if device.type == "cuda" else ("reference",)
 
 
+_scoped = threading.local()
+
+
+@contextlib.contextmanager
+def using(backend: Optional[str]):
+    """Within this scope (this thread), every op is served by ``backend`` (None: the usual choice),
+    as with EAGLE3_OPS_BACKEND: an op it cannot serve raises. Qualification and the SGLang plugin
+    use it to run the backend chosen for a call."""
+    if backend is not None and backend not in BACKENDS:
+        raise ValueError(f"unknown backend {backend!r} (one of {', '.join(BACKENDS)})")
+    previous = getattr(_scoped, "backend", None)
+    _scoped.backend = backend
+    try:
+        yield
+    finally:
+        _scoped.backend = previous
+
+
 def select(op: str, device: torch.device, dtype: torch.dtype = torch.bfloat16) -> tuple:
     """(backend name, function) serving ``op`` on ``device`` for inputs of ``dtype``."""
-    forced = forced_backend()
+    forced = getattr(_scoped, "backend", None) or forced_backend()
     if forced is not None:
         fn = implementation(forced, op, device)
         if fn is None:

@@ -10,6 +10,7 @@ variable                           accepted                    a bad value means
 ``EAGLE3_OPS_SGLANG``              on/off words (default on)   the SGLang plugin stays off
 ``EAGLE3_OPS_SGLANG_MAX_TOKENS``   1 .. 1048576 (tokens)       no capture buffer: targets capture stock
 ``EAGLE3_OPS_SGLANG_SHARD_FC``     on/off words (default on)   the draft fc stays replicated
+``EAGLE3_OPS_QUALIFY``             auto|on|off (default auto)  auto: qualify the plugin's sites on CUDA
 ``EAGLE3_OPS_BACKEND``             auto|cuda|triton|reference  the sites that need an op stay stock
 ``EAGLE3_OPS_VERIFY``              on/off words (default on)   backends are verified (the safe side)
 ``EAGLE3_OPS_DEBUG``               on/off words (default off)  debug checks stay off
@@ -65,6 +66,13 @@ def _max_tokens(raw: str) -> int:
     return value
 
 
+def _qualify(raw: str) -> str:
+    word = raw.strip().lower()
+    if word in ("auto", "on", "off"):
+        return word
+    raise ValueError
+
+
 def _backend(raw: str) -> Optional[str]:
     name = raw.strip().lower()
     if name in ("", "auto"):
@@ -85,6 +93,8 @@ SETTINGS: Dict[str, Setting] = {s.name: s for s in (
             "no capture buffer is installed: EAGLE-3 targets keep SGLang's stock capture", _max_tokens),
     Setting("EAGLE3_OPS_SGLANG_SHARD_FC", True, _SWITCH_WORDS,
             "the draft fc is not sharded (every TP rank keeps the whole replicated fc, as stock SGLang)", _switch),
+    Setting("EAGLE3_OPS_QUALIFY", "auto", "auto (qualify on CUDA devices), on (also on the CPU) or off",
+            "qualification stays on its default (auto): the plugin qualifies its sites on CUDA devices", _qualify),
     Setting("EAGLE3_OPS_BACKEND", None, "auto, cuda, triton or reference (unset = auto)",
             "every site that needs an eagle3 op stays stock", _backend),
     Setting("EAGLE3_OPS_VERIFY", True, _SWITCH_WORDS,

@@ -123,6 +123,7 @@ class TargetCaptureState:
         self.fused_norms: Dict[int, Any] = {}          # layer -> the norm module whose forward is wrapped
         self.stats = {"buffer_forwards": 0, "stock_forwards": 0, "fused_captures": 0, "copied_captures": 0}
         self.routing_warned = False
+        self.norm_plan = None  # qualify.Plan of the fused norm per row bucket (None: not qualified)
 
     @property
     def max_tokens(self) -> int:
@@ -312,7 +313,14 @@ def _norm_forward_wrapper(norm, state: TargetCaptureState, slot: int):
                 or weight.shape != (x.shape[1],) or weight.device != x.device
                 or is_batch_invariant_mode_enabled()):
             return original(x, residual, post_residual_addition, *args, **kwargs)
-        ops.fused_add_rmsnorm_capture(x, residual, weight, float(norm.variance_epsilon), buf, slot)
+        choice = state.norm_plan.choice_for(x.shape[0]) if state.norm_plan is not None else None
+        if choice is not None and choice.backend is None:
+            # qualification: SGLang's own norm is faster for this many rows; the capture is a copy
+            return original(x, residual, post_residual_addition, *args, **kwargs)
+        from .. import dispatch
+
+        with dispatch.using(choice.backend if choice is not None else None):
+            ops.fused_add_rmsnorm_capture(x, residual, weight, float(norm.variance_epsilon), buf, slot)
         cap.fused[slot] = residual
         return x, residual
 
@@ -515,6 +523,8 @@ def install_target_capture(model, max_tokens: Optional[int] = None,
         state.fused_norms[i] = norm
     inner.__dict__[_STATE_ATTR] = state
     _installed.add(state)
+    if norm_wrappers:
+        _qualify_norm(state, name, dtype, device)
 
     mib = state.buffer.buffer.numel() * state.buffer.buffer.element_size() / 2**20
     log.info("eagle3_ops: patched %s capture (%s.%s, %s path): layers %s -> one persistent [%d, %dx%d] %s "
@@ -540,6 +550,22 @@ def install_target_capture(model, max_tokens: Optional[int] = None,
                     "--mem-fraction-static; cap it with %s=N (tokens; a forward with more tokens uses SGLang's "
                     "stock capture)", name, size, ENV_MAX_TOKENS)
     return state
+
+
+def _qualify_norm(state: TargetCaptureState, name: str, dtype: torch.dtype, device: torch.device) -> None:
+    """Qualification (eagle3_ops/qualify.py) of the fused add+RMSNorm capture at this model's H: per
+    row bucket the fastest correct backend, or SGLang's own norm (then a slot copy) where none
+    beats it. Runs eagerly at install (before graph capture); logged as one table."""
+    from .. import qualify
+
+    if not qualify.enabled(device):
+        return
+    shape = qualify.Shape("fused_add_rmsnorm_capture", state.hidden_size, state.num_captures, 0,
+                          str(dtype).replace("torch.", ""))
+    plan = qualify.qualify(shape, device, qualify.buckets_up_to(state.max_tokens))
+    state.norm_plan = plan
+    for line in plan.table().splitlines():
+        log.info("eagle3_ops: %s fused norm %s", name, line)
 
 
 def _check_configured_layers(state: TargetCaptureState, inner) -> None:

@@ -118,6 +118,7 @@ class DraftFcState:
         self.chunk_norm_weight: Optional[torch.Tensor] = None
         self.sharding: Optional[dict] = None    # set when the fc was sharded over TP ranks
         self.workspace: Optional[torch.Tensor] = None  # the plugin's own draft_fc scratch (allocate_workspace)
+        self.plan = None  # qualify.Plan: (backend, path) or stock per row bucket (None: not qualified)
         if fc_norm is not None:
             self._share_chunk_norm_storage()
 
@@ -136,7 +137,9 @@ class DraftFcState:
         weight = self.fc.weight
         input_norm_weight = self.input_norm.weight if self.input_norm is not None else None
         need = 0
-        for m in sorted({1, 16, 64, 128, 256, 512, 1024, int(max_tokens)}):
+        # every M where the planned split count changes (the skinny range, up to 256) and the larger
+        # buckets: the bytes are monotone in M within a path and split count
+        for m in sorted(set(range(1, 257)) | {512, 1024, 2048, 4096, int(max_tokens)}):
             if m > max_tokens:
                 continue
             x = torch.empty((m, self.fc.in_features), dtype=weight.dtype, device="meta")
@@ -213,10 +216,17 @@ def _run_draft_forward(state: DraftFcState, original, inner, args, kwargs):
             or (h.shape[-1] > 1 and h.stride(-1) != 1)):
         state.stats["stock_calls"] += 1
         return original(inner, *args, **kwargs)
+    choice = state.plan.choice_for(h.shape[0]) if state.plan is not None else None
+    if choice is not None and choice.backend is None:  # qualification: stock is faster for this many rows
+        state.stats["stock_calls"] += 1
+        return original(inner, *args, **kwargs)
     input_norm_weight = state.input_norm.weight if state.input_norm is not None else None
     chunk = state.chunk_weight()
-    x = ops.draft_fc(h, fc.weight, fc.bias, None, chunk, input_norm_weight, state.eps,
-                     workspace=state.workspace_for(h, chunk, input_norm_weight))
+    from .. import dispatch, plans
+
+    with dispatch.using(choice.backend if choice else None), plans.forced_path(choice.path if choice else None):
+        x = ops.draft_fc(h, fc.weight, fc.bias, None, chunk, input_norm_weight, state.eps,
+                         workspace=state.workspace_for(h, chunk, input_norm_weight))
     if isinstance(fc, ColumnShardedFc):
         x = fc.gather(x)  # [M, N/tp] -> [M, N]: the one collective sharding adds
     state.stats["fused_calls"] += 1
@@ -284,11 +294,36 @@ def install_draft_fc(model) -> Optional[DraftFcState]:
         _install_sharded_fc(state, name, *shard)
     from .capture_hooks import _default_max_tokens
 
-    nbytes = state.allocate_workspace(_default_max_tokens())
+    max_tokens = _default_max_tokens()
+    nbytes = state.allocate_workspace(max_tokens)
     if nbytes:
         log.info("eagle3_ops: draft %s fc workspace: %.1f MiB on %s, owned by the plugin (allocated once, outside "
                  "CUDA-graph pools)", name, nbytes / 2**20, state.fc.weight.device)
+    _qualify_site(state, name, max_tokens)
     return state
+
+
+def _qualify_site(state: DraftFcState, name: str, max_tokens: int) -> None:
+    """Qualification (eagle3_ops/qualify.py) of the fused fc at this draft's own shapes and weights:
+    per row bucket the fastest correct (backend, path), or SGLang's stock fc block where none beats
+    it. Runs eagerly at install (before graph capture); logged as one table."""
+    from .. import qualify
+
+    weight = state.fc.weight
+    if not qualify.enabled(weight.device):
+        return
+    inner = state.inner
+    K = int(getattr(inner, "num_aux_hidden_states", 0) or (len(state.fc_norm) if state.fc_norm is not None else 3))
+    input_norm_weight = state.input_norm.weight if state.input_norm is not None else None
+    shape = qualify.Shape("draft_fc", state.fc.in_features // K, K, state.fc.out_features if not state.sharding
+                          else state.fc.rows, str(weight.dtype).replace("torch.", ""), state.fc.bias is not None,
+                          state.fc_norm is not None, input_norm_weight is not None)
+    tensors = {"weight": weight, "bias": state.fc.bias, "chunk_norm_weight": state.chunk_norm_weight,
+               "input_norm_weight": input_norm_weight, "eps": state.eps}
+    plan = qualify.qualify(shape, weight.device, qualify.buckets_up_to(max_tokens), tensors=tensors)
+    state.plan = plan
+    for line in plan.table().splitlines():
+        log.info("eagle3_ops: draft %s fc %s", name, line)
 
 
 def _shard_plan(inner, fc: torch.nn.Linear, name: str):

@@ -1,0 +1,475 @@
+"""Qualification: every candidate path of an op, at the model's own shapes, checked against the
+float64 reference and timed against stock on THIS device; the fastest correct candidate serves each
+row bucket, and a bucket where no candidate beats stock by :data:`MARGIN` stays stock.
+
+It replaces "verify one small problem, then trust" for the sites the SGLang plugin patches, and is
+what ``python -m eagle3_ops qualify`` prints. Candidates:
+
+* ``draft_fc``: every (backend, path) that can serve the device — ``cuda``/``skinny``,
+  ``cuda``/``cublas``, ``triton``/``skinny``|``tiled``|``cublas``, ``reference`` (CPU only) —
+  against stock = what SGLang's llama_eagle3 runs: its RMSNorms (rounded to the dtype) and
+  ``F.linear`` (cuBLAS).
+* ``fused_add_rmsnorm_capture``: each backend against stock = the add + RMSNorm in torch eager
+  (``sgl_kernel``'s ``fused_add_rmsnorm`` where importable: the row says which) plus a slot copy.
+
+Correctness: the output is NaN-poisoned first; a candidate whose max relative error (normwise for
+the matrix product, elementwise for the norm) exceeds the dtype's tolerance, or that raises, is
+rejected with that reason and never chosen. Timing: median of CUDA events over repetitions with the
+L2 flushed by reading a buffer of twice its size before each (cold weights, as in serving); on the
+CPU ``perf_counter`` (a CPU time says nothing about a GPU; there the mechanism is what is tested).
+
+Results are cached per (device name, driver/torch versions, eagle3_ops version, op, shapes, buckets)
+in ``$XDG_CACHE_HOME/eagle3_ops/qualify.json`` (default ``~/.cache``).
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import statistics
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Callable, List, Optional, Sequence, Tuple
+
+import torch
+
+from . import dispatch, plans, testing
+
+log = logging.getLogger("eagle3_ops")
+
+MARGIN = 1.05          # a candidate must be at least 5% faster than stock to replace it
+DEFAULT_BUCKETS = (1, 4, 16, 64, 128, 512, 2048)   # decode / verify / prefill row counts
+TOL = {"draft_fc": testing.MATMUL_TOL, "fused_add_rmsnorm_capture": testing.NORM_TOL}
+
+
+@dataclass(frozen=True)
+class Shape:
+    """What a site computes: ``draft_fc`` [M, K*H] x [N, K*H] (with its options), or the target's
+    ``fused_add_rmsnorm_capture`` at hidden size H into K slots."""
+    op: str
+    hidden: int
+    captures: int
+    out_features: int = 0          # draft_fc N (this rank's rows when the fc is sharded)
+    dtype: str = "bfloat16"
+    bias: bool = False
+    chunk_norm: bool = False
+    input_norm: bool = False
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return getattr(torch, self.dtype)
+
+
+@dataclass
+class Choice:
+    op: str
+    rows: int
+    backend: Optional[str]         # None: stock
+    path: Optional[str]
+    max_rel_err: Optional[float]
+    median_us: Optional[float]
+    stock_us: float
+    stock: str                     # what the stock timing ran
+
+
+@dataclass
+class Rejection:
+    op: str
+    rows: int
+    backend: str
+    path: Optional[str]
+    reason: str
+
+
+@dataclass
+class Plan:
+    device: str
+    shape: Shape
+    choices: List[Choice] = field(default_factory=list)
+    rejected: List[Rejection] = field(default_factory=list)
+    seconds: float = 0.0
+    cached: bool = False
+
+    def choice_for(self, rows: int) -> Choice:
+        """The choice of the smallest bucket holding ``rows`` (the largest bucket above it)."""
+        for c in self.choices:
+            if rows <= c.rows:
+                return c
+        return self.choices[-1]
+
+    def to_json(self) -> dict:
+        return {"device": self.device, "shape": asdict(self.shape), "seconds": round(self.seconds, 3),
+                "cached": self.cached, "choices": [asdict(c) for c in self.choices],
+                "rejected": [asdict(r) for r in self.rejected]}
+
+    def table(self) -> str:
+        lines = [f"qualification on {self.device}: {self.shape.op} H={self.shape.hidden} K={self.shape.captures}"
+                 + (f" N={self.shape.out_features}" if self.shape.out_features else "")
+                 + f" {self.shape.dtype} ({'cached' if self.cached else f'{self.seconds:.1f} s'})",
+                 f"{'rows':>6} | {'serves':<16} | {'max rel err':>11} | {'us':>9} | {'stock us':>9} | stock ran"]
+        for c in self.choices:
+            serves = "stock" if c.backend is None else f"{c.backend}/{c.path or '-'}"
+            err = "-" if c.max_rel_err is None else f"{c.max_rel_err:.2e}"
+            us = "-" if c.median_us is None else f"{c.median_us:.1f}"
+            lines.append(f"{c.rows:>6} | {serves:<16} | {err:>11} | {us:>9} | {c.stock_us:>9.1f} | {c.stock}")
+        for r in self.rejected:
+            lines.append(f"rejected: {r.op} rows={r.rows} {r.backend}/{r.path or '-'}: {r.reason}")
+        return "\n".join(lines)
+
+
+# ---- candidates ---------------------------------------------------------------------------------------
+def candidates(op: str, device: torch.device) -> List[Tuple[str, Optional[str]]]:
+    """(backend, path) pairs that can serve ``op`` on ``device``."""
+    out = []
+    for backend in dispatch.BACKENDS:
+        if backend == "reference" and device.type == "cuda":
+            continue  # plain PyTorch on a GPU is never faster than stock's own kernels
+        if dispatch.implementation(backend, op, device) is None:
+            continue
+        if op == "draft_fc" and backend != "reference":
+            paths = ("skinny", "cublas") if backend == "cuda" else plans.PATHS
+            out.extend((backend, p) for p in paths)
+        else:
+            out.append((backend, None))
+    return out
+
+
+# ---- timing -------------------------------------------------------------------------------------------
+class Timer:
+    """Median microseconds of a call: CUDA events with the L2 flushed (by a read of twice its size)
+    before each repetition and a spin kernel ahead of the call (host launch overhead hidden) on a
+    GPU; perf_counter on the CPU."""
+
+    def __init__(self, device: torch.device, reps: int = 10):
+        self.device, self.reps = device, reps
+        self._flush = None
+        if device.type == "cuda":
+            l2 = torch.cuda.get_device_properties(device).L2_cache_size
+            self._flush = torch.ones(max(2 * l2, 1 << 20) // 4, dtype=torch.float32, device=device)
+            self._sink = torch.zeros((), dtype=torch.float32, device=device)
+
+    def __call__(self, fn: Callable[[], object]) -> float:
+        fn()  # warm-up (compiles, first-use checks)
+        times = []
+        if self.device.type == "cuda":
+            for _ in range(self.reps):
+                torch.sum(self._flush, dim=0, out=self._sink)  # read-only flush: no dirty lines in the timed call
+                # keep the GPU busy while the host enqueues the call: the time is the kernels' (as in
+                # the CUDA-graph replays that serve most calls), not Python's launch overhead
+                torch.cuda._sleep(200_000)
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+                fn()
+                end.record()
+                end.synchronize()
+                times.append(start.elapsed_time(end) * 1e3)
+        else:
+            for _ in range(self.reps):
+                t0 = time.perf_counter()
+                fn()
+                times.append((time.perf_counter() - t0) * 1e6)
+        return statistics.median(times)
+
+
+# ---- problems and stock ---------------------------------------------------------------------------------
+def _fc_problem(shape: Shape, rows: int, device, tensors: Optional[dict] = None) -> testing.FcProblem:
+    if tensors is not None:  # the site's own weights (no second copy of a model-size weight), random x
+        w = tensors["weight"]
+        gen = testing.generator(torch.device(device), "qualify-x", rows, w.shape[1])
+        x = testing.randn((rows, w.shape[1]), w.dtype, device, gen, scale=3.0)
+        return testing.FcProblem(x, w, tensors.get("bias"), None, tensors.get("chunk_norm_weight"),
+                                 tensors.get("input_norm_weight"), tensors.get("eps", testing.EPS))
+    return testing.fc_problem(rows, shape.hidden, shape.captures, shape.torch_dtype, device, key=("qualify",),
+                              N=shape.out_features or shape.hidden, bias=shape.bias, chunk=shape.chunk_norm,
+                              inorm=shape.input_norm)
+
+
+def _fc_stock(p: testing.FcProblem) -> Tuple[Callable[[], torch.Tensor], str]:
+    """SGLang llama_eagle3's fc block as it runs stock: RMSNorm(s) rounded to the dtype, F.linear."""
+    import torch.nn.functional as F
+
+    from .reference import rms_scale
+
+    def run():
+        x = p.x
+        if p.input_norm_weight is not None:
+            xf = x.float()
+            x = (xf * rms_scale(xf, p.eps) * p.input_norm_weight.float()).to(x.dtype)
+        if p.chunk_norm_weight is not None:
+            K, H = p.chunk_norm_weight.shape
+            xf = x.float().view(x.shape[0], K, H)
+            x = (xf * rms_scale(xf, p.eps) * p.chunk_norm_weight.float()).to(x.dtype).view(x.shape[0], K * H)
+        return F.linear(x, p.weight, p.bias)
+
+    return run, "torch eager norms + F.linear (cuBLAS on a GPU)"
+
+
+def _fused_stock(p: testing.CaptureProblem, slot_view: torch.Tensor):
+    """SGLang's add+RMSNorm at a captured layer, then the capture as a slot copy."""
+    if p.hidden.device.type == "cuda":
+        try:
+            from sgl_kernel import fused_add_rmsnorm  # the kernel SGLang runs on CUDA
+
+            def run():
+                fused_add_rmsnorm(p.hidden, p.residual, p.weight, p.eps)
+                slot_view.copy_(p.residual)
+            return run, "sgl_kernel fused_add_rmsnorm + slot copy"
+        except ImportError:
+            pass
+    from .reference import rms_scale
+
+    def run():
+        s = p.hidden.float() + p.residual.float()
+        p.residual.copy_(s.to(p.residual.dtype))
+        p.hidden.copy_((s * rms_scale(s, p.eps) * p.weight.float()).to(p.hidden.dtype))
+        slot_view.copy_(p.residual)
+    return run, "torch eager add + RMSNorm + slot copy (no sgl_kernel here)"
+
+
+# ---- one op at one bucket ------------------------------------------------------------------------------
+def _qualify_fc(shape: Shape, rows: int, device, timer: Timer, plan: Plan, run_candidate=None,
+                tensors=None) -> None:
+    import eagle3_ops
+
+    p = _fc_problem(shape, rows, device, tensors)
+    truth = p.truth()
+    stock_fn, stock_label = _fc_stock(p)
+    stock_us = timer(stock_fn)
+    best = None
+    for backend, path in candidates("draft_fc", device):
+        out = torch.full((p.M, p.N), float("nan"), dtype=p.dtype, device=device)
+
+        def call(backend=backend, path=path, out=out):
+            with dispatch.using(backend), plans.forced_path(path):
+                (run_candidate or eagle3_ops.draft_fc_out)(*p.args, p.eps, out)
+        try:
+            call()
+            err = testing.rel_err(out, truth, normwise=True)
+        except Exception as e:  # a crashing candidate is rejected, never chosen
+            plan.rejected.append(Rejection("draft_fc", rows, backend, path, f"{type(e).__name__}: {e}"))
+            continue
+        tol = TOL["draft_fc"][p.dtype]
+        if not err <= tol:
+            plan.rejected.append(Rejection("draft_fc", rows, backend, path,
+                                           f"max rel err {err:.3g} > tolerance {tol:.1g}"))
+            continue
+        us = timer(call)
+        if best is None or us < best[2]:
+            best = (backend, path, us, err)
+    _record(plan, "draft_fc", rows, best, stock_us, stock_label)
+
+
+def _fused_error(q: testing.CaptureProblem, normed64: torch.Tensor, sum64: torch.Tensor) -> float:
+    """Max elementwise relative error of the fused op's three outputs (normed input, new residual,
+    captured slot) against the float64 truth."""
+    return max(testing.rel_err(q.hidden, normed64), testing.rel_err(q.residual, sum64),
+               testing.rel_err(q.slot_view, sum64))
+
+
+def _qualify_fused(shape: Shape, rows: int, device, timer: Timer, plan: Plan, run_candidate=None) -> None:
+    import eagle3_ops
+
+    base = testing.capture_problem(rows, shape.hidden, shape.captures, shape.torch_dtype, device, key=("qualify",),
+                                   slot=0, fused=True)
+    normed64, sum64 = base.normed64(), base.sum64()
+    s = base.clone()
+    stock_fn, stock_label = _fused_stock(s, s.slot_view)
+    stock_us = timer(stock_fn)
+    best = None
+    # two ulps: a correct kernel is within one (fp32 sum-of-squares order aside); a broken one is far off
+    tol = 2 * max(testing.NORM_TOL[shape.torch_dtype], testing.ROUNDING_TOL[shape.torch_dtype])
+    for backend, _ in candidates("fused_add_rmsnorm_capture", device):
+        q = base.clone()
+        q.slot_view.fill_(float("nan"))
+
+        def once(backend=backend, q=q):
+            with dispatch.using(backend):
+                (run_candidate or eagle3_ops.fused_add_rmsnorm_capture)(q.hidden, q.residual, q.weight, q.eps,
+                                                                         q.buffer, q.slot)
+        try:
+            once()
+            err = _fused_error(q, normed64, sum64)
+        except Exception as e:
+            plan.rejected.append(Rejection("fused_add_rmsnorm_capture", rows, backend, None, f"{type(e).__name__}: {e}"))
+            continue
+        if not err <= tol:
+            plan.rejected.append(Rejection("fused_add_rmsnorm_capture", rows, backend, None,
+                                           f"max rel err {err:.3g} > tolerance {tol:.1g}"))
+            continue
+        t = base.clone()  # timing mutates input/residual in place: time on a copy
+
+        def timed(backend=backend, t=t):
+            with dispatch.using(backend):
+                (run_candidate or eagle3_ops.fused_add_rmsnorm_capture)(t.hidden, t.residual, t.weight, t.eps,
+                                                                         t.buffer, t.slot)
+        us = timer(timed)
+        if best is None or us < best[2]:
+            best = (backend, None, us, err)
+    _record(plan, "fused_add_rmsnorm_capture", rows, best, stock_us, stock_label)
+
+
+def _record(plan: Plan, op: str, rows: int, best, stock_us: float, stock_label: str) -> None:
+    if best is not None and best[2] * MARGIN < stock_us:
+        plan.choices.append(Choice(op, rows, best[0], best[1], best[3], best[2], stock_us, stock_label))
+    else:
+        err, us = (best[3], best[2]) if best is not None else (None, None)
+        plan.choices.append(Choice(op, rows, None, None, err, us, stock_us, stock_label))
+
+
+# ---- the cache -----------------------------------------------------------------------------------------
+def cache_path() -> Path:
+    root = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(root) / "eagle3_ops" / "qualify.json"
+
+
+def _device_key(device: torch.device) -> str:
+    from . import __version__
+
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    driver = torch.version.cuda or "none"
+    return f"{name}|cuda {driver}|torch {torch.__version__}|eagle3_ops {__version__}|{dispatch.backends(device)}"
+
+
+def _cache_key(device, shape: Shape, buckets: Sequence[int], margin: float) -> str:
+    raw = json.dumps([_device_key(device), asdict(shape), list(buckets), margin], sort_keys=True)
+    return hashlib.sha256(raw.encode()).hexdigest()[:24]
+
+
+def _load(key: str) -> Optional[dict]:
+    try:
+        return json.loads(cache_path().read_text()).get(key)
+    except (OSError, ValueError):
+        return None
+
+
+def _store(key: str, plan: Plan) -> None:
+    path = cache_path()
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        data = json.loads(path.read_text()) if path.exists() else {}
+        data[key] = plan.to_json()
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(data, indent=1))
+        os.replace(tmp, path)
+    except (OSError, ValueError) as e:  # a read-only home: qualification still works, uncached
+        log.warning("eagle3_ops: could not write the qualification cache %s: %s", path, e)
+
+
+def _from_json(data: dict) -> Plan:
+    plan = Plan(data["device"], Shape(**data["shape"]), [Choice(**c) for c in data["choices"]],
+                [Rejection(**r) for r in data["rejected"]], data.get("seconds", 0.0), cached=True)
+    return plan
+
+
+# ---- entry point ----------------------------------------------------------------------------------------
+def qualify(shape: Shape, device=None, buckets: Sequence[int] = DEFAULT_BUCKETS, *, reps: int = 10,
+            margin: float = MARGIN, use_cache: bool = True, timer: Optional[Timer] = None,
+            run_candidate: Optional[Callable] = None, tensors: Optional[dict] = None) -> Plan:
+    """The plan for ``shape`` on ``device`` (default: the current CUDA device, else the CPU).
+    ``tensors``: the site's own draft_fc weights (weight, bias, chunk_norm_weight,
+    input_norm_weight, eps) instead of random ones. ``timer`` / ``run_candidate`` replace the
+    timing and the op call (tests)."""
+    global MARGIN
+    if device is None:
+        device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    device = torch.device(device)
+    buckets = sorted(set(int(b) for b in buckets))
+    key = _cache_key(device, shape, buckets, margin)
+    if use_cache and timer is None and run_candidate is None:
+        cached = _load(key)
+        if cached is not None:
+            return _from_json(cached)
+    plan = Plan(torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu", shape)
+    timer = timer or Timer(device, reps)
+    previous, MARGIN = MARGIN, margin
+    t0 = time.perf_counter()
+    try:
+        with torch.no_grad():
+            for rows in buckets:
+                if shape.op == "draft_fc":
+                    _qualify_fc(shape, rows, device, timer, plan, run_candidate, tensors)
+                elif shape.op == "fused_add_rmsnorm_capture":
+                    _qualify_fused(shape, rows, device, timer, plan, run_candidate)
+                else:
+                    raise ValueError(f"qualification knows draft_fc and fused_add_rmsnorm_capture, not {shape.op!r}")
+    finally:
+        MARGIN = previous
+    plan.seconds = time.perf_counter() - t0
+    if use_cache and run_candidate is None and timer.__class__ is Timer:
+        _store(key, plan)
+    return plan
+
+
+def enabled(device: torch.device, logger=log) -> bool:
+    """Whether the plugin qualifies its sites on ``device`` (EAGLE3_OPS_QUALIFY)."""
+    from . import settings
+
+    mode = settings.get_or_default("EAGLE3_OPS_QUALIFY", logger)
+    return mode == "on" or (mode == "auto" and device.type == "cuda")
+
+
+def buckets_up_to(max_rows: int) -> List[int]:
+    """The default buckets that a site can see, plus its largest M."""
+    return sorted({b for b in DEFAULT_BUCKETS if b < max_rows} | {int(max_rows)})
+
+
+def main(argv=None) -> int:
+    """``python -m eagle3_ops qualify``: the plugin's qualification for a model shape, without SGLang."""
+    import argparse
+    import sys
+
+    ap = argparse.ArgumentParser(prog="python -m eagle3_ops qualify",
+                                 description="Check and time every candidate path of the draft fc and the target's "
+                                             "fused add+RMSNorm capture at a model's shapes on this device.")
+    ap.add_argument("--hidden", type=int, required=True, help="the target's hidden size H")
+    ap.add_argument("--captures", type=int, required=True, help="K, the number of captured layers")
+    ap.add_argument("--out-features", type=int, default=None, help="the draft fc's N (default H)")
+    ap.add_argument("--tp", type=int, default=1, help="tensor-parallel size: the fc is timed at N/tp rows per rank")
+    ap.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"))
+    ap.add_argument("--chunk-norm", action="store_true", help="the draft has fc_norm (per-capture RMSNorm)")
+    ap.add_argument("--input-norm", action="store_true", help="the draft has norm_before_fc (input RMSNorm)")
+    ap.add_argument("--bias", action="store_true")
+    ap.add_argument("--rows", default=",".join(map(str, DEFAULT_BUCKETS)), help="row buckets, comma-separated")
+    ap.add_argument("--reps", type=int, default=10)
+    ap.add_argument("--no-cache", action="store_true")
+    ap.add_argument("--json", action="store_true", help="print one JSON object instead of the tables")
+    args = ap.parse_args(argv)
+    try:
+        buckets = [int(r) for r in args.rows.split(",") if r.strip()]
+        if not buckets or min(buckets) < 1:
+            raise ValueError
+    except ValueError:
+        print(f"error: --rows={args.rows!r}: expected positive whole numbers separated by commas", file=sys.stderr)
+        return 2
+    for name in ("hidden", "captures", "tp", "reps"):
+        if getattr(args, name) < 1:
+            print(f"error: --{name}={getattr(args, name)}: expected a positive whole number", file=sys.stderr)
+            return 2
+    N = args.out_features or args.hidden
+    if N % args.tp:
+        print(f"error: --out-features {N} does not split evenly over --tp {args.tp}", file=sys.stderr)
+        return 2
+    shapes = [Shape("draft_fc", args.hidden, args.captures, N // args.tp, args.dtype, args.bias, args.chunk_norm,
+                    args.input_norm),
+              Shape("fused_add_rmsnorm_capture", args.hidden, args.captures, 0, args.dtype)]
+    plans_ = [qualify(sh, buckets=buckets, reps=args.reps, use_cache=not args.no_cache) for sh in shapes]
+    if args.json:
+        keys = ("op", "rows", "backend", "path", "max_rel_err", "median_us", "stock_us")
+        print(json.dumps({
+            "device": plans_[0].device,
+            "choices": [{k: getattr(c, k) for k in keys} | {"stock": c.stock} for p in plans_ for c in p.choices],
+            "rejected": [{"op": r.op, "rows": r.rows, "backend": r.backend, "path": r.path, "reason": r.reason}
+                         for p in plans_ for r in p.rejected],
+        }, indent=1))
+    else:
+        for p in plans_:
+            print(p.table())
+            print()
+        if plans_[0].device == "cpu":
+            print("(CPU: perf_counter times of the reference and the Triton interpreter; they say nothing about a GPU)")
+    return 0
+
+
+__all__ = ["Choice", "DEFAULT_BUCKETS", "MARGIN", "Plan", "Rejection", "Shape", "Timer", "candidates", "qualify"]

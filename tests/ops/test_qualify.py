@@ -1,0 +1,115 @@
+"""Qualification (eagle3_ops/qualify.py) on the CPU: the same code the plugin runs on a GPU, with the
+reference and the Triton interpreter as candidates: every choice is correct, a corrupted candidate
+is rejected with its error and never chosen, stock stays where nothing beats it, results are
+cached, and ``python -m eagle3_ops qualify --json`` has the documented shape."""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import eagle3_ops
+from eagle3_ops import dispatch, qualify
+
+FC = qualify.Shape("draft_fc", hidden=16, captures=3, out_features=24, dtype="bfloat16", chunk_norm=True, bias=True)
+NORM = qualify.Shape("fused_add_rmsnorm_capture", hidden=32, captures=3, dtype="bfloat16")
+
+
+class FakeTimer:
+    """Stock calls (the closures named ``run``) take ``stock_us``; candidates take ``cand_us``."""
+
+    def __init__(self, stock_us, cand_us):
+        self.stock_us, self.cand_us = stock_us, cand_us
+
+    def __call__(self, fn):
+        fn()
+        return self.stock_us if fn.__name__ == "run" else self.cand_us
+
+
+@pytest.fixture(autouse=True)
+def _cache_dir(tmp_path, monkeypatch):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+
+
+def test_candidates_on_the_cpu_are_the_reference_and_every_triton_path():
+    assert qualify.candidates("draft_fc", torch.device("cpu")) == [
+        ("triton", "skinny"), ("triton", "tiled"), ("triton", "cublas"), ("reference", None)]
+    assert qualify.candidates("fused_add_rmsnorm_capture", torch.device("cpu")) == [("triton", None),
+                                                                                  ("reference", None)]
+
+
+@pytest.mark.parametrize("shape", [FC, NORM], ids=["draft_fc", "fused_norm"])
+def test_every_correct_candidate_can_win_and_stock_stays_when_none_beats_it(shape):
+    fast = qualify.qualify(shape, buckets=(1, 20), timer=FakeTimer(100.0, 10.0), use_cache=False)
+    assert [c.rows for c in fast.choices] == [1, 20] and not fast.rejected
+    for c in fast.choices:
+        assert c.backend is not None and c.max_rel_err <= 2e-2 and c.median_us == 10.0 and c.stock_us == 100.0
+    slow = qualify.qualify(shape, buckets=(1, 20), timer=FakeTimer(100.0, 99.0), use_cache=False)  # < 5% margin
+    assert all(c.backend is None for c in slow.choices)
+    assert "stock" in slow.table()
+
+
+def test_a_corrupted_candidate_is_rejected_and_never_chosen():
+    def corrupt_triton(*args):
+        eagle3_ops.draft_fc_out(*args)
+        if dispatch._scoped.backend == "triton":
+            args[-1][0, 0] += 1.0  # one wrong element
+
+    plan = qualify.qualify(FC, buckets=(4,), timer=FakeTimer(100.0, 10.0), use_cache=False,
+                           run_candidate=corrupt_triton)
+    rejected = {(r.backend, r.path) for r in plan.rejected}
+    assert rejected == {("triton", "skinny"), ("triton", "tiled"), ("triton", "cublas")}
+    assert all("max rel err" in r.reason for r in plan.rejected)
+    assert plan.choices[0].backend == "reference"
+
+
+def test_a_crashing_candidate_is_rejected():
+    def crash(*args):
+        if dispatch._scoped.backend == "reference":
+            raise RuntimeError("illegal memory access (simulated)")
+        eagle3_ops.fused_add_rmsnorm_capture(*args)
+
+    plan = qualify.qualify(NORM, buckets=(4,), timer=FakeTimer(100.0, 10.0), use_cache=False, run_candidate=crash)
+    assert [(r.backend, r.reason) for r in plan.rejected] == [
+        ("reference", "RuntimeError: illegal memory access (simulated)")]
+    assert plan.choices[0].backend == "triton"
+
+
+def test_results_are_cached_per_device_and_shape():
+    first = qualify.qualify(FC, buckets=(2,), reps=1)
+    assert not first.cached and qualify.cache_path().is_file()
+    again = qualify.qualify(FC, buckets=(2,), reps=1)
+    assert again.cached and again.to_json()["choices"] == first.to_json()["choices"]
+    other = qualify.qualify(FC, buckets=(3,), reps=1)
+    assert not other.cached
+
+
+def test_choice_for_rows():
+    plan = qualify.qualify(FC, buckets=(4, 64), timer=FakeTimer(100.0, 10.0), use_cache=False)
+    assert plan.choice_for(1).rows == 4 and plan.choice_for(5).rows == 64 and plan.choice_for(1000).rows == 64
+
+
+def test_cli_json_shape(tmp_path):
+    env = dict(os.environ, XDG_CACHE_HOME=str(tmp_path))
+    r = subprocess.run([sys.executable, "-m", "eagle3_ops", "qualify", "--hidden", "16", "--captures", "3",
+                        "--out-features", "32", "--tp", "2", "--rows", "1,8", "--reps", "1", "--json"],
+                       env=env, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr
+    data = json.loads(r.stdout)
+    assert set(data) == {"device", "choices", "rejected"} and data["device"] == "cpu"
+    assert {c["op"] for c in data["choices"]} == {"draft_fc", "fused_add_rmsnorm_capture"}
+    for c in data["choices"]:
+        assert {"op", "rows", "backend", "path", "max_rel_err", "median_us", "stock_us"} <= set(c)
+    assert [c["rows"] for c in data["choices"] if c["op"] == "draft_fc"] == [1, 8]
+
+
+@pytest.mark.parametrize("argv,message", [(["--hidden", "16", "--captures", "3", "--rows", "0,4"], "--rows"),
+                                          (["--hidden", "16", "--captures", "3", "--out-features", "30", "--tp", "4"],
+                                           "does not split evenly"),
+                                          (["--hidden", "0", "--captures", "3"], "--hidden=0")])
+def test_cli_bad_arguments_exit_2(argv, message, capsys):
+    assert qualify.main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and message in err
