@@ -229,7 +229,7 @@ def _fused_stock(p: testing.CaptureProblem, slot_view: torch.Tensor):
 
 
 # ---- one op at one bucket ------------------------------------------------------------------------------
-def _qualify_fc(shape: Shape, rows: int, device, timer: Timer, plan: Plan, run_candidate=None,
+def _qualify_fc(shape: Shape, rows: int, device, timer: Timer, plan: Plan, margin: float, run_candidate=None,
                 tensors=None) -> None:
     import eagle3_ops
 
@@ -258,7 +258,7 @@ def _qualify_fc(shape: Shape, rows: int, device, timer: Timer, plan: Plan, run_c
         us = timer(call)
         if best is None or us < best[2]:
             best = (backend, path, us, err)
-    _record(plan, "draft_fc", rows, best, stock_us, stock_label)
+    _record(plan, "draft_fc", rows, best, stock_us, stock_label, margin)
 
 
 def _fused_error(q: testing.CaptureProblem, normed64: torch.Tensor, sum64: torch.Tensor) -> float:
@@ -268,7 +268,8 @@ def _fused_error(q: testing.CaptureProblem, normed64: torch.Tensor, sum64: torch
                testing.rel_err(q.slot_view, sum64))
 
 
-def _qualify_fused(shape: Shape, rows: int, device, timer: Timer, plan: Plan, run_candidate=None) -> None:
+def _qualify_fused(shape: Shape, rows: int, device, timer: Timer, plan: Plan, margin: float,
+                   run_candidate=None) -> None:
     import eagle3_ops
 
     base = testing.capture_problem(rows, shape.hidden, shape.captures, shape.torch_dtype, device, key=("qualify",),
@@ -307,11 +308,11 @@ def _qualify_fused(shape: Shape, rows: int, device, timer: Timer, plan: Plan, ru
         us = timer(timed)
         if best is None or us < best[2]:
             best = (backend, None, us, err)
-    _record(plan, "fused_add_rmsnorm_capture", rows, best, stock_us, stock_label)
+    _record(plan, "fused_add_rmsnorm_capture", rows, best, stock_us, stock_label, margin)
 
 
-def _record(plan: Plan, op: str, rows: int, best, stock_us: float, stock_label: str) -> None:
-    if best is not None and best[2] * MARGIN < stock_us:
+def _record(plan: Plan, op: str, rows: int, best, stock_us: float, stock_label: str, margin: float) -> None:
+    if best is not None and best[2] * margin < stock_us:
         plan.choices.append(Choice(op, rows, best[0], best[1], best[3], best[2], stock_us, stock_label))
     else:
         err, us = (best[3], best[2]) if best is not None else (None, None)
@@ -371,33 +372,29 @@ def qualify(shape: Shape, device=None, buckets: Sequence[int] = DEFAULT_BUCKETS,
     ``tensors``: the site's own draft_fc weights (weight, bias, chunk_norm_weight,
     input_norm_weight, eps) instead of random ones. ``timer`` / ``run_candidate`` replace the
     timing and the op call (tests)."""
-    global MARGIN
     if device is None:
         device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
     device = torch.device(device)
     buckets = sorted(set(int(b) for b in buckets))
     key = _cache_key(device, shape, buckets, margin)
-    if use_cache and timer is None and run_candidate is None:
+    measured = timer is None and run_candidate is None  # real timings of the real ops: cacheable
+    if use_cache and measured:
         cached = _load(key)
         if cached is not None:
             return _from_json(cached)
     plan = Plan(torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu", shape)
     timer = timer or Timer(device, reps)
-    previous, MARGIN = MARGIN, margin
     t0 = time.perf_counter()
-    try:
-        with torch.no_grad():
-            for rows in buckets:
-                if shape.op == "draft_fc":
-                    _qualify_fc(shape, rows, device, timer, plan, run_candidate, tensors)
-                elif shape.op == "fused_add_rmsnorm_capture":
-                    _qualify_fused(shape, rows, device, timer, plan, run_candidate)
-                else:
-                    raise ValueError(f"qualification knows draft_fc and fused_add_rmsnorm_capture, not {shape.op!r}")
-    finally:
-        MARGIN = previous
+    with torch.no_grad():
+        for rows in buckets:
+            if shape.op == "draft_fc":
+                _qualify_fc(shape, rows, device, timer, plan, margin, run_candidate, tensors)
+            elif shape.op == "fused_add_rmsnorm_capture":
+                _qualify_fused(shape, rows, device, timer, plan, margin, run_candidate)
+            else:
+                raise ValueError(f"qualification knows draft_fc and fused_add_rmsnorm_capture, not {shape.op!r}")
     plan.seconds = time.perf_counter() - t0
-    if use_cache and run_candidate is None and timer.__class__ is Timer:
+    if use_cache and measured:
         _store(key, plan)
     return plan
 

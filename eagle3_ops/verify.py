@@ -58,12 +58,12 @@ def _guarded(check):
             return check(fn, device, dtype, backend)
         except Exception as e:
             return False, f"{type(e).__name__}: {e}"
-    run.__name__ = run.__qualname__ = check.__name__.lstrip("_")
+    run.__name__ = run.__qualname__ = check.__name__
     return run
 
 
 @_guarded
-def _selfcheck_capture(fn, device, dtype, backend):
+def selfcheck_capture(fn, device, dtype, backend):
     gen = torch.Generator().manual_seed(1234)
     h, r, base, buf, slot, _ = _capture_problem(device, dtype, gen, with_norm=False)
     ref_base = base.clone()
@@ -73,7 +73,7 @@ def _selfcheck_capture(fn, device, dtype, backend):
 
 
 @_guarded
-def _selfcheck_fused_add_rmsnorm_capture(fn, device, dtype, backend):
+def selfcheck_fused_add_rmsnorm_capture(fn, device, dtype, backend):
     gen = torch.Generator().manual_seed(1234)
     h, r, base, buf, slot, w = _capture_problem(device, dtype, gen, with_norm=True)
     h2, r2, ref_base = h.clone(), r.clone(), base.clone()
@@ -88,7 +88,7 @@ def _selfcheck_fused_add_rmsnorm_capture(fn, device, dtype, backend):
 
 
 @_guarded
-def _selfcheck_draft_fc(fn, device, dtype, backend):
+def selfcheck_draft_fc(fn, device, dtype, backend):
     from .dispatch import function
 
     gen = torch.Generator().manual_seed(1234)
@@ -112,8 +112,3 @@ def _selfcheck_draft_fc(fn, device, dtype, backend):
         if not ok:
             return ok, detail
     return True, detail
-
-
-selfcheck_capture = _selfcheck_capture
-selfcheck_fused_add_rmsnorm_capture = _selfcheck_fused_add_rmsnorm_capture
-selfcheck_draft_fc = _selfcheck_draft_fc

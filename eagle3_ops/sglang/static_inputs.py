@@ -183,11 +183,3 @@ def is_aliased(runner) -> bool:
 
 def reset_logs() -> None:  # tests: each starts with a clean slate
     _logged.clear()
-
-
-def aliased_static(runner) -> Optional[torch.Tensor]:
-    """The aliased static input of ``runner`` (tests, diagnostics)."""
-    if runner not in _aliased_runners:
-        return None
-    static = getattr(runner, "static_draft_hidden_states", None)
-    return static if static is not None else getattr(getattr(runner, "buffers", None), "hidden_states", None)
