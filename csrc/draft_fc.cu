@@ -36,6 +36,15 @@
 // With one split and no norm the skinny kernel writes out directly. fp16 with norms never comes
 // here (cuda_backend sends it to cuBLAS): x * g is rounded to the dtype before the RMS scale, and
 // that product can exceed 65504 where norm(x) cannot.
+// Folded norm weights (norm_folded: the weight was prepared once as W[n, k] * g[k],
+// eagle3_ops.fold_norm_weights): the hot loop is the plain one (no per-element x * g, no repack,
+// no sums in it), and the blocks of weight tile 0 take the RMS statistics of their (token tile,
+// split) in a separate pass over x before it (8*NT rows of one split: kilobytes, L1/L2 resident,
+// against 64 weight rows of the split per block). x is never multiplied, so fp16 folds safely too.
+// The reducer is launched with programmatic dependent launch (PDL, sm_90+): it is scheduled while
+// the skinny grid drains (the skinny blocks trigger after their main loop) and waits at
+// griddepcontrol.wait for the whole skinny grid to finish and its writes to be visible, so the
+// second launch's latency overlaps the first kernel's tail; the result is the same bits.
 // 2 cublas (any dtype or layout): fc_prepare_kernel writes norm(x[rows]) in the dtype into the
 // workspace, then cuBLAS (at::addmm) multiplies; with no gather and no norm cuBLAS reads x directly.
 // (1, tiled, is a Triton kernel only.)
@@ -89,6 +98,10 @@ constexpr int64_t kWorkspaceAlign = 256;
 // Path numbers: the index in eagle3_ops.plans.PATHS ("skinny", "tiled", "cublas").
 constexpr int64_t kPathSkinny = 0;
 constexpr int64_t kPathCublas = 2;
+// fc_skinny_kernel variants (eagle3_cuda::skinny_occupancy's `variant`, cuda_backend.SKINNY_VARIANTS):
+constexpr int kPlain = 0;   // no norm
+constexpr int kNormed = 1;  // norm weights multiply x in the hot loop; one warp per block sums squares
+constexpr int kFolded = 2;  // the weight carries the norm weights; sums of squares in a separate pass
 
 
 struct FcArgs {
@@ -105,6 +118,7 @@ struct FcArgs {
   int64_t stride_out;
   float* partial;  // [S][M][N] fp32, or nullptr: the skinny kernel writes out directly
   float* sumsq;    // [S][M][2] fp32 (sum x^2, sum (x*in_w)^2), or nullptr: no norm
+  bool folded;     // the weight carries g = in_w * chunk_w (in_w still feeds the chunk statistic)
   int64_t R;
   int M, N, KH;
   int CH, NC;  // chunk width and count: (H, K) with chunk norm, else (KH, 1)
@@ -204,8 +218,49 @@ __device__ __forceinline__ void load_norm_weights8(const void* weight, int k, fl
   }
 }
 
-template <typename T, int NT, bool kNorm>
+// Folded variant: sums of x^2 and (x * input_norm_weight)^2 over [k_lo, k_hi) of every token of the
+// tile, one warp per token, 16-byte loads; written to sumsq[s][tok] for the reducer's scales.
+template <typename T, int NT>
+__device__ __forceinline__ void record_sums_of_squares(const FcArgs& a, int s, int k_lo, int k_hi, int tok0) {
+  using P = Pair<T>;
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const T* x = static_cast<const T*>(a.x);
+  for (int j = warp; j < 8 * NT; j += kThreads / 32) {
+    const int tok = tok0 + j;
+    if (tok >= a.M) break;  // uniform per warp
+    const int64_t r = source_row(a, tok);
+    const bool ok = r >= 0 && r < a.R;  // out-of-range rows are never read (their outputs are NaN)
+    const T* xr = x + (ok ? r : 0) * a.stride_x;
+    float sx = 0.f, si = 0.f;
+    for (int k = k_lo + 8 * lane; ok && k < k_hi; k += 8 * 32) {
+      const uint4 xv = __ldg(reinterpret_cast<const uint4*>(xr + k));
+      float g_in[8];
+      load_norm_weights8<T>(a.in_w, k, g_in);
+      const uint32_t words[4] = {xv.x, xv.y, xv.z, xv.w};
+#pragma unroll
+      for (int p = 0; p < 4; ++p) {
+        const float2 f = P::to_float2(words[p]);
+        const float ux = f.x * g_in[2 * p], uy = f.y * g_in[2 * p + 1];
+        sx += f.x * f.x + f.y * f.y;
+        si += ux * ux + uy * uy;
+      }
+    }
+#pragma unroll
+    for (int off = 16; off > 0; off >>= 1) {
+      sx += __shfl_xor_sync(0xffffffffu, sx, off);
+      si += __shfl_xor_sync(0xffffffffu, si, off);
+    }
+    if (lane == 0) {
+      float* q = a.sumsq + (static_cast<int64_t>(s) * a.M + tok) * 2;
+      q[0] = sx;
+      q[1] = si;
+    }
+  }
+}
+
+template <typename T, int NT, int kVariant>
 __global__ void __launch_bounds__(kThreads) fc_skinny_kernel(const FcArgs a) {
+  constexpr bool kNorm = kVariant == kNormed;  // x * g in the hot loop
   static_assert(NT >= 1 && NT <= kMaxTokenGroups, "token tile of 8..64 tokens");
   using P = Pair<T>;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
@@ -215,6 +270,9 @@ __global__ void __launch_bounds__(kThreads) fc_skinny_kernel(const FcArgs a) {
   const int k_hi = min(k_lo + a.split_len, (chunk + 1) * a.CH);
   const int n0 = blockIdx.y * kRowsPerBlock + warp * kRowsPerWarp + g;  // this thread's rows: n0, n0 + 8
   const int tok0 = blockIdx.x * (8 * NT);
+  if constexpr (kVariant == kFolded) {
+    if (blockIdx.y == 0) record_sums_of_squares<T, NT>(a, s, k_lo, k_hi, tok0);
+  }
 
   const T* w = static_cast<const T*>(a.w);
   const bool w0_ok = n0 < a.N, w1_ok = n0 + 8 < a.N;
@@ -305,6 +363,10 @@ __global__ void __launch_bounds__(kThreads) fc_skinny_kernel(const FcArgs a) {
       wb[u] = nb[u];
     }
   }
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  // PDL: the reducer may be scheduled now; it waits (griddepcontrol.wait) for this whole grid.
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
 
   // acc[j][e]: weight row n0 + 8*(e/2), token tok0 + 8j + 2t + (e%2).
   if (a.partial != nullptr) {
@@ -359,6 +421,11 @@ template <typename T, bool kVec4>
 __global__ void __launch_bounds__(kReduceThreads) fc_reduce_kernel(const FcArgs a) {
   __shared__ float split_scale[kMaxSplits];
   const int m = blockIdx.x;
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  // PDL: block until the skinny grid has completed and its partials / sums are visible (a no-op
+  // when launched without the attribute).
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
   if (threadIdx.x == 0) {
     float row_scale = 1.f;
     if (a.sumsq != nullptr && a.in_w != nullptr) {
@@ -432,6 +499,9 @@ __global__ void __launch_bounds__(kPrepareThreads) fc_prepare_kernel(const FcArg
   const T* xr = static_cast<const T*>(a.x) + (valid ? r : 0) * a.stride_x;
   const T* in_w = static_cast<const T*>(a.in_w);
   const T* chunk_w = static_cast<const T*>(a.chunk_w);
+  // the gains multiplied into the prepared row: none when the weight carries them (folded)
+  const T* gain_in = a.folded ? nullptr : in_w;
+  const T* gain_chunk = a.folded ? nullptr : chunk_w;
   T* dst = prep + static_cast<int64_t>(m) * stride_prep;
   constexpr int kStep = kPrepareThreads * VEC;
   float row_scale = 1.f;
@@ -478,8 +548,8 @@ __global__ void __launch_bounds__(kPrepareThreads) fc_prepare_kernel(const FcArg
       float gi[VEC], gc[VEC];
 #pragma unroll
       for (int i = 0; i < VEC; ++i) gi[i] = gc[i] = 1.f;
-      if (in_w != nullptr) load_floats<T, VEC>(in_w + k, gi);
-      if (chunk_w != nullptr) load_floats<T, VEC>(chunk_w + k, gc);
+      if (gain_in != nullptr) load_floats<T, VEC>(gain_in + k, gi);
+      if (gain_chunk != nullptr) load_floats<T, VEC>(gain_chunk + k, gc);
       if constexpr (VEC == 1) {
         dst[k] = from_float<T>(f[0] * scale * gi[0] * gc[0]);
       } else {
@@ -568,18 +638,37 @@ int64_t workspace_bytes(int64_t M, int64_t N, int64_t KH, int64_t K, bool chunk_
 }
 
 template <typename T, int NT>
-void launch_skinny_nt(const FcArgs& a, dim3 grid, bool norm, cudaStream_t stream) {
-  if (norm) {
-    fc_skinny_kernel<T, NT, true><<<grid, kThreads, 0, stream>>>(a);
+void launch_skinny_nt(const FcArgs& a, dim3 grid, int variant, cudaStream_t stream) {
+  if (variant == kFolded) {
+    fc_skinny_kernel<T, NT, kFolded><<<grid, kThreads, 0, stream>>>(a);
+  } else if (variant == kNormed) {
+    fc_skinny_kernel<T, NT, kNormed><<<grid, kThreads, 0, stream>>>(a);
   } else {
-    fc_skinny_kernel<T, NT, false><<<grid, kThreads, 0, stream>>>(a);
+    fc_skinny_kernel<T, NT, kPlain><<<grid, kThreads, 0, stream>>>(a);
   }
   C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+// The split-K reducer as a programmatic dependent launch of the skinny grid (see the header).
+template <typename T, bool kVec4>
+void launch_reduce(const FcArgs& a, dim3 grid, cudaStream_t stream) {
+  cudaLaunchConfig_t config{};
+  config.gridDim = grid;
+  config.blockDim = dim3(kReduceThreads);
+  config.dynamicSmemBytes = 0;
+  config.stream = stream;
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attr[0].val.programmaticStreamSerializationAllowed = 1;
+  config.attrs = attr;
+  config.numAttrs = 1;
+  C10_CUDA_CHECK(cudaLaunchKernelEx(&config, fc_reduce_kernel<T, kVec4>, a));
 }
 
 template <typename T>
 void run_skinny(FcArgs a, const SkinnyPlan& p, uint8_t* workspace, cudaStream_t stream) {
   const bool norm = a.in_w != nullptr || a.chunk_w != nullptr;
+  const int variant = !norm ? kPlain : a.folded ? kFolded : kNormed;
   a.split_len = p.split_len;
   a.splits_per_chunk = p.splits_per_chunk;
   a.S = p.S;
@@ -590,19 +679,18 @@ void run_skinny(FcArgs a, const SkinnyPlan& p, uint8_t* workspace, cudaStream_t 
   }
   const dim3 grid(p.token_tiles, p.weight_tiles, a.S);
   switch (p.nt) {
-    case 1: launch_skinny_nt<T, 1>(a, grid, norm, stream); break;
-    case 2: launch_skinny_nt<T, 2>(a, grid, norm, stream); break;
-    case 4: launch_skinny_nt<T, 4>(a, grid, norm, stream); break;
-    default: launch_skinny_nt<T, 8>(a, grid, norm, stream); break;
+    case 1: launch_skinny_nt<T, 1>(a, grid, variant, stream); break;
+    case 2: launch_skinny_nt<T, 2>(a, grid, variant, stream); break;
+    case 4: launch_skinny_nt<T, 4>(a, grid, variant, stream); break;
+    default: launch_skinny_nt<T, 8>(a, grid, variant, stream); break;
   }
   if (a.partial != nullptr) {
     const dim3 rgrid(a.M, static_cast<unsigned>(ceil_div(a.N, kReduceThreads * 4)));
     if (a.N % 4 == 0) {
-      fc_reduce_kernel<T, true><<<rgrid, kReduceThreads, 0, stream>>>(a);
+      launch_reduce<T, true>(a, rgrid, stream);
     } else {
-      fc_reduce_kernel<T, false><<<rgrid, kReduceThreads, 0, stream>>>(a);
+      launch_reduce<T, false>(a, rgrid, stream);
     }
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
   }
 }
 
@@ -630,8 +718,10 @@ template <typename T>
 void draft_fc_typed(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
                     const std::optional<at::Tensor>& rows, const std::optional<at::Tensor>& chunk_norm_weight,
                     const std::optional<at::Tensor>& input_norm_weight, double eps, at::Tensor& out,
-                    const std::optional<at::Tensor>& workspace, int64_t path, int64_t splits) {
+                    const std::optional<at::Tensor>& workspace, int64_t path, int64_t splits,
+                    bool norm_folded) {
   FcArgs a{};
+  a.folded = norm_folded;
   a.x = x.data_ptr();
   a.stride_x = x.stride(0);
   a.w = weight.data_ptr();
@@ -682,17 +772,25 @@ bool unit_stride(const std::optional<at::Tensor>& t) {
   return !t.has_value() || t->numel() <= 1 || t->stride(0) == 1;
 }
 
+template <typename T, int NT>
+const void* skinny_variant(int64_t variant) {
+  switch (variant) {
+    case kPlain: return reinterpret_cast<const void*>(&fc_skinny_kernel<T, NT, kPlain>);
+    case kNormed: return reinterpret_cast<const void*>(&fc_skinny_kernel<T, NT, kNormed>);
+    case kFolded: return reinterpret_cast<const void*>(&fc_skinny_kernel<T, NT, kFolded>);
+    default: TORCH_CHECK(false, "eagle3_cuda::skinny_occupancy: variant must be 0 (plain), 1 (norm) or 2 (folded), ",
+                         "got ", variant);
+  }
+  return nullptr;
+}
+
 template <typename T>
-const void* skinny_kernel_for(int64_t nt, bool norm) {
+const void* skinny_kernel_for(int64_t nt, int64_t variant) {
   switch (nt) {
-    case 1: return norm ? reinterpret_cast<const void*>(&fc_skinny_kernel<T, 1, true>)
-                        : reinterpret_cast<const void*>(&fc_skinny_kernel<T, 1, false>);
-    case 2: return norm ? reinterpret_cast<const void*>(&fc_skinny_kernel<T, 2, true>)
-                        : reinterpret_cast<const void*>(&fc_skinny_kernel<T, 2, false>);
-    case 4: return norm ? reinterpret_cast<const void*>(&fc_skinny_kernel<T, 4, true>)
-                        : reinterpret_cast<const void*>(&fc_skinny_kernel<T, 4, false>);
-    case 8: return norm ? reinterpret_cast<const void*>(&fc_skinny_kernel<T, 8, true>)
-                        : reinterpret_cast<const void*>(&fc_skinny_kernel<T, 8, false>);
+    case 1: return skinny_variant<T, 1>(variant);
+    case 2: return skinny_variant<T, 2>(variant);
+    case 4: return skinny_variant<T, 4>(variant);
+    case 8: return skinny_variant<T, 8>(variant);
     default: TORCH_CHECK(false, "eagle3_cuda::skinny_occupancy: nt must be 1, 2, 4 or 8, got ", nt);
   }
   return nullptr;
@@ -700,11 +798,11 @@ const void* skinny_kernel_for(int64_t nt, bool norm) {
 
 }  // namespace
 
-int64_t skinny_occupancy(int64_t nt, bool norm, at::ScalarType dtype) {
+int64_t skinny_occupancy(int64_t nt, int64_t variant, at::ScalarType dtype) {
   const void* kernel = nullptr;
   switch (dtype) {
-    case at::kBFloat16: kernel = skinny_kernel_for<c10::BFloat16>(nt, norm); break;
-    case at::kHalf: kernel = skinny_kernel_for<c10::Half>(nt, norm); break;
+    case at::kBFloat16: kernel = skinny_kernel_for<c10::BFloat16>(nt, variant); break;
+    case at::kHalf: kernel = skinny_kernel_for<c10::Half>(nt, variant); break;
     default: TORCH_CHECK(false, "eagle3_cuda::skinny_occupancy: the skinny kernel takes bf16/fp16 only, got ", dtype);
   }
   int blocks = 0;
@@ -720,7 +818,7 @@ int64_t draft_fc_workspace_bytes(int64_t M, int64_t N, int64_t KH, int64_t K, bo
 void draft_fc(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
               const std::optional<at::Tensor>& rows, const std::optional<at::Tensor>& chunk_norm_weight,
               const std::optional<at::Tensor>& input_norm_weight, double eps, at::Tensor& out,
-              const std::optional<at::Tensor>& workspace, int64_t path, int64_t splits) {
+              const std::optional<at::Tensor>& workspace, int64_t path, int64_t splits, bool norm_folded) {
   const char* op = "eagle3_cuda::draft_fc: ";
   // eagle3_ops/validation.py checks all of this with clear messages first; these guard direct
   // callers of the op against out-of-bounds accesses.
@@ -756,6 +854,8 @@ void draft_fc(const at::Tensor& x, const at::Tensor& weight, const std::optional
   TORCH_CHECK(x.size(1) <= INT32_MAX && weight.size(0) <= INT32_MAX && out.size(0) <= INT32_MAX, op,
               "sizes must fit int32");
   TORCH_CHECK(path == kPathSkinny || path == kPathCublas, op, "path must be 0 (skinny) or 2 (cublas), got ", path);
+  TORCH_CHECK(!norm_folded || chunk_norm_weight.has_value() || input_norm_weight.has_value(), op,
+              "norm_folded needs the norm weights (their shapes and input_norm_weight's values give the scales)");
   if (out.size(0) == 0 || out.size(1) == 0) return;
   const bool prepares = rows.has_value() || chunk_norm_weight.has_value() || input_norm_weight.has_value();
   const int64_t K = chunk_norm_weight.has_value() ? chunk_norm_weight->size(0) : 1;
@@ -777,15 +877,15 @@ void draft_fc(const at::Tensor& x, const at::Tensor& weight, const std::optional
   switch (x.scalar_type()) {
     case at::kBFloat16:
       draft_fc_typed<c10::BFloat16>(x, weight, bias, rows, chunk_norm_weight, input_norm_weight, eps, out, workspace,
-                                    path, splits);
+                                    path, splits, norm_folded);
       break;
     case at::kHalf:
       draft_fc_typed<c10::Half>(x, weight, bias, rows, chunk_norm_weight, input_norm_weight, eps, out, workspace, path,
-                                splits);
+                                splits, norm_folded);
       break;
     case at::kFloat:
       draft_fc_typed<float>(x, weight, bias, rows, chunk_norm_weight, input_norm_weight, eps, out, workspace, path,
-                            splits);
+                            splits, norm_folded);
       break;
     default:
       TORCH_CHECK(false, op, "unsupported dtype ", x.scalar_type());

@@ -24,11 +24,13 @@ void fused_add_rmsnorm_capture(at::Tensor& input, at::Tensor& residual, const at
 // path: 0 skinny, 2 cublas (the index in eagle3_ops.plans.PATHS); splits: split-K splits per chunk
 // asked for (skinny only; clamped to the launch contract). Scratch is carved from `workspace`
 // (uint8, 16-byte aligned, at least draft_fc_workspace_bytes(...) bytes; none needed when that is 0).
-// rows, bias and input_norm_weight must have stride 1.
+// rows, bias and input_norm_weight must have stride 1. norm_folded: the weight already carries the
+// norm weights (W[n, k] * input_norm_weight[k] * chunk_norm_weight.flat[k]); they are not applied
+// again, only their RMS scales (eagle3_ops.fold_norm_weights).
 void draft_fc(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
               const std::optional<at::Tensor>& rows, const std::optional<at::Tensor>& chunk_norm_weight,
               const std::optional<at::Tensor>& input_norm_weight, double eps, at::Tensor& out,
-              const std::optional<at::Tensor>& workspace, int64_t path, int64_t splits);
+              const std::optional<at::Tensor>& workspace, int64_t path, int64_t splits, bool norm_folded);
 
 // Bytes of workspace draft_fc needs for M output rows, N features, KH = K*H inputs (K chunks with
 // chunk_norm, else ignored), the given norms, path and splits, in dtype. Path 2 (cublas) counts the
@@ -36,10 +38,10 @@ void draft_fc(const at::Tensor& x, const at::Tensor& weight, const std::optional
 int64_t draft_fc_workspace_bytes(int64_t M, int64_t N, int64_t KH, int64_t K, bool chunk_norm, bool input_norm,
                                  int64_t path, int64_t splits, at::ScalarType dtype);
 
-// Resident blocks per SM of the skinny kernel variant (token groups nt in {1, 2, 4, 8}, with or
-// without norms, bf16/fp16) on the current device: cudaOccupancyMaxActiveBlocksPerMultiprocessor
+// Resident blocks per SM of the skinny kernel variant (token groups nt in {1, 2, 4, 8}; variant 0
+// plain, 1 norm weights in the hot loop, 2 folded norm weights; bf16/fp16) on the current device: cudaOccupancyMaxActiveBlocksPerMultiprocessor
 // for its 128-thread launch (no dynamic shared memory). Needs a GPU whose arch the extension
 // carries; eagle3_ops/cuda_backend.py plans split-K from it (docs/kernels.md §7.5).
-int64_t skinny_occupancy(int64_t nt, bool norm, at::ScalarType dtype);
+int64_t skinny_occupancy(int64_t nt, int64_t variant, at::ScalarType dtype);
 
 }  // namespace eagle3

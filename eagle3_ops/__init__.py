@@ -10,11 +10,12 @@ from __future__ import annotations
 from . import plans
 from .buffer import AuxCaptureBuffer
 from .dispatch import backends
-from .ops import capture, draft_fc, draft_fc_out, draft_fc_workspace_bytes, fused_add_rmsnorm_capture
+from .ops import (capture, draft_fc, draft_fc_out, draft_fc_workspace_bytes, fold_norm_weights,
+                  fused_add_rmsnorm_capture)
 
 __version__ = "0.1.0"
 __all__ = ["AuxCaptureBuffer", "backends", "build_info", "capture", "draft_fc", "draft_fc_out",
-           "draft_fc_workspace_bytes", "fused_add_rmsnorm_capture", "plans"]
+           "draft_fc_workspace_bytes", "fold_norm_weights", "fused_add_rmsnorm_capture", "plans"]
 
 
 def build_info() -> dict:

@@ -61,26 +61,42 @@ MAX_SPLITS = 64
 SPLIT_STEP = 128
 MIN_STEPS_PER_SPLIT = 4
 
-# Registers per thread of every fc_skinny_kernel variant, (dtype, NT, norm) -> REG, as ptxas
+# The fc_skinny_kernel variants (csrc/draft_fc.cu kPlain / kNormed / kFolded; the `variant` of
+# eagle3_cuda::skinny_occupancy is the index): no norm; norm weights multiplied into x in the hot
+# loop; norm weights folded into the weight (eagle3_ops.fold_norm_weights), plain hot loop.
+SKINNY_VARIANTS = ("plain", "norm", "folded")
+
+
+def skinny_variant(chunk_norm_weight, input_norm_weight, norm_folded: bool) -> str:
+    if not fc_rules.has_norm(chunk_norm_weight, input_norm_weight):
+        return "plain"
+    return "folded" if norm_folded else "norm"
+
+
+# Registers per thread of every fc_skinny_kernel variant, (dtype, NT, variant) -> REG, as ptxas
 # allocated them in the built cubins (`cuobjdump -res-usage eagle3_ops/_C*.so`; none has a stack
 # frame or local memory). tests/test_build.py checks this table against the built extension, so a
 # kernel change that moves a count fails CI until the table is regenerated (the failure prints it).
 SKINNY_REGISTERS = {
     "sm_90a": {
-        ("bfloat16", 1, False): 72, ("bfloat16", 1, True): 94, ("bfloat16", 2, False): 80,
-        ("bfloat16", 2, True): 110, ("bfloat16", 4, False): 93, ("bfloat16", 4, True): 143,
-        ("bfloat16", 8, False): 148, ("bfloat16", 8, True): 191,
-        ("float16", 1, False): 72, ("float16", 1, True): 92, ("float16", 2, False): 80,
-        ("float16", 2, True): 114, ("float16", 4, False): 93, ("float16", 4, True): 142,
-        ("float16", 8, False): 148, ("float16", 8, True): 194,
+        ("bfloat16", 1, "plain"): 72, ("bfloat16", 1, "norm"): 94, ("bfloat16", 1, "folded"): 96,
+        ("bfloat16", 2, "plain"): 80, ("bfloat16", 2, "norm"): 110, ("bfloat16", 2, "folded"): 128,
+        ("bfloat16", 4, "plain"): 93, ("bfloat16", 4, "norm"): 143, ("bfloat16", 4, "folded"): 128,
+        ("bfloat16", 8, "plain"): 148, ("bfloat16", 8, "norm"): 191, ("bfloat16", 8, "folded"): 188,
+        ("float16", 1, "plain"): 72, ("float16", 1, "norm"): 92, ("float16", 1, "folded"): 96,
+        ("float16", 2, "plain"): 80, ("float16", 2, "norm"): 114, ("float16", 2, "folded"): 128,
+        ("float16", 4, "plain"): 93, ("float16", 4, "norm"): 142, ("float16", 4, "folded"): 128,
+        ("float16", 8, "plain"): 148, ("float16", 8, "norm"): 194, ("float16", 8, "folded"): 188,
     },
     "sm_120a": {
-        ("bfloat16", 1, False): 72, ("bfloat16", 1, True): 93, ("bfloat16", 2, False): 70,
-        ("bfloat16", 2, True): 110, ("bfloat16", 4, False): 84, ("bfloat16", 4, True): 148,
-        ("bfloat16", 8, False): 111, ("bfloat16", 8, True): 214,
-        ("float16", 1, False): 72, ("float16", 1, True): 94, ("float16", 2, False): 70,
-        ("float16", 2, True): 105, ("float16", 4, False): 84, ("float16", 4, True): 150,
-        ("float16", 8, False): 111, ("float16", 8, True): 211,
+        ("bfloat16", 1, "plain"): 72, ("bfloat16", 1, "norm"): 93, ("bfloat16", 1, "folded"): 100,
+        ("bfloat16", 2, "plain"): 70, ("bfloat16", 2, "norm"): 110, ("bfloat16", 2, "folded"): 128,
+        ("bfloat16", 4, "plain"): 84, ("bfloat16", 4, "norm"): 148, ("bfloat16", 4, "folded"): 128,
+        ("bfloat16", 8, "plain"): 111, ("bfloat16", 8, "norm"): 214, ("bfloat16", 8, "folded"): 186,
+        ("float16", 1, "plain"): 72, ("float16", 1, "norm"): 94, ("float16", 1, "folded"): 100,
+        ("float16", 2, "plain"): 70, ("float16", 2, "norm"): 105, ("float16", 2, "folded"): 128,
+        ("float16", 4, "plain"): 84, ("float16", 4, "norm"): 150, ("float16", 4, "folded"): 128,
+        ("float16", 8, "plain"): 111, ("float16", 8, "norm"): 211, ("float16", 8, "folded"): 186,
     },
 }
 
@@ -250,40 +266,40 @@ def sm_count(device: torch.device) -> int:
 
 
 @functools.lru_cache(maxsize=None)
-def _measured_occupancy(device_index: int, nt: int, norm: bool, dtype: torch.dtype) -> int:
+def _measured_occupancy(device_index: int, nt: int, variant: str, dtype: torch.dtype) -> int:
     with torch.cuda.device(device_index):
-        blocks = int(_ops().skinny_occupancy(nt, norm, dtype))
-    log.debug("eagle3_ops: skinny kernel (%s, NT=%d, norm=%s) on cuda:%d: %d resident blocks per SM",
-              dtype, nt, norm, device_index, blocks)
+        blocks = int(_ops().skinny_occupancy(nt, SKINNY_VARIANTS.index(variant), dtype))
+    log.debug("eagle3_ops: skinny kernel (%s, NT=%d, %s) on cuda:%d: %d resident blocks per SM",
+              dtype, nt, variant, device_index, blocks)
     return blocks
 
 
-def table_blocks_per_sm(arch: str, nt: int, norm: bool, dtype: torch.dtype) -> int:
+def table_blocks_per_sm(arch: str, nt: int, variant: str, dtype: torch.dtype) -> int:
     """Resident skinny blocks per SM predicted from :data:`SKINNY_REGISTERS` (arch ``sm_90`` or
     ``sm_120``, with or without the ``a``)."""
     base = arch.rstrip("a")
-    regs = SKINNY_REGISTERS[base + "a"][(str(dtype).replace("torch.", ""), nt, norm)]
+    regs = SKINNY_REGISTERS[base + "a"][(str(dtype).replace("torch.", ""), nt, variant)]
     return blocks_per_sm_from_registers(regs, SKINNY_THREADS, SM_LIMITS[base])
 
 
-def skinny_blocks_per_sm(device: torch.device, nt: int, norm: bool, dtype: torch.dtype) -> int:
+def skinny_blocks_per_sm(device: torch.device, nt: int, variant: str, dtype: torch.dtype) -> int:
     """Resident blocks per SM of the skinny variant on a GPU this backend serves: the CUDA runtime's
     answer (``eagle3_cuda::skinny_occupancy``), asked at first use and cached per (device, variant).
     Should the runtime answer 0 (it cannot, for a kernel that launches), the register table's."""
     index = device.index if device.index is not None else torch.cuda.current_device()
-    blocks = _measured_occupancy(index, nt, norm, dtype)
+    blocks = _measured_occupancy(index, nt, variant, dtype)
     if blocks <= 0:
-        return table_blocks_per_sm(device_arch(torch.device("cuda", index)), nt, norm, dtype)
+        return table_blocks_per_sm(device_arch(torch.device("cuda", index)), nt, variant, dtype)
     return blocks
 
 
-def skinny_launchable(x, weight, chunk_norm_weight, input_norm_weight) -> bool:
+def skinny_launchable(x, weight, chunk_norm_weight, input_norm_weight, norm_folded: bool = False) -> bool:
     """The skinny kernel's launch contract for these arguments (see the module doc). A strided
     input_norm_weight counts as aligned with stride 1: it is copied into the (16-byte aligned)
     workspace first."""
     if x.dtype not in (torch.bfloat16, torch.float16):
         return False
-    if fc_rules.fp16_norm_overflow(x.dtype, chunk_norm_weight, input_norm_weight):
+    if fc_rules.fp16_norm_overflow(x.dtype, chunk_norm_weight, input_norm_weight, norm_folded):
         return False
     NC, CH = fc_rules.chunks(x, chunk_norm_weight)
     if x.shape[1] == 0 or NC > MAX_SPLITS:
@@ -312,7 +328,7 @@ class Plan:
         return self.copy_bytes + self.op_bytes
 
 
-def plan(x, weight, bias, rows, chunk_norm_weight, input_norm_weight) -> Plan:
+def plan(x, weight, bias, rows, chunk_norm_weight, input_norm_weight, norm_folded: bool = False) -> Plan:
     """Path, splits and workspace bytes of one draft_fc call (pure; nothing runs on the GPU)."""
     M, N, KH = fc_rules.num_rows(x, rows), int(weight.shape[0]), int(x.shape[1])
     copy_bytes = fc_rules.unit_stride_copy_bytes(bias, rows, input_norm_weight)
@@ -321,13 +337,14 @@ def plan(x, weight, bias, rows, chunk_norm_weight, input_norm_weight) -> Plan:
     # The GPU is weight's device: x and rows may be meta tensors when sizing a workspace (ops.py).
     device = weight.device
     path = plans.choose("cuda", device, M)
-    if path != "skinny" or not skinny_launchable(x, weight, chunk_norm_weight, input_norm_weight):
+    if path != "skinny" or not skinny_launchable(x, weight, chunk_norm_weight, input_norm_weight, norm_folded):
         path = "cublas"
     NC, CH = fc_rules.chunks(x, chunk_norm_weight)
     splits = 0
     if path == "skinny":
         norm = fc_rules.has_norm(chunk_norm_weight, input_norm_weight)
-        occupancy = skinny_blocks_per_sm(device, token_groups(M), norm, x.dtype)
+        variant = skinny_variant(chunk_norm_weight, input_norm_weight, norm_folded)
+        occupancy = skinny_blocks_per_sm(device, token_groups(M), variant, x.dtype)
         splits = skinny_splits(M, N, CH, NC, sm_count(device), occupancy, norm, x.element_size())
     if path == "cublas" and not fc_rules.prepares_input(rows, chunk_norm_weight, input_norm_weight):
         op_bytes = 0  # x goes straight to cuBLAS
@@ -337,24 +354,27 @@ def plan(x, weight, bias, rows, chunk_norm_weight, input_norm_weight) -> Plan:
     return Plan(path, splits, copy_bytes, op_bytes)
 
 
-def draft_fc_workspace_bytes(x, weight, bias, rows, chunk_norm_weight, input_norm_weight) -> int:
+def draft_fc_workspace_bytes(x, weight, bias, rows, chunk_norm_weight, input_norm_weight,
+                             norm_folded: bool = False) -> int:
     """Workspace bytes :func:`draft_fc` needs for exactly these arguments on x.device."""
-    return plan(x, weight, bias, rows, chunk_norm_weight, input_norm_weight).nbytes
+    return plan(x, weight, bias, rows, chunk_norm_weight, input_norm_weight, norm_folded).nbytes
 
 
-def draft_fc(x, weight, bias, rows, chunk_norm_weight, input_norm_weight, eps, out, workspace) -> None:
+def draft_fc(x, weight, bias, rows, chunk_norm_weight, input_norm_weight, eps, out, workspace,
+             norm_folded: bool = False) -> None:
     """out = linear(norm(x[rows]), weight, bias) by eagle3_cuda::draft_fc; scratch is carved from
     ``workspace`` (uint8, >= draft_fc_workspace_bytes(...) bytes; None when that is 0)."""
-    p = plan(x, weight, bias, rows, chunk_norm_weight, input_norm_weight)
+    p = plan(x, weight, bias, rows, chunk_norm_weight, input_norm_weight, norm_folded)
     carver = Carver(workspace)
     bias, rows, input_norm_weight = fc_rules.unit_stride_copies(carver, bias, rows, input_norm_weight)
     op_ws = carver.take(p.op_bytes, torch.uint8) if p.op_bytes > 0 else None
     _ops().draft_fc.default(x, weight, bias, rows, chunk_norm_weight, input_norm_weight, float(eps), out, op_ws,
-                            PATH_INDEX[p.path], p.splits)
+                            PATH_INDEX[p.path], p.splits, bool(norm_folded))
 
 
 __all__ = ["BLOCKS_PER_SM", "MAX_SPLITS_PER_CHUNK", "OPS", "PATH_INDEX", "Plan", "SKINNY_REGISTERS", "SM_LIMITS",
-           "SmLimits", "blocks_per_sm_from_registers", "capture", "compiled_archs", "cuda_extension", "device_arch",
+           "SKINNY_VARIANTS", "SmLimits", "blocks_per_sm_from_registers", "capture", "compiled_archs", "cuda_extension", "device_arch",
            "draft_fc", "draft_fc_workspace_bytes", "fused_add_rmsnorm_capture", "ops_registered", "plan", "serves",
            "skinny_blocks_per_sm", "skinny_cost", "skinny_launchable", "skinny_split_shape", "skinny_splits",
+           "skinny_variant",
            "sm_count", "table_blocks_per_sm", "token_groups"]

@@ -11,6 +11,9 @@ allocated; every function works on real, meta and fake tensors alike.
   (validation accepts any stride for ``bias``, ``rows`` and ``input_norm_weight``; the kernels index
   them with stride 1). Contiguous ones, the usual case, are used in place and cost nothing. The
   copies come first in the workspace, in the order bias, rows, input_norm_weight.
+* **Folded norm weights** (``norm_folded``, :func:`eagle3_ops.fold_norm_weights`): the weight
+  already carries ``g``; kernels apply only the RMS scales (input_norm_weight still feeds the chunk
+  statistic) and never multiply x by ``g``, so the fp16 rule above does not apply.
 * **The cuBLAS path prepares ``norm(x[rows])``** only when there is a gather or a norm; otherwise x
   goes to cuBLAS as it is (no workspace).
 """
@@ -46,9 +49,10 @@ def prepares_input(rows: Optional[torch.Tensor], chunk_norm_weight: Optional[tor
 
 
 def fp16_norm_overflow(dtype: torch.dtype, chunk_norm_weight: Optional[torch.Tensor],
-                       input_norm_weight: Optional[torch.Tensor]) -> bool:
-    """True when a skinny kernel could overflow: fp16 with any norm weight (see the module doc)."""
-    return dtype == torch.float16 and has_norm(chunk_norm_weight, input_norm_weight)
+                       input_norm_weight: Optional[torch.Tensor], norm_folded: bool = False) -> bool:
+    """True when a skinny kernel could overflow: fp16 with norm weights applied to x (see the
+    module doc). With folded norm weights x is never multiplied (the fold itself checks W * g)."""
+    return dtype == torch.float16 and has_norm(chunk_norm_weight, input_norm_weight) and not norm_folded
 
 
 def needs_unit_stride_copy(t: Optional[torch.Tensor]) -> bool:

@@ -49,14 +49,15 @@ OPS: Dict[str, OpSpec] = {s.name: s for s in (
            "Tensor(c!) buffer, int slot) -> ()", verify.selfcheck_fused_add_rmsnorm_capture),
     OpSpec("draft_fc",
            "draft_fc(Tensor x, Tensor weight, Tensor? bias, Tensor? rows, Tensor? chunk_norm_weight, "
-           "Tensor? input_norm_weight, float eps) -> Tensor",
+           "Tensor? input_norm_weight, float eps, bool norm_folded=False) -> Tensor",
            verify.selfcheck_draft_fc, workspace_bytes=True),
 )}
 # The out= variant of draft_fc (same backend function, caller-owned output and workspace): not a
 # separate op row. The functional op takes no workspace: a mutable optional argument on an op that
 # returns a new tensor breaks inductor; a caller-owned workspace goes through this variant.
 DRAFT_FC_OUT_SCHEMA = ("draft_fc_out(Tensor x, Tensor weight, Tensor? bias, Tensor? rows, Tensor? chunk_norm_weight, "
-                       "Tensor? input_norm_weight, float eps, Tensor(a!) out, Tensor(b!)? workspace=None) -> ()")
+                       "Tensor? input_norm_weight, float eps, Tensor(a!) out, Tensor(b!)? workspace=None, "
+                       "bool norm_folded=False) -> ()")
 
 
 def _module_for(backend: str, op: str) -> str:
@@ -125,7 +126,8 @@ def _fused_impl(input, residual, weight, eps, buffer, slot):
 
 
 # ---- draft_fc / draft_fc_out ---------------------------------------------------------------------
-def _run_draft_fc(x, weight, bias, rows, chunk_norm_weight, input_norm_weight, eps, out, workspace, op):
+def _run_draft_fc(x, weight, bias, rows, chunk_norm_weight, input_norm_weight, eps, out, workspace, op,
+                  norm_folded=False):
     """After validation: range-check host rows, size the workspace, run the selected backend,
     debug-check device rows."""
     validation.check_host_rows_in_range(x, rows, op=op)
@@ -133,14 +135,14 @@ def _run_draft_fc(x, weight, bias, rows, chunk_norm_weight, input_norm_weight, e
         return
     backend, fn = dispatch.select("draft_fc", x.device, x.dtype)
     args = (x, weight, bias, rows, chunk_norm_weight, input_norm_weight)
-    need = dispatch.function(backend, "draft_fc_workspace_bytes")(*args)
+    need = dispatch.function(backend, "draft_fc_workspace_bytes")(*args, norm_folded)
     if workspace is None:
         workspace = _workspace.scratch(x.device, need) if need else None
     elif workspace.numel() < need:
         raise validation.Eagle3ArgumentError(
             f"eagle3::{op}: workspace has {workspace.numel()} bytes, this call needs {need} "
             f"(eagle3_ops.draft_fc_workspace_bytes gives the size)")
-    fn(*args, eps, out, workspace)
+    fn(*args, eps, out, workspace, norm_folded)
     if _debug() and rows is not None and rows.device.type != "cpu":
         # Device-side indices give NaN rows when out of range; debug mode makes that an error:
         # an async device assert inside CUDA-graph capture (no sync allowed), else a host check.
@@ -152,27 +154,32 @@ def _run_draft_fc(x, weight, bias, rows, chunk_norm_weight, input_norm_weight, e
                              f"{bad.nonzero().flatten().tolist()[:16]} (x has {x.shape[0]} rows)")
 
 
-def _draft_fc_impl(x, weight, bias, rows, chunk_norm_weight, input_norm_weight, eps):
-    M = validation.check_draft_fc(x, weight, bias, rows, chunk_norm_weight, input_norm_weight, eps)
+def _draft_fc_impl(x, weight, bias, rows, chunk_norm_weight, input_norm_weight, eps, norm_folded=False):
+    M = validation.check_draft_fc(x, weight, bias, rows, chunk_norm_weight, input_norm_weight, eps,
+                                  norm_folded=norm_folded)
     out = torch.empty((M, weight.shape[0]), dtype=x.dtype, device=x.device)
-    _run_draft_fc(x, weight, bias, rows, chunk_norm_weight, input_norm_weight, eps, out, None, "draft_fc")
+    _run_draft_fc(x, weight, bias, rows, chunk_norm_weight, input_norm_weight, eps, out, None, "draft_fc", norm_folded)
     return out
 
 
-def _draft_fc_out_impl(x, weight, bias, rows, chunk_norm_weight, input_norm_weight, eps, out, workspace=None):
+def _draft_fc_out_impl(x, weight, bias, rows, chunk_norm_weight, input_norm_weight, eps, out, workspace=None,
+                       norm_folded=False):
     validation.check_draft_fc(x, weight, bias, rows, chunk_norm_weight, input_norm_weight, eps, out,
-                              op="draft_fc_out", workspace=workspace)
-    _run_draft_fc(x, weight, bias, rows, chunk_norm_weight, input_norm_weight, eps, out, workspace, "draft_fc_out")
+                              op="draft_fc_out", workspace=workspace, norm_folded=norm_folded)
+    _run_draft_fc(x, weight, bias, rows, chunk_norm_weight, input_norm_weight, eps, out, workspace, "draft_fc_out",
+                  norm_folded)
 
 
-def _draft_fc_fake(x, weight, bias, rows, chunk_norm_weight, input_norm_weight, eps):
-    M = validation.check_draft_fc(x, weight, bias, rows, chunk_norm_weight, input_norm_weight, eps)
+def _draft_fc_fake(x, weight, bias, rows, chunk_norm_weight, input_norm_weight, eps, norm_folded=False):
+    M = validation.check_draft_fc(x, weight, bias, rows, chunk_norm_weight, input_norm_weight, eps,
+                                  norm_folded=norm_folded)
     return x.new_empty((M, weight.shape[0]))
 
 
-def _draft_fc_out_fake(x, weight, bias, rows, chunk_norm_weight, input_norm_weight, eps, out, workspace=None):
+def _draft_fc_out_fake(x, weight, bias, rows, chunk_norm_weight, input_norm_weight, eps, out, workspace=None,
+                       norm_folded=False):
     validation.check_draft_fc(x, weight, bias, rows, chunk_norm_weight, input_norm_weight, eps, out,
-                              op="draft_fc_out", workspace=workspace)
+                              op="draft_fc_out", workspace=workspace, norm_folded=norm_folded)
 
 
 # ---- registration: real impls per device, fakes, and the forward-only autograd kernels ------------
@@ -226,37 +233,85 @@ def fused_add_rmsnorm_capture(input: torch.Tensor, residual: torch.Tensor, weigh
 def draft_fc(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None,
              rows: Optional[torch.Tensor] = None, chunk_norm_weight: Optional[torch.Tensor] = None,
              input_norm_weight: Optional[torch.Tensor] = None, eps: float = 1e-6,
-             workspace: Optional[torch.Tensor] = None) -> torch.Tensor:
+             workspace: Optional[torch.Tensor] = None, *, norm_folded: bool = False) -> torch.Tensor:
     """``linear(norm(x[rows]), weight, bias)`` → new [M, N] tensor. ``workspace``: caller-owned
-    scratch (uint8, at least :func:`draft_fc_workspace_bytes`); default: the face's per-stream one."""
+    scratch (uint8, at least :func:`draft_fc_workspace_bytes`); default: the face's per-stream one.
+    ``norm_folded``: ``weight`` is :func:`fold_norm_weights` of the fc weight with these norm
+    weights (the kernels then apply only the RMS scales: the plain hot loop)."""
     validation.check_eps("draft_fc", eps)
+    norm_folded = bool(norm_folded)
     if workspace is None:
         return torch.ops.eagle3.draft_fc.default(x, weight, bias, rows, chunk_norm_weight, input_norm_weight,
-                                                 float(eps))
+                                                 float(eps), norm_folded)
     M = validation.check_draft_fc(x, weight, bias, rows, chunk_norm_weight, input_norm_weight, eps,
-                                  workspace=workspace)
+                                  workspace=workspace, norm_folded=norm_folded)
     out = torch.empty((M, weight.shape[0]), dtype=x.dtype, device=x.device)
     torch.ops.eagle3.draft_fc_out.default(x, weight, bias, rows, chunk_norm_weight, input_norm_weight, float(eps),
-                                          out, workspace)
+                                          out, workspace, norm_folded)
     return out
 
 
 def draft_fc_out(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
                  rows: Optional[torch.Tensor], chunk_norm_weight: Optional[torch.Tensor],
                  input_norm_weight: Optional[torch.Tensor], eps: float, out: torch.Tensor,
-                 workspace: Optional[torch.Tensor] = None) -> None:
+                 workspace: Optional[torch.Tensor] = None, *, norm_folded: bool = False) -> None:
     """``draft_fc`` into a preallocated ``out`` [M, N] (no allocation: CUDA-graph friendly)."""
     validation.check_eps("draft_fc_out", eps)
     torch.ops.eagle3.draft_fc_out.default(x, weight, bias, rows, chunk_norm_weight, input_norm_weight, float(eps),
-                                          out, workspace)
+                                          out, workspace, bool(norm_folded))
 
 
 def draft_fc_workspace_bytes(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None,
                              rows: Optional[torch.Tensor] = None, chunk_norm_weight: Optional[torch.Tensor] = None,
-                             input_norm_weight: Optional[torch.Tensor] = None) -> int:
+                             input_norm_weight: Optional[torch.Tensor] = None, *, norm_folded: bool = False) -> int:
     """Bytes of workspace ``draft_fc`` needs for these arguments on the backend that serves them
     on ``weight``'s device. Only shapes, strides and dtypes are read: ``x`` and ``rows`` may be meta
     tensors (to size a workspace for a larger M than any real tensor at hand)."""
     backend, _ = dispatch.select("draft_fc", weight.device, weight.dtype)
     return int(dispatch.function(backend, "draft_fc_workspace_bytes")(x, weight, bias, rows, chunk_norm_weight,
-                                                                       input_norm_weight))
+                                                                       input_norm_weight, bool(norm_folded)))
+
+
+def fold_norm_weights(weight: torch.Tensor, chunk_norm_weight: Optional[torch.Tensor] = None,
+                      input_norm_weight: Optional[torch.Tensor] = None,
+                      out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """The fc weight with the pre-fc norm gains folded in, ``weight[n, k] * g[k]`` with
+    ``g = input_norm_weight * chunk_norm_weight.flatten()`` (fp32 product, one rounding into
+    weight's dtype), for ``draft_fc(..., norm_folded=True)``: prepared ONCE (weights are fixed while
+    serving), it turns the norm variant's hot loop into the plain one. Written into ``out`` when
+    given (same shape and dtype as weight; may be weight itself), else a new tensor: the caller
+    owns the memory. Raises ValueError naming the argument when the shapes do not fit, when there
+    is no norm weight, or when a folded value is not finite where the weight is (fp16 overflow)."""
+    from .reference import fold_gains
+
+    op = "fold_norm_weights"
+    if weight.dim() != 2:
+        raise validation.Eagle3ArgumentError(f"eagle3_ops.{op}: weight has shape {tuple(weight.shape)}, expected [N, K*H]")
+    if chunk_norm_weight is None and input_norm_weight is None:
+        raise validation.Eagle3ArgumentError(f"eagle3_ops.{op}: neither chunk_norm_weight nor input_norm_weight given: "
+                                             f"nothing to fold")
+    KH = weight.shape[1]
+    for name, t in (("chunk_norm_weight", chunk_norm_weight), ("input_norm_weight", input_norm_weight)):
+        if t is not None and (t.numel() != KH or t.device != weight.device):
+            raise validation.Eagle3ArgumentError(
+                f"eagle3_ops.{op}: {name} has {t.numel()} elements on {t.device}, expected {KH} (weight's in_features) "
+                f"on {weight.device}")
+    if out is not None and (out.shape != weight.shape or out.dtype != weight.dtype or out.device != weight.device):
+        raise validation.Eagle3ArgumentError(
+            f"eagle3_ops.{op}: out is {out.dtype} {tuple(out.shape)} on {out.device}, expected weight's "
+            f"{weight.dtype} {tuple(weight.shape)} on {weight.device}")
+    g = fold_gains(chunk_norm_weight, input_norm_weight)
+    folded = out if out is not None else torch.empty_like(weight, memory_format=torch.contiguous_format)
+    step = max(1, (64 << 20) // max(1, 4 * KH))  # fp32 temporaries of at most ~64 MB at a time
+    with torch.no_grad():
+        for n0 in range(0, weight.shape[0], step):
+            block = weight[n0:n0 + step].float() * g
+            rounded = block.to(weight.dtype)
+            bad = ~torch.isfinite(rounded) & torch.isfinite(weight[n0:n0 + step])
+            if bool(bad.any()):
+                n, k = (int(i) for i in bad.nonzero()[0])
+                raise validation.Eagle3ArgumentError(
+                    f"eagle3_ops.{op}: weight[{n0 + n}, {k}] * g[{k}] = {float(block[n, k]):.4g} is not finite in "
+                    f"{weight.dtype}; this weight cannot be folded (serve it with norm_folded=False)")
+            folded[n0:n0 + step].copy_(rounded)
+    return folded

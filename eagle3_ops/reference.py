@@ -52,12 +52,14 @@ def fused_add_rmsnorm_capture_ref(input: torch.Tensor, residual: torch.Tensor, w
 def draft_fc_input_ref(x: torch.Tensor, rows: Optional[torch.Tensor],
                        chunk_norm_weight: Optional[torch.Tensor],
                        input_norm_weight: Optional[torch.Tensor], eps: float,
-                       acc_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+                       acc_dtype: torch.dtype = torch.float32, norm_folded: bool = False) -> torch.Tensor:
     """The normalized fc input ``norm(x[rows])`` in ``acc_dtype`` (never rounded in between).
 
     Rows outside [0, R) give NaN rows (the device-side contract); host-side callers raise earlier.
     Order when both norms are present: input_norm (whole K*H row), then chunk norm (per H slot),
-    as in SGLang's llama_eagle3 draft.
+    as in SGLang's llama_eagle3 draft. ``norm_folded``: only the RMS scales are applied (the norm
+    weights live in the folded fc weight, :func:`fold_norm_weights_ref`); input_norm_weight still
+    enters the chunk statistic, exactly as without folding.
     """
     R = x.shape[0]
     if rows is None:
@@ -69,11 +71,20 @@ def draft_fc_input_ref(x: torch.Tensor, rows: Optional[torch.Tensor],
         xs = x.index_select(0, rows.clamp(0, max(R - 1, 0))).to(acc_dtype) if R > 0 else \
             torch.empty((rows.numel(), x.shape[1]), dtype=acc_dtype, device=x.device)
     if input_norm_weight is not None:
-        xs = xs * rms_scale(xs, eps) * input_norm_weight.to(acc_dtype)
+        g_in = input_norm_weight.to(acc_dtype)
+        scale = rms_scale(xs, eps)
+        if norm_folded:  # the chunk statistic still sees x * s * g_in; the output gets x * s
+            xs_stat, xs = xs * scale * g_in, xs * scale
+        else:
+            xs = xs_stat = xs * scale * g_in
+    else:
+        xs_stat = xs
     if chunk_norm_weight is not None:
         K, H = chunk_norm_weight.shape
         chunks = xs.view(xs.shape[0], K, H)
-        xs = (chunks * rms_scale(chunks, eps) * chunk_norm_weight.to(acc_dtype)).view(xs.shape[0], K * H)
+        scale = rms_scale(xs_stat.view(xs.shape[0], K, H), eps)
+        gain = 1.0 if norm_folded else chunk_norm_weight.to(acc_dtype)
+        xs = (chunks * scale * gain).reshape(xs.shape[0], K * H)
     if bad is not None:
         xs = torch.where(bad[:, None], torch.full_like(xs, float("nan")), xs)
     return xs
@@ -82,13 +93,34 @@ def draft_fc_input_ref(x: torch.Tensor, rows: Optional[torch.Tensor],
 def draft_fc_ref(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None,
                  rows: Optional[torch.Tensor] = None, chunk_norm_weight: Optional[torch.Tensor] = None,
                  input_norm_weight: Optional[torch.Tensor] = None, eps: float = 1e-6,
-                 acc_dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """``linear(norm(x[rows]), weight, bias)`` accumulated in ``acc_dtype``, result in acc_dtype."""
-    xs = draft_fc_input_ref(x, rows, chunk_norm_weight, input_norm_weight, eps, acc_dtype)
+                 acc_dtype: torch.dtype = torch.float32, norm_folded: bool = False) -> torch.Tensor:
+    """``linear(norm(x[rows]), weight, bias)`` accumulated in ``acc_dtype``, result in acc_dtype.
+    ``norm_folded``: ``weight`` is ``fold_norm_weights_ref(W, ...)`` (same result as W unfolded,
+    up to the rounding of the folded weight)."""
+    xs = draft_fc_input_ref(x, rows, chunk_norm_weight, input_norm_weight, eps, acc_dtype, norm_folded)
     y = xs @ weight.to(acc_dtype).t()
     if bias is not None:
         y = y + bias.to(acc_dtype)
     return y
+
+
+def fold_gains(chunk_norm_weight: Optional[torch.Tensor], input_norm_weight: Optional[torch.Tensor],
+               acc_dtype: torch.dtype = torch.float32) -> Optional[torch.Tensor]:
+    """g[k] = input_norm_weight[k] * chunk_norm_weight.flat[k] in ``acc_dtype`` (None without norms)."""
+    g = None
+    if input_norm_weight is not None:
+        g = input_norm_weight.to(acc_dtype)
+    if chunk_norm_weight is not None:
+        gc = chunk_norm_weight.reshape(-1).to(acc_dtype)
+        g = gc if g is None else g * gc
+    return g
+
+
+def fold_norm_weights_ref(weight: torch.Tensor, chunk_norm_weight: Optional[torch.Tensor],
+                          input_norm_weight: Optional[torch.Tensor],
+                          acc_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """``weight[n, k] * g[k]`` (see :func:`fold_gains`), one rounding into weight's dtype."""
+    return (weight.to(acc_dtype) * fold_gains(chunk_norm_weight, input_norm_weight, acc_dtype)).to(weight.dtype)
 
 
 # ---- the backend functions (the contract of eagle3_ops/ops.py: the op's name, into caller memory) ----
@@ -100,9 +132,12 @@ def fused_add_rmsnorm_capture(input, residual, weight, eps, buffer, slot) -> Non
     fused_add_rmsnorm_capture_ref(input, residual, weight, eps, buffer, slot)
 
 
-def draft_fc(x, weight, bias, rows, chunk_norm_weight, input_norm_weight, eps, out, workspace) -> None:
-    out.copy_(draft_fc_ref(x, weight, bias, rows, chunk_norm_weight, input_norm_weight, eps).to(out.dtype))
+def draft_fc(x, weight, bias, rows, chunk_norm_weight, input_norm_weight, eps, out, workspace,
+             norm_folded: bool = False) -> None:
+    out.copy_(draft_fc_ref(x, weight, bias, rows, chunk_norm_weight, input_norm_weight, eps,
+                           norm_folded=norm_folded).to(out.dtype))
 
 
-def draft_fc_workspace_bytes(x, weight, bias, rows, chunk_norm_weight, input_norm_weight) -> int:
+def draft_fc_workspace_bytes(x, weight, bias, rows, chunk_norm_weight, input_norm_weight,
+                             norm_folded: bool = False) -> int:
     return 0  # plain PyTorch allocates its temporaries itself

@@ -223,7 +223,7 @@ def check_draft_fc(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.T
                    rows: Optional[torch.Tensor], chunk_norm_weight: Optional[torch.Tensor],
                    input_norm_weight: Optional[torch.Tensor], eps: float,
                    out: Optional[torch.Tensor] = None, op: str = "draft_fc",
-                   workspace: Optional[torch.Tensor] = None) -> int:
+                   workspace: Optional[torch.Tensor] = None, norm_folded: bool = False) -> int:
     """Checks draft_fc arguments; returns M, the number of output rows."""
     _check_ndim(op, "x", x, 2, "[rows, K*hidden]")
     _check_supported_dtype(op, "x", x)
@@ -260,6 +260,9 @@ def check_draft_fc(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.T
         if t is not None and KH == 0:
             _fail(op, f"{name} given but x has width 0: there is nothing to normalize")
     check_eps(op, eps)
+    if norm_folded and chunk_norm_weight is None and input_norm_weight is None:
+        _fail(op, "norm_folded=True but neither chunk_norm_weight nor input_norm_weight is given: a folded weight "
+                  "needs the norm weights it was folded with (for the RMS scales)")
     if rows is None:
         M = R
     else:

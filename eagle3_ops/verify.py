@@ -100,14 +100,16 @@ def selfcheck_draft_fc(fn, device, dtype, backend):
     cn = (torch.rand(K, H, generator=gen) + 0.5).to(device, dtype)
     inw = (torch.rand(K * H, generator=gen) + 0.5).to(device, dtype)
     detail = ""
-    for args in ((b, rows, cn, inw), (None, None, None, None)):
+    # unfolded with everything, plain, and the folded-norm variant (weight prepared with the gains)
+    for args, folded in (((b, rows, cn, inw), False), ((None, None, None, None), False), ((b, rows, cn, inw), True)):
         M = R if args[1] is None else args[1].numel()
         base, out = _poisoned(M, N, device, dtype)
         want = base.clone()
-        need = function(backend, "draft_fc_workspace_bytes")(x, w, *args) if backend else 0
+        weight = reference.fold_norm_weights_ref(w, args[2], args[3]) if folded else w
+        need = function(backend, "draft_fc_workspace_bytes")(x, weight, *args, folded) if backend else 0
         ws = torch.empty(need, dtype=torch.uint8, device=device) if need else None
-        fn(x, w, *args, 1e-6, out, ws)
-        _view(want, M, N).copy_(reference.draft_fc_ref(x, w, *args, 1e-6).to(dtype))
+        fn(x, weight, *args, 1e-6, out, ws, folded)
+        _view(want, M, N).copy_(reference.draft_fc_ref(x, weight, *args, 1e-6, norm_folded=folded).to(dtype))
         ok, detail = _close(base, want)
         if not ok:
             return ok, detail

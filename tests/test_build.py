@@ -114,12 +114,12 @@ def test_no_kernel_uses_local_memory():
                 ("capture_aligned_kernel", "capture_any_kernel", "fused_row_kernel", "fused_two_pass_kernel",
                  "fc_skinny_kernel", "fc_reduce_kernel", "fc_prepare_kernel")}
     assert all(families.values()), families  # the parse found every family
-    assert families["fc_skinny_kernel"] == 2 * 16  # {bf16, fp16} x NT {1,2,4,8} x norm, per arch
+    assert families["fc_skinny_kernel"] == 2 * 24  # {bf16, fp16} x NT {1,2,4,8} x {plain, norm, folded}, per arch
     spilling = {k: v for k, v in usage.items() if v["STACK"] or v["LOCAL"]}
     assert not spilling, spilling
 
 
-_SKINNY = re.compile(r"fc_skinny_kernelIN3c10(\d+)(BFloat16|Half)ELi(\d)ELb([01])E")
+_SKINNY = re.compile(r"fc_skinny_kernelIN3c10(\d+)(BFloat16|Half)ELi(\d)ELi(\d)E")
 
 
 def _skinny_registers(usage: dict) -> dict:
@@ -127,7 +127,7 @@ def _skinny_registers(usage: dict) -> dict:
     for (arch, fn), v in usage.items():
         if m := _SKINNY.search(fn):
             dtype = "bfloat16" if m.group(2) == "BFloat16" else "float16"
-            table.setdefault(arch, {})[(dtype, int(m.group(3)), m.group(4) == "1")] = v["REG"]
+            table.setdefault(arch, {})[(dtype, int(m.group(3)), cuda_backend.SKINNY_VARIANTS[int(m.group(4))])] = v["REG"]
     return table
 
 
@@ -170,7 +170,7 @@ def test_skinny_weight_stream_is_evict_first():
     Without the hint every access shares the default descriptor."""
     ext, tool = _built()
     sass = {k: v for k, v in _sass_functions(tool, ext.__file__).items() if "fc_skinny_kernel" in k[1]}
-    assert len(sass) == 2 * 16 and {a for a, _ in sass} == {"sm_90a", "sm_120a"}
+    assert len(sass) == 2 * 24 and {a for a, _ in sass} == {"sm_90a", "sm_120a"}  # 24 variants per arch
     for key, text in sass.items():
         weight = re.findall(r"LDG\.E\.NA\.LTC256B\.128\.CONSTANT \S+, desc\[(UR\d+)\]", text)
         other = re.findall(r"(?:LDG|STG)(?!\.E\.NA\.LTC256B)\S* (?:\S+, )?desc\[(UR\d+)\]", text)

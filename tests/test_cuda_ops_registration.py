@@ -30,11 +30,12 @@ SCHEMAS = {
         "Tensor(c!) buffer, int slot) -> ()"),
     "draft_fc": (
         "eagle3_cuda::draft_fc(Tensor x, Tensor weight, Tensor? bias, Tensor? rows, Tensor? chunk_norm_weight, "
-        "Tensor? input_norm_weight, float eps, Tensor(a!) out, Tensor(b!)? workspace, int path, int splits) -> ()"),
+        "Tensor? input_norm_weight, float eps, Tensor(a!) out, Tensor(b!)? workspace, int path, int splits, "
+        "bool norm_folded=False) -> ()"),
     "draft_fc_workspace_bytes": (
         "eagle3_cuda::draft_fc_workspace_bytes(int M, int N, int KH, int K, bool chunk_norm, bool input_norm, "
         "int path, int splits, ScalarType dtype) -> int"),
-    "skinny_occupancy": "eagle3_cuda::skinny_occupancy(int nt, bool norm, ScalarType dtype) -> int",
+    "skinny_occupancy": "eagle3_cuda::skinny_occupancy(int nt, int variant, ScalarType dtype) -> int",
 }
 SKINNY, TILED, CUBLAS = (plans.PATHS.index(p) for p in ("skinny", "tiled", "cublas"))
 
@@ -159,17 +160,17 @@ def h200_sms(monkeypatch):
     tensors) they are an H200's: 132 SMs, occupancy from the sm_90a register table."""
     monkeypatch.setattr(cuda_backend, "sm_count", lambda device: SMS)
     monkeypatch.setattr(cuda_backend, "skinny_blocks_per_sm",
-                        lambda device, nt, norm, dtype: cuda_backend.table_blocks_per_sm("sm_90", nt, norm, dtype))
+                        lambda device, nt, variant, dtype: cuda_backend.table_blocks_per_sm("sm_90", nt, variant, dtype))
 
 
 def test_skinny_occupancy_needs_a_gpu(ops):
     """The occupancy query asks the CUDA runtime about the kernel: no GPU, no answer (an error,
     never a made-up number); cuda_backend then never plans (the backend does not serve)."""
     if torch.cuda.is_available():
-        assert ops.skinny_occupancy(8, False, torch.bfloat16) >= 1
+        assert ops.skinny_occupancy(8, 0, torch.bfloat16) >= 1
         return
     with pytest.raises(RuntimeError):
-        ops.skinny_occupancy(8, False, torch.bfloat16)
+        ops.skinny_occupancy(8, 0, torch.bfloat16)
 
 
 def fc_args(M, H, K, N, dtype, bias=False, rows=False, chunk=False, inorm=False, device="cpu"):
@@ -187,7 +188,7 @@ def fc_args(M, H, K, N, dtype, bias=False, rows=False, chunk=False, inorm=False,
 def expected_splits(M, N, KH, NC, norm, dtype):
     """The planner's answer for this launch (tests/ops/test_kernel_plans.py tests the planner)."""
     nt = {1: 1, 2: 2, 3: 4, 4: 4}.get(math.ceil(min(M, 64) / 8), 8)
-    bpsm = cuda_backend.table_blocks_per_sm("sm_90", nt, norm, dtype)
+    bpsm = cuda_backend.table_blocks_per_sm("sm_90", nt, "norm" if norm else "plain", dtype)
     return cuda_backend.skinny_splits(M, N, KH // NC, NC, SMS, bpsm, norm)
 
 
@@ -344,10 +345,10 @@ def test_gpu_skinny_occupancy_matches_the_register_table(ops, dtype):
     dev = _gpu_device()
     arch = cuda_backend.device_arch(dev)
     for nt in (1, 2, 4, 8):
-        for norm in (False, True):
-            got = ops.skinny_occupancy(nt, norm, dtype)
-            assert got == cuda_backend.table_blocks_per_sm(arch, nt, norm, dtype), (nt, norm, got)
-            assert cuda_backend.skinny_blocks_per_sm(dev, nt, norm, dtype) == got
+        for index, variant in enumerate(cuda_backend.SKINNY_VARIANTS):
+            got = ops.skinny_occupancy(nt, index, dtype)
+            assert got == cuda_backend.table_blocks_per_sm(arch, nt, variant, dtype), (nt, variant, got)
+            assert cuda_backend.skinny_blocks_per_sm(dev, nt, variant, dtype) == got
 
 
 @pytest.mark.gpu

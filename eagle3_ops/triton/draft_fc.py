@@ -31,7 +31,9 @@ table, ``eagle3_ops/plans.py``, docs/design.md §9; ``plans.forced_path`` forces
 Pre-fc norms without a K-wide pre-pass inside every program (docs/kernels.md §5): a tiny kernel
 computes one fp32 scale per (row, chunk) first, ``a[m, c] = s_m * rsqrt(s_m^2 * mean_c((x*g_in)^2)
 + eps)`` where ``s_m = rsqrt(mean(x^2) + eps)`` is the input-norm scale (1 without it). The norm
-weights ``g = input_norm_weight * chunk_norm_weight`` multiply x on the fly. Row indices outside
+weights ``g = input_norm_weight * chunk_norm_weight`` multiply x on the fly, unless the weight
+carries them (``norm_folded``, ``eagle3_ops.fold_norm_weights``): then the hot loops are the plain
+ones and only the scales apply (input_norm_weight still feeds the chunk statistic). Row indices outside
 ``[0, R)`` are never dereferenced: those rows load as zeros and their outputs are NaN. Index
 arithmetic is int64 wherever a row index meets a row stride (M * K*H or M * N may exceed 2^31).
 
@@ -128,7 +130,8 @@ def _dummy(t: Optional[torch.Tensor], like: torch.Tensor) -> torch.Tensor:
 def _row_scales_kernel(x_ptr, stride_x, rows_ptr, in_w_ptr, chunk_w_ptr, scale_ptr, prep_ptr, stride_prep,
                        R, KH, CH, NC, eps,
                        HAS_ROWS: tl.constexpr, HAS_IN_NORM: tl.constexpr, HAS_CHUNK_NORM: tl.constexpr,
-                       WRITE_PREPARED: tl.constexpr, BLOCK: tl.constexpr, INTERPRETER_BF16: tl.constexpr):
+                       WRITE_PREPARED: tl.constexpr, BLOCK: tl.constexpr, INTERPRETER_BF16: tl.constexpr,
+                       APPLY_GAINS: tl.constexpr = True):
     """One program per output row m. Computes a[m, c] (the fp32 RMS scale of chunk c, see module
     doc) into scale_ptr[m*NC + c], or, with WRITE_PREPARED, writes the whole normalized row
     ``norm(x[rows[m]])`` in the dtype into prep_ptr (NaN row when rows[m] is out of range)."""
@@ -168,9 +171,9 @@ def _row_scales_kernel(x_ptr, stride_x, rows_ptr, in_w_ptr, chunk_w_ptr, scale_p
                 kk = base + k0 + offs
                 k_in = (k0 + offs) < CH
                 v = tl.load(x_row + kk, mask=k_in & valid, other=0.0).to(tl.float32) * a
-                if HAS_IN_NORM:
+                if HAS_IN_NORM and APPLY_GAINS:
                     v = v * tl.load(in_w_ptr + kk, mask=k_in, other=0.0).to(tl.float32)
-                if HAS_CHUNK_NORM:
+                if HAS_CHUNK_NORM and APPLY_GAINS:
                     v = v * tl.load(chunk_w_ptr + kk, mask=k_in, other=0.0).to(tl.float32)
                 v = tl.where(valid, v, float("nan"))
                 tl.store(prep_ptr + m * stride_prep + kk, cast(v, prep_ptr.dtype.element_ty, INTERPRETER_BF16), mask=k_in)
@@ -197,8 +200,8 @@ def _apply_norm_weights(xv, kk, k_in, in_w_ptr, chunk_w_ptr, row_scale, AXIS: tl
     """x tile (k along axis AXIS) times g = input_norm_weight * chunk_norm_weight, and times the
     per-row scale when HAS_ROW_SCALE, rounded back to the dtype for the matrix product (the stock
     path rounds its normalized input the same way)."""
-    if HAS_IN_NORM or HAS_CHUNK_NORM:
-        g = tl.full(kk.shape, 1.0, tl.float32)
+    if HAS_IN_NORM or HAS_CHUNK_NORM or HAS_ROW_SCALE:
+        g = tl.full(kk.shape, 1.0, tl.float32)  # stays 1 with folded norm weights (flags off)
         if HAS_IN_NORM:
             g = g * tl.load(in_w_ptr + kk, mask=k_in, other=0.0).to(tl.float32)
         if HAS_CHUNK_NORM:
@@ -409,13 +412,14 @@ class Plan:
         return self.copy_bytes + self.scale_bytes + self.partial_bytes + self.prepared_bytes
 
 
-def plan(x, weight, bias, rows, chunk_norm_weight, input_norm_weight, split_len: Optional[int] = None) -> Plan:
+def plan(x, weight, bias, rows, chunk_norm_weight, input_norm_weight, split_len: Optional[int] = None,
+         norm_folded: bool = False) -> Plan:
     """The path (``plans.choose``, then the fp16-with-norms rule) and workspace regions of one call.
     ``split_len`` overrides the skinny split length (tests use it to force several splits)."""
     p = _problem(x, weight, rows, chunk_norm_weight, input_norm_weight)
     device = x.device
     path = plans.choose("triton", device, p.M)
-    if path == "skinny" and fc_rules.fp16_norm_overflow(x.dtype, chunk_norm_weight, input_norm_weight):
+    if path == "skinny" and fc_rules.fp16_norm_overflow(x.dtype, chunk_norm_weight, input_norm_weight, norm_folded):
         path = "tiled"  # the tiled kernel scales x on the fly: no fp16 overflow
     copy_bytes = fc_rules.unit_stride_copy_bytes(bias, rows, input_norm_weight)
     scale_bytes = aligned(p.M * p.NC * 4) if p.has_scale and path != "cublas" else 0
@@ -434,7 +438,8 @@ def plan(x, weight, bias, rows, chunk_norm_weight, input_norm_weight, split_len:
                 prepared_bytes=aligned(p.M * p.KH * x.element_size()) if prepared else 0)
 
 
-def _skinny(x, weight, bias, rows, chunk_norm_weight, input_norm_weight, eps, out, carver: Carver, pl: Plan) -> None:
+def _skinny(x, weight, bias, rows, chunk_norm_weight, input_norm_weight, eps, out, carver: Carver, pl: Plan,
+            folded: bool = False) -> None:
     p = pl.problem
     device = x.device
     scales = None
@@ -449,8 +454,8 @@ def _skinny(x, weight, bias, rows, chunk_norm_weight, input_norm_weight, eps, ou
         x, x.stride(0), weight, weight.stride(0), _dummy(rows, x), _dummy(input_norm_weight, x),
         _dummy(chunk_norm_weight, x), _dummy(scales, x), _dummy(bias, x), out, out.stride(0), _dummy(ws, x),
         p.M, p.N, p.R, p.CH, p.NC, pl.splits_per_chunk, pl.split_len,
-        HAS_ROWS=rows is not None, HAS_IN_NORM=input_norm_weight is not None,
-        HAS_CHUNK_NORM=chunk_norm_weight is not None, HAS_SCALE=p.has_scale, HAS_BIAS=bias is not None,
+        HAS_ROWS=rows is not None, HAS_IN_NORM=input_norm_weight is not None and not folded,
+        HAS_CHUNK_NORM=chunk_norm_weight is not None and not folded, HAS_SCALE=p.has_scale, HAS_BIAS=bias is not None,
         WRITE_PARTIAL=S > 1, INTERPRETER_BF16=interpreter_bf16(_skinny_kernel, x.dtype),
         INPUT_PRECISION=_input_precision(x.dtype), **cfg)
     if S > 1:
@@ -461,7 +466,8 @@ def _skinny(x, weight, bias, rows, chunk_norm_weight, input_norm_weight, eps, ou
             INTERPRETER_BF16=interpreter_bf16(_splitk_reduce_kernel, x.dtype), num_warps=4)
 
 
-def _tiled(x, weight, bias, rows, chunk_norm_weight, input_norm_weight, eps, out, carver: Carver, pl: Plan) -> None:
+def _tiled(x, weight, bias, rows, chunk_norm_weight, input_norm_weight, eps, out, carver: Carver, pl: Plan,
+           folded: bool = False) -> None:
     p = pl.problem
     scales = None
     if p.has_scale:
@@ -473,15 +479,16 @@ def _tiled(x, weight, bias, rows, chunk_norm_weight, input_norm_weight, eps, out
         x, x.stride(0), weight, weight.stride(0), _dummy(rows, x), _dummy(input_norm_weight, x),
         _dummy(chunk_norm_weight, x), _dummy(scales, x), _dummy(bias, x), out, out.stride(0),
         p.M, p.N, p.R, p.CH, p.NC,
-        HAS_ROWS=rows is not None, HAS_IN_NORM=input_norm_weight is not None,
-        HAS_CHUNK_NORM=chunk_norm_weight is not None, HAS_SCALE=p.has_scale, HAS_BIAS=bias is not None,
+        HAS_ROWS=rows is not None, HAS_IN_NORM=input_norm_weight is not None and not folded,
+        HAS_CHUNK_NORM=chunk_norm_weight is not None and not folded, HAS_SCALE=p.has_scale, HAS_BIAS=bias is not None,
         INTERPRETER_BF16=interpreter_bf16(_tiled_kernel, x.dtype), INPUT_PRECISION=_input_precision(x.dtype), **cfg)
 
 
 def prepare_input(x, rows, chunk_norm_weight, input_norm_weight, eps, M: int,
-                  out: Optional[torch.Tensor] = None) -> torch.Tensor:
+                  out: Optional[torch.Tensor] = None, folded: bool = False) -> torch.Tensor:
     """``norm(x[rows])`` rounded to x's dtype, [M, K*H] (NaN rows for out-of-range indices),
-    written into ``out`` (M*K*H elements of x's dtype; a new tensor when None: tests)."""
+    written into ``out`` (M*K*H elements of x's dtype; a new tensor when None: tests). ``folded``:
+    the RMS scales only (the norm weights are in the fc weight)."""
     R, KH = x.shape
     NC, CH = fc_rules.chunks(x, chunk_norm_weight)
     if out is None:
@@ -495,11 +502,12 @@ def prepare_input(x, rows, chunk_norm_weight, input_norm_weight, eps, M: int,
         prep.stride(0), R, KH, CH, NC, float(eps),
         HAS_ROWS=rows is not None, HAS_IN_NORM=input_norm_weight is not None,
         HAS_CHUNK_NORM=chunk_norm_weight is not None, WRITE_PREPARED=True, BLOCK=block,
-        INTERPRETER_BF16=interpreter_bf16(_row_scales_kernel, x.dtype), num_warps=4)
+        INTERPRETER_BF16=interpreter_bf16(_row_scales_kernel, x.dtype), APPLY_GAINS=not folded, num_warps=4)
     return prep
 
 
-def _cublas(x, weight, bias, rows, chunk_norm_weight, input_norm_weight, eps, out, carver: Carver, pl: Plan) -> None:
+def _cublas(x, weight, bias, rows, chunk_norm_weight, input_norm_weight, eps, out, carver: Carver, pl: Plan,
+            folded: bool = False) -> None:
     """``F.linear`` (cuBLAS on a GPU) on the prepared input; x itself when nothing is to prepare."""
     p = pl.problem
     if not fc_rules.prepares_input(rows, chunk_norm_weight, input_norm_weight):
@@ -507,7 +515,8 @@ def _cublas(x, weight, bias, rows, chunk_norm_weight, input_norm_weight, eps, ou
     elif p.KH == 0:
         inp = x.as_strided((p.M, 0), (0, 1))  # nothing to prepare: out = bias (or 0)
     else:
-        inp = prepare_input(x, rows, chunk_norm_weight, input_norm_weight, eps, p.M, carver.take(p.M * p.KH, x.dtype))
+        inp = prepare_input(x, rows, chunk_norm_weight, input_norm_weight, eps, p.M, carver.take(p.M * p.KH, x.dtype),
+                            folded)
     if bias is not None:
         torch.addmm(bias, inp, weight.t(), out=out)
     else:
@@ -517,22 +526,22 @@ def _cublas(x, weight, bias, rows, chunk_norm_weight, input_norm_weight, eps, ou
 _RUN = {"skinny": _skinny, "tiled": _tiled, "cublas": _cublas}
 
 
-def draft_fc_workspace_bytes(x, weight, bias, rows, chunk_norm_weight, input_norm_weight,
+def draft_fc_workspace_bytes(x, weight, bias, rows, chunk_norm_weight, input_norm_weight, norm_folded: bool = False,
                              split_len: Optional[int] = None) -> int:
     """Workspace bytes :func:`draft_fc` carves for exactly these arguments on x.device (pure)."""
-    return plan(x, weight, bias, rows, chunk_norm_weight, input_norm_weight, split_len).nbytes
+    return plan(x, weight, bias, rows, chunk_norm_weight, input_norm_weight, split_len, norm_folded).nbytes
 
 
 def draft_fc(x, weight, bias, rows, chunk_norm_weight, input_norm_weight, eps, out, workspace,
-             split_len: Optional[int] = None) -> None:
+             norm_folded: bool = False, split_len: Optional[int] = None) -> None:
     """Backend entry point (arguments validated, M > 0): ``out = linear(norm(x[rows]), weight, bias)``
     on the path :func:`plan` picks; scratch is carved from ``workspace`` (uint8, at least
     :func:`draft_fc_workspace_bytes` bytes; None when that is 0). ``split_len``: see :func:`plan`."""
-    pl = plan(x, weight, bias, rows, chunk_norm_weight, input_norm_weight, split_len)
+    pl = plan(x, weight, bias, rows, chunk_norm_weight, input_norm_weight, split_len, norm_folded)
     carver = Carver(workspace)
     bias, rows, input_norm_weight = fc_rules.unit_stride_copies(carver, bias, rows, input_norm_weight)
     with interpreter_serialized(_skinny_kernel):
-        _RUN[pl.path](x, weight, bias, rows, chunk_norm_weight, input_norm_weight, eps, out, carver, pl)
+        _RUN[pl.path](x, weight, bias, rows, chunk_norm_weight, input_norm_weight, eps, out, carver, pl, norm_folded)
 
 
 __all__ = ["Plan", "draft_fc", "draft_fc_workspace_bytes", "interpreted", "interpreter_serialized", "plan",

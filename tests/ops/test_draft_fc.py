@@ -21,7 +21,7 @@ except ImportError:
     given = None
 
 import eagle3_ops
-from eagle3_ops import plans, testing, workspace
+from eagle3_ops import plans, reference, testing, workspace
 from eagle3_ops.testing import (DTYPES, FC_PATHS, MATMUL_TOL, TARGETS, VARIANTS, assert_close, fc_problem, params,
                                 rel_err, same_bits)
 
@@ -410,6 +410,110 @@ else:
         pytest.skip("hypothesis is not installed (a test dependency: make deps)")
 
 
+# ---- folded norm weights (eagle3_ops.fold_norm_weights + norm_folded=True) --------------------------------
+NORM_VARIANTS = ("chunk_norm", "input_norm", "all")
+
+
+def folded_grid(target):
+    """(path, M, H, K, N, variant, dtype): every path of the backend with each norm combination."""
+    paths = FC_PATHS[target.backend]
+    if not target.gpu:
+        return [(path, M, 80, 3, 72, v, dt) for path in paths for M in (1, 40) for v in NORM_VARIANTS
+                for dt in DTYPES]
+    return [(path, M, 7168, 3, None, v, dt) for path in paths for M in (1, 16, 64, 256, 1000)
+            for v in NORM_VARIANTS for dt in (BF16, torch.float16)]
+
+
+@pytest.mark.parametrize("target,path,M,H,K,N,variant,dtype", params(TARGETS, folded_grid))
+def test_folded_norm_weights_match_fp64_of_the_unfolded_fc(target, path, M, H, K, N, variant, dtype, device):
+    """draft_fc(x, fold_norm_weights(W, g...), ..., norm_folded=True) against the float64 answer of
+    the UNFOLDED problem (original W and norm weights): folding changes one rounding (W * g into the
+    dtype) and nothing else, so the tolerance is the unfolded one."""
+    p = fc_problem(M, H, K, dtype, device, N=N, key=("folded", path), **VARIANTS[variant])
+    folded = eagle3_ops.fold_norm_weights(p.weight, p.chunk_norm_weight, p.input_norm_weight)
+    assert folded.data_ptr() != p.weight.data_ptr() and torch.equal(p.weight, p.weight)  # a new tensor
+    out = p.out()
+    with plans.forced_path(path):
+        testing.run_canaried(lambda: eagle3_ops.draft_fc_out(p.x, folded, p.bias, p.rows, p.chunk_norm_weight,
+                                                             p.input_norm_weight, p.eps, out, norm_folded=True),
+                             [out], poison=[out])
+        functional = eagle3_ops.draft_fc(p.x, folded, p.bias, p.rows, p.chunk_norm_weight, p.input_norm_weight,
+                                         p.eps, norm_folded=True)
+    truth = p.truth()
+    assert_close(out, truth, MATMUL_TOL[dtype], normwise=True, what=f"folded {path}")
+    assert_close(functional, truth, MATMUL_TOL[dtype], normwise=True, what=f"folded {path} (functional)")
+    # and it is the folded math, not the unfolded one applied to the folded weight (g twice)
+    twice = reference.draft_fc_ref(p.x, folded, p.bias, p.rows, p.chunk_norm_weight, p.input_norm_weight, p.eps,
+                                   acc_dtype=torch.float64)
+    assert rel_err(out, twice, normwise=True) > 10 * MATMUL_TOL[dtype]
+
+
+@pytest.mark.parametrize("variant", NORM_VARIANTS)
+def test_folded_reference_is_the_unfolded_math_in_float64(variant):
+    """The reference's folded formula (scales only, input_norm_weight in the chunk statistic) with an
+    exact float64 fold equals the unfolded formula to float64 rounding."""
+    p = fc_problem(9, 48, 3, torch.float32, "cpu", key=("f64",), **VARIANTS[variant])
+    w64 = p.weight.double()
+    cn = None if p.chunk_norm_weight is None else p.chunk_norm_weight.double()
+    inw = None if p.input_norm_weight is None else p.input_norm_weight.double()
+    x64 = p.x.double()
+    folded64 = w64 * reference.fold_gains(cn, inw, torch.float64)
+    a = reference.draft_fc_ref(x64, w64, None, p.rows, cn, inw, p.eps, acc_dtype=torch.float64)
+    b = reference.draft_fc_ref(x64, folded64, None, p.rows, cn, inw, p.eps, acc_dtype=torch.float64,
+                               norm_folded=True)
+    assert rel_err(b, a, normwise=True) < 1e-13
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_fold_norm_weights_rounds_once_and_writes_where_asked(dtype):
+    gen = torch.Generator().manual_seed(7)
+    K, H, N = 3, 40, 33
+    w = testing.randn((N, K * H), dtype, "cpu", gen)
+    cn = testing.positive((K, H), dtype, "cpu", gen)
+    inw = testing.positive((K * H,), dtype, "cpu", gen)
+    want = (w.float() * (inw.float() * cn.float().flatten())).to(dtype)  # g first, as documented
+    assert same_bits(eagle3_ops.fold_norm_weights(w, cn, inw), want)
+    assert same_bits(eagle3_ops.fold_norm_weights(w, cn), (w.float() * cn.float().flatten()).to(dtype))
+    assert same_bits(eagle3_ops.fold_norm_weights(w, None, inw), (w.float() * inw.float()).to(dtype))
+    inplace = w.clone()
+    assert eagle3_ops.fold_norm_weights(inplace, cn, inw, out=inplace) is inplace  # in place: the caller's memory
+    assert same_bits(inplace, want)
+
+
+def test_fold_norm_weights_rejects_what_it_cannot_fold():
+    w = torch.randn(8, 12)
+    with pytest.raises(ValueError, match="nothing to fold"):
+        eagle3_ops.fold_norm_weights(w)
+    with pytest.raises(ValueError, match="chunk_norm_weight has 10 elements"):
+        eagle3_ops.fold_norm_weights(w, torch.ones(2, 5))
+    with pytest.raises(ValueError, match="out is"):
+        eagle3_ops.fold_norm_weights(w, None, torch.ones(12), out=torch.empty(8, 12, dtype=torch.float16))
+    big = torch.full((2, 4), 300.0, dtype=torch.float16)
+    with pytest.raises(ValueError, match=r"weight\[0, 1\] \* g\[1\] = .* not finite in torch.float16"):
+        eagle3_ops.fold_norm_weights(big, None, torch.tensor([1.0, 300.0, 1.0, 1.0], dtype=torch.float16))
+
+
+def test_norm_folded_needs_the_norm_weights():
+    x, w = torch.randn(3, 8), torch.randn(4, 8)
+    with pytest.raises(ValueError, match="norm_folded=True but neither chunk_norm_weight nor input_norm_weight"):
+        eagle3_ops.draft_fc(x, w, norm_folded=True)
+    with pytest.raises(ValueError, match="norm_folded=True"):
+        eagle3_ops.draft_fc_out(x, w, None, None, None, None, 1e-6, torch.empty(3, 4), norm_folded=True)
+
+
+def test_folded_fp16_keeps_the_skinny_path():
+    """Unfolded fp16 with norm weights leaves the skinny kernels (x * g could overflow fp16); with the
+    weights folded x is never multiplied, so skinny serves it."""
+    from eagle3_ops.triton import draft_fc as triton_fc
+
+    x = torch.empty(4, 3 * 64, dtype=torch.float16)
+    w = torch.empty(64, 3 * 64, dtype=torch.float16)
+    cn = torch.empty(3, 64, dtype=torch.float16)
+    with plans.forced_path("skinny"):
+        assert triton_fc.plan(x, w, None, None, cn, None).path == "tiled"
+        assert triton_fc.plan(x, w, None, None, cn, None, norm_folded=True).path == "skinny"
+
+
 # ---- opcheck and torch.compile ---------------------------------------------------------------------------
 def fc_samples(device):
     gen = torch.Generator().manual_seed(2)
@@ -420,23 +524,33 @@ def fc_samples(device):
         yield (x, w, torch.randn(N, generator=gen).to(device) if "bias" in opts else None,
                torch.tensor([R - 1, 0, R // 2], device=device) if "rows" in opts else None,
                torch.rand(K, H, generator=gen).to(device) if "chunk" in opts else None,
-               torch.rand(K * H, generator=gen).to(device) if "inorm" in opts else None, 1e-6)
+               torch.rand(K * H, generator=gen).to(device) if "inorm" in opts else None, 1e-6, "folded" in opts)
 
 
-@pytest.mark.parametrize("sample", range(3))
+def fc_sample(device, index):
+    """(x, weight, bias, rows, chunk_norm_weight, input_norm_weight, eps, norm_folded); index 3 is
+    index 1 with its norm weights folded into the weight."""
+    samples = list(fc_samples(device))
+    if index < 3:
+        return samples[index]
+    x, w, b, rows, cn, inw, eps, _ = samples[1]
+    return (x, eagle3_ops.fold_norm_weights(w, cn, inw), b, rows, cn, inw, eps, True)
+
+
+@pytest.mark.parametrize("sample", range(4))
 @pytest.mark.parametrize("target", params(TARGETS))
 def test_opcheck_draft_fc(target, sample, device):
-    torch.library.opcheck(torch.ops.eagle3.draft_fc.default, list(fc_samples(device))[sample])
+    torch.library.opcheck(torch.ops.eagle3.draft_fc.default, fc_sample(device, sample))
 
 
-@pytest.mark.parametrize("sample", range(3))
+@pytest.mark.parametrize("sample", range(4))
 @pytest.mark.parametrize("target", params(TARGETS))
 def test_opcheck_draft_fc_out(target, sample, device):
-    args = list(fc_samples(device))[sample]
+    args = fc_sample(device, sample)
     x, w, _, rows = args[:4]
     M = x.shape[0] if rows is None else rows.shape[0]
     out = torch.empty(M, w.shape[0], device=device)
-    torch.library.opcheck(torch.ops.eagle3.draft_fc_out.default, (*args, out))
+    torch.library.opcheck(torch.ops.eagle3.draft_fc_out.default, (*args[:7], out, None, args[7]))
 
 
 @pytest.mark.parametrize("target", params(TARGETS))

@@ -56,13 +56,13 @@ def test_blocks_per_sm_is_monotone_in_registers_and_bounded():
 def test_register_table_covers_every_variant_and_predicts_occupancy():
     for arch in ("sm_90a", "sm_120a"):
         table = cb.SKINNY_REGISTERS[arch]
-        assert set(table) == set(itertools.product(("bfloat16", "float16"), (1, 2, 4, 8), (False, True)))
+        assert set(table) == set(itertools.product(("bfloat16", "float16"), (1, 2, 4, 8), cb.SKINNY_VARIANTS))
         assert all(0 < r <= 255 for r in table.values())
     # the issue's numbers: NT = 8 without norm at 148 registers on sm_90a -> 3 blocks per SM
-    assert cb.SKINNY_REGISTERS["sm_90a"][("bfloat16", 8, False)] == 148
-    assert cb.table_blocks_per_sm("sm_90", 8, False, torch.bfloat16) == 3
-    assert cb.table_blocks_per_sm("sm_90a", 8, False, torch.bfloat16) == 3
-    assert cb.table_blocks_per_sm("sm_90", 1, False, torch.float16) == 7
+    assert cb.SKINNY_REGISTERS["sm_90a"][("bfloat16", 8, "plain")] == 148
+    assert cb.table_blocks_per_sm("sm_90", 8, "plain", torch.bfloat16) == 3
+    assert cb.table_blocks_per_sm("sm_90a", 8, "plain", torch.bfloat16) == 3
+    assert cb.table_blocks_per_sm("sm_90", 1, "plain", torch.float16) == 7
 
 
 # ---- the op's clamp, mirrored --------------------------------------------------------------------------
@@ -102,7 +102,7 @@ def test_the_issues_example_fills_whole_waves():
     """H200, M = 64, H = N = 7168, K = 3, no norm: NT = 8 at 148 registers -> 3 blocks per SM ->
     396 slots. The old rule (3 blocks per SM assumed resident) asked 4 splits: 448 blocks, 1.13
     waves, a 52-block latency-bound tail. Now: 7 splits, 784 blocks, 1.98 waves."""
-    bpsm = cb.table_blocks_per_sm("sm_90", 8, False, torch.bfloat16)
+    bpsm = cb.table_blocks_per_sm("sm_90", 8, "plain", torch.bfloat16)
     assert bpsm == 3
     s = cb.skinny_splits(64, 7168, 21504, 1, 132, bpsm)
     assert s == 7
@@ -116,7 +116,7 @@ def test_the_issues_example_fills_whole_waves():
 def test_small_m_keeps_one_wave_at_the_saturating_rate():
     """M <= 8 (NT = 1, 72 registers: 7 blocks per SM): 4 splits = 448 blocks already keep 3+ per SM
     streaming; more splits only add partial traffic, so the planner keeps 4 (the old rule's answer)."""
-    bpsm = cb.table_blocks_per_sm("sm_90", 1, False, torch.bfloat16)
+    bpsm = cb.table_blocks_per_sm("sm_90", 1, "plain", torch.bfloat16)
     assert bpsm == 7
     assert cb.skinny_splits(1, 7168, 21504, 1, 132, bpsm) == 4
 
@@ -129,7 +129,7 @@ SHAPES = [(M, N, KH, NC, norm) for M in (1, 7, 16, 33, 64, 100, 128) for N in (4
 @pytest.mark.parametrize("M,N,KH,NC,norm", SHAPES)
 def test_chosen_splits_minimize_the_model_and_never_lose_to_the_old_rule(arch, sms, M, N, KH, NC, norm):
     CH = KH // NC
-    bpsm = cb.table_blocks_per_sm(arch, cb.token_groups(M), norm, torch.bfloat16)
+    bpsm = cb.table_blocks_per_sm(arch, cb.token_groups(M), "norm" if norm else "plain", torch.bfloat16)
     s = cb.skinny_splits(M, N, CH, NC, sms, bpsm, norm)
     assert 1 <= s <= cb.MAX_SPLITS_PER_CHUNK
 
@@ -164,7 +164,7 @@ def test_fewer_resident_blocks_than_saturating_make_every_wave_latency_bound():
     saturate): every wave costs a saturating wave, so the planner fills the waves of 264: H = 7168,
     K = 3 chunks, M = 64: 3 splits per chunk = 1008 blocks = 3.82 waves (the old rule's 2 per chunk:
     672 blocks = 2.55 waves, the third half empty)."""
-    bpsm = cb.table_blocks_per_sm("sm_90", 8, True, torch.bfloat16)
+    bpsm = cb.table_blocks_per_sm("sm_90", 8, "norm", torch.bfloat16)
     assert bpsm == 2
     s = cb.skinny_splits(64, 7168, 7168, 3, 132, bpsm, True)
     blocks, w = waves(64, 7168, 7168, 3, s, 132, bpsm)
@@ -173,12 +173,12 @@ def test_fewer_resident_blocks_than_saturating_make_every_wave_latency_bound():
 
 
 def test_plan_asks_the_occupancy_of_the_variant_it_launches(monkeypatch):
-    """cuda_backend.plan passes (NT, norm, dtype) of the launch to skinny_blocks_per_sm and plans
+    """cuda_backend.plan passes (NT, variant, dtype) of the launch to skinny_blocks_per_sm and plans
     with its answer on weight's device (x may be a meta tensor)."""
     asked = []
 
-    def fake_bpsm(device, nt, norm, dtype):
-        asked.append((device.type, nt, norm, dtype))
+    def fake_bpsm(device, nt, variant, dtype):
+        asked.append((device.type, nt, variant, dtype))
         return 3
 
     monkeypatch.setattr(cb, "skinny_blocks_per_sm", fake_bpsm)
@@ -192,9 +192,12 @@ def test_plan_asks_the_occupancy_of_the_variant_it_launches(monkeypatch):
     with plans.forced_path("skinny"):
         p = cb.plan(x, w, None, None, None, None)
         pn = cb.plan(x, w, None, None, cn, None)
-    assert asked == [("meta", 8, False, torch.bfloat16), ("meta", 8, True, torch.bfloat16)]
+        pf = cb.plan(x, w, None, None, cn, None, norm_folded=True)
+    assert asked == [("meta", 8, "plain", torch.bfloat16), ("meta", 8, "norm", torch.bfloat16),
+                     ("meta", 8, "folded", torch.bfloat16)]
     assert p.path == "skinny" and p.splits == cb.skinny_splits(64, 7168, 21504, 1, 132, 3)
     assert pn.splits == cb.skinny_splits(64, 7168, 7168, 3, 132, 3, True)
+    assert pf.path == "skinny" and pf.splits == pn.splits
 
 
 
