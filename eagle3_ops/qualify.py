@@ -6,8 +6,9 @@ It replaces "verify one small problem, then trust" for the sites the SGLang plug
 what ``python -m eagle3_ops qualify`` prints. Candidates:
 
 * ``draft_fc``: every (backend, path) that can serve the device — ``cuda``/``skinny``,
-  ``cuda``/``cublas``, ``triton``/``skinny``|``tiled``|``cublas``, ``reference`` (CPU only) —
-  against stock = what SGLang's llama_eagle3 runs: its RMSNorms (rounded to the dtype) and
+  ``cuda``/``cublas``, ``triton``/``skinny``|``tiled``|``cublas``, ``reference`` (CPU only) — and,
+  when the site has pre-fc norms, each of them again on the folded weight
+  (``fold_norm_weights``, ``norm_folded=True``: the plain hot loop; ``Choice.folded``), against stock = what SGLang's llama_eagle3 runs: its RMSNorms (rounded to the dtype) and
   ``F.linear`` (cuBLAS).
 * ``fused_add_rmsnorm_capture``: each backend against stock = the add + RMSNorm in torch eager
   (``sgl_kernel``'s ``fused_add_rmsnorm`` where importable: the row says which) plus a slot copy.
@@ -72,6 +73,7 @@ class Choice:
     median_us: Optional[float]
     stock_us: float
     stock: str                     # what the stock timing ran
+    folded: bool = False           # draft_fc on the folded weight (norm_folded=True)
 
 
 @dataclass
@@ -81,6 +83,7 @@ class Rejection:
     backend: str
     path: Optional[str]
     reason: str
+    folded: bool = False
 
 
 @dataclass
@@ -110,12 +113,13 @@ class Plan:
                  + f" {self.shape.dtype} ({'cached' if self.cached else f'{self.seconds:.1f} s'})",
                  f"{'rows':>6} | {'serves':<16} | {'max rel err':>11} | {'us':>9} | {'stock us':>9} | stock ran"]
         for c in self.choices:
-            serves = "stock" if c.backend is None else f"{c.backend}/{c.path or '-'}"
+            serves = "stock" if c.backend is None else f"{c.backend}/{c.path or '-'}" + ("+folded" if c.folded else "")
             err = "-" if c.max_rel_err is None else f"{c.max_rel_err:.2e}"
             us = "-" if c.median_us is None else f"{c.median_us:.1f}"
             lines.append(f"{c.rows:>6} | {serves:<16} | {err:>11} | {us:>9} | {c.stock_us:>9.1f} | {c.stock}")
         for r in self.rejected:
-            lines.append(f"rejected: {r.op} rows={r.rows} {r.backend}/{r.path or '-'}: {r.reason}")
+            lines.append(f"rejected: {r.op} rows={r.rows} {r.backend}/{r.path or '-'}{'+folded' if r.folded else ''}: "
+                         f"{r.reason}")
         return "\n".join(lines)
 
 
@@ -230,34 +234,42 @@ def _fused_stock(p: testing.CaptureProblem, slot_view: torch.Tensor):
 
 # ---- one op at one bucket ------------------------------------------------------------------------------
 def _qualify_fc(shape: Shape, rows: int, device, timer: Timer, plan: Plan, margin: float, run_candidate=None,
-                tensors=None) -> None:
+                tensors=None, folded_weight: Optional[torch.Tensor] = None) -> None:
+    """A site with pre-fc norms: every candidate also runs on the folded weight, as
+    ``norm_folded=True`` (``folded_weight``: the site's, prepared once; without ``tensors`` each
+    bucket's random problem is folded here). Truth is the unfolded float64 answer for both."""
     import eagle3_ops
 
     p = _fc_problem(shape, rows, device, tensors)
+    if tensors is None:
+        folded_weight = _fold(p)
     truth = p.truth()
     stock_fn, stock_label = _fc_stock(p)
     stock_us = timer(stock_fn)
     best = None
-    for backend, path in candidates("draft_fc", device):
-        out = torch.full((p.M, p.N), float("nan"), dtype=p.dtype, device=device)
+    forms = [False] + ([True] if folded_weight is not None else [])
+    for folded in forms:
+        args = (p.x, folded_weight, *p.args[2:]) if folded else p.args
+        for backend, path in candidates("draft_fc", device):
+            out = torch.full((p.M, p.N), float("nan"), dtype=p.dtype, device=device)
 
-        def call(backend=backend, path=path, out=out):
-            with dispatch.using(backend), plans.forced_path(path):
-                (run_candidate or eagle3_ops.draft_fc_out)(*p.args, p.eps, out)
-        try:
-            call()
-            err = testing.rel_err(out, truth, normwise=True)
-        except Exception as e:  # a crashing candidate is rejected, never chosen
-            plan.rejected.append(Rejection("draft_fc", rows, backend, path, f"{type(e).__name__}: {e}"))
-            continue
-        tol = TOL["draft_fc"][p.dtype]
-        if not err <= tol:
-            plan.rejected.append(Rejection("draft_fc", rows, backend, path,
-                                           f"max rel err {err:.3g} > tolerance {tol:.1g}"))
-            continue
-        us = timer(call)
-        if best is None or us < best[2]:
-            best = (backend, path, us, err)
+            def call(backend=backend, path=path, out=out, args=args, folded=folded):
+                with dispatch.using(backend), plans.forced_path(path):
+                    (run_candidate or eagle3_ops.draft_fc_out)(*args, p.eps, out, norm_folded=folded)
+            try:
+                call()
+                err = testing.rel_err(out, truth, normwise=True)
+            except Exception as e:  # a crashing candidate is rejected, never chosen
+                plan.rejected.append(Rejection("draft_fc", rows, backend, path, f"{type(e).__name__}: {e}", folded))
+                continue
+            tol = TOL["draft_fc"][p.dtype]
+            if not err <= tol:
+                plan.rejected.append(Rejection("draft_fc", rows, backend, path,
+                                               f"max rel err {err:.3g} > tolerance {tol:.1g}", folded))
+                continue
+            us = timer(call)
+            if best is None or us < best[2]:
+                best = (backend, path, us, err, folded)
     _record(plan, "draft_fc", rows, best, stock_us, stock_label, margin)
 
 
@@ -313,7 +325,8 @@ def _qualify_fused(shape: Shape, rows: int, device, timer: Timer, plan: Plan, ma
 
 def _record(plan: Plan, op: str, rows: int, best, stock_us: float, stock_label: str, margin: float) -> None:
     if best is not None and best[2] * margin < stock_us:
-        plan.choices.append(Choice(op, rows, best[0], best[1], best[3], best[2], stock_us, stock_label))
+        folded = bool(best[4]) if len(best) > 4 else False
+        plan.choices.append(Choice(op, rows, best[0], best[1], best[3], best[2], stock_us, stock_label, folded))
     else:
         err, us = (best[3], best[2]) if best is not None else (None, None)
         plan.choices.append(Choice(op, rows, None, None, err, us, stock_us, stock_label))
@@ -386,9 +399,10 @@ def qualify(shape: Shape, device=None, buckets: Sequence[int] = DEFAULT_BUCKETS,
     timer = timer or Timer(device, reps)
     t0 = time.perf_counter()
     with torch.no_grad():
+        folded_weight = _fold(_fc_problem(shape, 1, device, tensors)) if tensors is not None else None
         for rows in buckets:
             if shape.op == "draft_fc":
-                _qualify_fc(shape, rows, device, timer, plan, margin, run_candidate, tensors)
+                _qualify_fc(shape, rows, device, timer, plan, margin, run_candidate, tensors, folded_weight)
             elif shape.op == "fused_add_rmsnorm_capture":
                 _qualify_fused(shape, rows, device, timer, plan, margin, run_candidate)
             else:
@@ -397,6 +411,20 @@ def qualify(shape: Shape, device=None, buckets: Sequence[int] = DEFAULT_BUCKETS,
     if use_cache and measured:
         _store(key, plan)
     return plan
+
+
+def _fold(p: testing.FcProblem) -> Optional[torch.Tensor]:
+    """The problem's weight with its norm weights folded in (the folded candidates' weight), or None
+    without norms or when it cannot be folded (an fp16 overflow: those candidates are not run)."""
+    if p.chunk_norm_weight is None and p.input_norm_weight is None:
+        return None
+    from . import ops
+
+    try:
+        return ops.fold_norm_weights(p.weight, p.chunk_norm_weight, p.input_norm_weight)
+    except ValueError as e:
+        log.info("eagle3_ops: qualification runs no folded candidate: %s", e)
+        return None
 
 
 def enabled(device: torch.device, logger=log) -> bool:
@@ -453,11 +481,12 @@ def main(argv=None) -> int:
               Shape("fused_add_rmsnorm_capture", args.hidden, args.captures, 0, args.dtype)]
     plans_ = [qualify(sh, buckets=buckets, reps=args.reps, use_cache=not args.no_cache) for sh in shapes]
     if args.json:
-        keys = ("op", "rows", "backend", "path", "max_rel_err", "median_us", "stock_us")
+        keys = ("op", "rows", "backend", "path", "max_rel_err", "median_us", "stock_us", "folded")
         print(json.dumps({
             "device": plans_[0].device,
             "choices": [{k: getattr(c, k) for k in keys} | {"stock": c.stock} for p in plans_ for c in p.choices],
-            "rejected": [{"op": r.op, "rows": r.rows, "backend": r.backend, "path": r.path, "reason": r.reason}
+            "rejected": [{"op": r.op, "rows": r.rows, "backend": r.backend, "path": r.path, "reason": r.reason,
+                          "folded": r.folded}
                          for p in plans_ for r in p.rejected],
         }, indent=1))
     else:

@@ -119,8 +119,21 @@ class DraftFcState:
         self.sharding: Optional[dict] = None    # set when the fc was sharded over TP ranks
         self.workspace: Optional[torch.Tensor] = None  # the plugin's own draft_fc scratch (allocate_workspace)
         self.plan = None  # qualify.Plan: (backend, path) or stock per row bucket (None: not qualified)
+        # ShardingPlan when TP > 1 qualification chose sharded rows for some row buckets only (the
+        # replicated weight stays; those buckets compute this rank's rows of it + one all-gather)
+        self.partial_sharding: Optional["ShardingPlan"] = None
+        # fc.weight with the norm weights folded in (eagle3_ops.fold_norm_weights), kept only when
+        # qualification chose a folded candidate for some bucket; re-folded after every load_weights
+        self.folded_weight: Optional[torch.Tensor] = None
         if fc_norm is not None:
             self._share_chunk_norm_storage()
+
+    def refold(self) -> None:
+        """(Re)compute the folded weight from the current fc and norm weights, in place."""
+        if self.folded_weight is None:
+            return
+        input_norm_weight = self.input_norm.weight if self.input_norm is not None else None
+        ops.fold_norm_weights(self.fc.weight, self.chunk_weight(), input_norm_weight, out=self.folded_weight)
 
     def _share_chunk_norm_storage(self) -> None:
         """Re-point the K fc_norm weights to rows of one [K, H] tensor (same values, one storage)."""
@@ -143,18 +156,21 @@ class DraftFcState:
             if m > max_tokens:
                 continue
             x = torch.empty((m, self.fc.in_features), dtype=weight.dtype, device="meta")
-            need = max(need, ops.draft_fc_workspace_bytes(x, weight, self.fc.bias, None, self.chunk_norm_weight,
-                                                          input_norm_weight))
+            for folded in (False, True) if self.chunk_norm_weight is not None or input_norm_weight is not None \
+                    else (False,):
+                need = max(need, ops.draft_fc_workspace_bytes(x, weight, self.fc.bias, None, self.chunk_norm_weight,
+                                                              input_norm_weight, norm_folded=folded))
         self.workspace = torch.empty(need, dtype=torch.uint8, device=weight.device) if need else None
         return need
 
-    def workspace_for(self, h: torch.Tensor, chunk, input_norm_weight) -> Optional[torch.Tensor]:
+    def workspace_for(self, h: torch.Tensor, chunk, input_norm_weight, folded: bool = False) -> Optional[torch.Tensor]:
         """The plugin's workspace when it is large enough for this call, else None (the face's
         per-stream scratch serves it)."""
         ws = self.workspace
         if ws is None:
             return None
-        need = ops.draft_fc_workspace_bytes(h, self.fc.weight, self.fc.bias, None, chunk, input_norm_weight)
+        need = ops.draft_fc_workspace_bytes(h, self.fc.weight, self.fc.bias, None, chunk, input_norm_weight,
+                                            norm_folded=folded)
         return ws if need <= ws.numel() else None
 
     def chunk_weight(self) -> Optional[torch.Tensor]:
@@ -224,11 +240,17 @@ def _run_draft_forward(state: DraftFcState, original, inner, args, kwargs):
     chunk = state.chunk_weight()
     from .. import dispatch, plans
 
-    with dispatch.using(choice.backend if choice else None), plans.forced_path(choice.path if choice else None):
-        x = ops.draft_fc(h, fc.weight, fc.bias, None, chunk, input_norm_weight, state.eps,
-                         workspace=state.workspace_for(h, chunk, input_norm_weight))
+    folded = choice is not None and choice.folded and state.folded_weight is not None
+    weight, bias, gather = (state.folded_weight if folded else fc.weight), fc.bias, None
     if isinstance(fc, ColumnShardedFc):
-        x = fc.gather(x)  # [M, N/tp] -> [M, N]: the one collective sharding adds
+        gather = fc.gather
+    elif state.partial_sharding is not None and state.partial_sharding.sharded_for(h.shape[0]):
+        weight, bias, gather = state.partial_sharding.rows_of(weight, bias)
+    with dispatch.using(choice.backend if choice else None), plans.forced_path(choice.path if choice else None):
+        x = ops.draft_fc(h, weight, bias, None, chunk, input_norm_weight, state.eps,
+                         workspace=state.workspace_for(h, chunk, input_norm_weight, folded), norm_folded=folded)
+    if gather is not None:
+        x = gather(x)  # [M, N/tp] -> [M, N]: the one collective sharding adds
     state.stats["fused_calls"] += 1
     spec.hidden_states = x
     try:
@@ -282,6 +304,9 @@ def install_draft_fc(model) -> Optional[DraftFcState]:
     eps = eps_values.pop() if eps_values else 1e-6
     shard = _shard_plan(inner, fc, name)
     state = DraftFcState(inner, fc, input_norm, fc_norm, eps)
+    from .capture_hooks import _default_max_tokens
+
+    max_tokens = _default_max_tokens()
     # class level, so that SGLang's compile trampolines (which call type(module).forward) reach it
     wrap_class_forward(owner, _STATE_ATTR, _run_draft_forward)
     inner.__dict__[_STATE_ATTR] = state
@@ -291,16 +316,47 @@ def install_draft_fc(model) -> Optional[DraftFcState]:
              fc.in_features, fc.out_features, "yes" if fc.bias is not None else "no", backend["draft_fc"])
     if shard is not None:
         del fc  # the replicated fc must have no reference left here when it is swapped out
-        _install_sharded_fc(state, name, *shard)
-    from .capture_hooks import _default_max_tokens
-
-    max_tokens = _default_max_tokens()
+        sharding = _qualify_sharding(state, name, *shard, max_tokens)
+        if sharding is None or sharding.everywhere:
+            _install_sharded_fc(state, name, *shard)
+        elif sharding.anywhere:
+            state.partial_sharding = sharding
     nbytes = state.allocate_workspace(max_tokens)
     if nbytes:
         log.info("eagle3_ops: draft %s fc workspace: %.1f MiB on %s, owned by the plugin (allocated once, outside "
                  "CUDA-graph pools)", name, nbytes / 2**20, state.fc.weight.device)
     _qualify_site(state, name, max_tokens)
+    _keep_folded_weight(model, state, name)
     return state
+
+
+def _keep_folded_weight(model, state: DraftFcState, name: str) -> None:
+    """When qualification chose a folded candidate for some bucket: prepare the folded weight once
+    (one more copy of this rank's fc weight, allocated here, before SGLang sizes its KV cache) and
+    re-fold it after every ``load_weights`` of the draft (weight updates copy into the parameters in
+    place; a stale folded copy would serve old weights)."""
+    plan = state.plan
+    if plan is None or not any(c.folded for c in plan.choices):
+        return
+    input_norm_weight = state.input_norm.weight if state.input_norm is not None else None
+    try:
+        state.folded_weight = ops.fold_norm_weights(state.fc.weight, state.chunk_weight(), input_norm_weight)
+    except (ValueError, RuntimeError) as e:  # cannot fold / out of memory: those buckets take the unfolded weight
+        log.warning("eagle3_ops: draft %s fc: folded weight not prepared (%s); the unfolded weight serves", name, e)
+        return
+    load = getattr(model, "load_weights", None)
+    if load is not None and not getattr(load, "_eagle3_refolds", False):
+        def load_weights(*args, **kwargs):
+            result = load(*args, **kwargs)
+            state.refold()
+            return result
+
+        load_weights._eagle3_refolds = True
+        model.load_weights = load_weights
+    rows = [c.rows for c in plan.choices if c.folded]
+    log.info("eagle3_ops: draft %s fc: folded norm weights prepared for row buckets %s (%.1f MiB, one copy of "
+             "this rank's fc weight; re-folded after every load_weights)", name, rows,
+             state.folded_weight.numel() * state.folded_weight.element_size() / 2**20)
 
 
 def _qualify_site(state: DraftFcState, name: str, max_tokens: int) -> None:
@@ -324,6 +380,108 @@ def _qualify_site(state: DraftFcState, name: str, max_tokens: int) -> None:
     state.plan = plan
     for line in plan.table().splitlines():
         log.info("eagle3_ops: draft %s fc %s", name, line)
+
+
+# Replaces qualify.Timer for the sharding decision (tests: scripted, rank-dependent timings).
+SHARDING_TIMER = None
+
+
+class ShardingPlan:
+    """The TP > 1 decision per row bucket: this rank's rows of the fc + one all-gather (sharded) or
+    the replicated fc, from timings every rank measured and agreed on (the max over ranks)."""
+
+    def __init__(self, tp_rank: int, tp_size: int, rows: list, sharded: list, timings: list):
+        self.tp_rank, self.tp_size = tp_rank, tp_size
+        self.rows, self.sharded, self.timings = rows, sharded, timings  # timings: (full, shard, gather) us
+
+    @property
+    def everywhere(self) -> bool:
+        return all(self.sharded)
+
+    @property
+    def anywhere(self) -> bool:
+        return any(self.sharded)
+
+    def sharded_for(self, m: int) -> bool:
+        """The decision of the smallest bucket holding m rows (the largest bucket above it)."""
+        for rows, sharded in zip(self.rows, self.sharded):
+            if m <= rows:
+                return sharded
+        return self.sharded[-1]
+
+    def rows_of(self, weight: torch.Tensor, bias: Optional[torch.Tensor]):
+        """(this rank's weight rows, bias rows, the all-gather) as views of the replicated tensors."""
+        from sglang.srt.distributed.communication_op import tensor_model_parallel_all_gather
+
+        from .groups import tp_rank_size
+
+        n = weight.shape[0] // self.tp_size
+        rank, size = tp_rank_size()
+        if (size, rank) != (self.tp_size, self.tp_rank):
+            raise RuntimeError(f"eagle3_ops: the draft fc sharding was decided for TP rank {self.tp_rank} of "
+                               f"{self.tp_size}, but this forward runs where it is rank {rank} of {size}")
+        rows = weight.narrow(0, self.tp_rank * n, n)
+        bias_rows = bias.narrow(0, self.tp_rank * n, n) if bias is not None else None
+        return rows, bias_rows, lambda local: tensor_model_parallel_all_gather(local, dim=-1)
+
+    def table(self) -> str:
+        lines = [f"{'rows':>6} | {'replicated us':>13} | {'rows us':>9} | {'all-gather us':>13} | serves"]
+        for rows, sharded, (full, shard, gather) in zip(self.rows, self.sharded, self.timings):
+            lines.append(f"{rows:>6} | {full:>13.1f} | {shard:>9.1f} | {gather:>13.1f} | "
+                         f"{'sharded' if sharded else 'replicated'}")
+        return "\n".join(lines)
+
+
+def _qualify_sharding(state: DraftFcState, name: str, tp_rank: int, tp_size: int,
+                      max_tokens: int) -> Optional[ShardingPlan]:
+    """Time, per row bucket, the fused fc on the replicated weight, on this rank's rows, and the
+    all-gather of [M, N/tp] through the draft's TP group; the ranks take the max of each timing over
+    the group (an all-reduce on its CPU group), so every rank decides the same. A bucket is sharded
+    when rows + all-gather beat replicated by qualify.MARGIN. None when qualification is off (then
+    the fc is sharded for every bucket: the memory it frees is certain, the speed unmeasured)."""
+    import torch.distributed as dist
+    from sglang.srt.distributed.communication_op import tensor_model_parallel_all_gather
+
+    from .. import qualify, testing
+    from .groups import tp_group
+
+    fc = state.fc
+    weight, bias = fc.weight, fc.bias
+    if not qualify.enabled(weight.device):
+        return None
+    group = tp_group()
+    n = weight.shape[0] // tp_size
+    rows_w = weight.narrow(0, tp_rank * n, n)
+    rows_b = bias.narrow(0, tp_rank * n, n) if bias is not None else None
+    chunk = state.chunk_norm_weight
+    input_norm_weight = state.input_norm.weight if state.input_norm is not None else None
+    timer = SHARDING_TIMER(weight.device) if SHARDING_TIMER is not None else qualify.Timer(weight.device)
+    buckets = qualify.buckets_up_to(max_tokens)
+    measured = []
+    with torch.no_grad():
+        for m in buckets:
+            gen = testing.generator(weight.device, "sharding", m, weight.shape[1])
+            x = testing.randn((m, weight.shape[1]), weight.dtype, weight.device, gen, scale=3.0)
+            local = torch.zeros((m, n), dtype=weight.dtype, device=weight.device)
+            measured.append([
+                timer(lambda: ops.draft_fc(x, weight, bias, None, chunk, input_norm_weight, state.eps)),
+                timer(lambda: ops.draft_fc(x, rows_w, rows_b, None, chunk, input_norm_weight, state.eps)),
+                timer(lambda: tensor_model_parallel_all_gather(local, dim=-1)),
+            ])
+            del x, local
+    agreed = torch.tensor(measured, dtype=torch.float64)
+    dist.all_reduce(agreed, op=dist.ReduceOp.MAX, group=group.cpu_group)
+    timings = [tuple(float(v) for v in row) for row in agreed.tolist()]
+    sharded = [(shard + gather) * qualify.MARGIN < full for full, shard, gather in timings]
+    plan = ShardingPlan(tp_rank, tp_size, buckets, sharded, timings)
+    verdict = ("sharded for every bucket" if plan.everywhere else "replicated for every bucket (stock)"
+               if not plan.anywhere else "sharded for some buckets: the replicated weight stays (no memory "
+               "released), those buckets read this rank's rows of it")
+    log.info("eagle3_ops: draft %s fc at TP=%d: %s (max over ranks of each timing; sharded needs rows + "
+             "all-gather %.0f%% faster than replicated)", name, tp_size, verdict, (qualify.MARGIN - 1) * 100)
+    for line in plan.table().splitlines():
+        log.info("eagle3_ops: draft %s fc sharding %s", name, line)
+    return plan
 
 
 def _shard_plan(inner, fc: torch.nn.Linear, name: str):

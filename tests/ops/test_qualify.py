@@ -52,17 +52,42 @@ def test_every_correct_candidate_can_win_and_stock_stays_when_none_beats_it(shap
 
 
 def test_a_corrupted_candidate_is_rejected_and_never_chosen():
-    def corrupt_triton(*args):
-        eagle3_ops.draft_fc_out(*args)
+    def corrupt_triton(*args, **kw):
+        eagle3_ops.draft_fc_out(*args, **kw)
         if dispatch._scoped.backend == "triton":
             args[-1][0, 0] += 1.0  # one wrong element
 
     plan = qualify.qualify(FC, buckets=(4,), timer=FakeTimer(100.0, 10.0), use_cache=False,
                            run_candidate=corrupt_triton)
-    rejected = {(r.backend, r.path) for r in plan.rejected}
-    assert rejected == {("triton", "skinny"), ("triton", "tiled"), ("triton", "cublas")}
+    rejected = {(r.backend, r.path, r.folded) for r in plan.rejected}
+    # FC has a chunk norm: every path also runs on the folded weight, and is rejected there too
+    assert rejected == {("triton", p, f) for p in ("skinny", "tiled", "cublas") for f in (False, True)}
     assert all("max rel err" in r.reason for r in plan.rejected)
     assert plan.choices[0].backend == "reference"
+
+
+def test_folded_candidates_run_on_the_folded_weight_and_can_serve():
+    """With only the folded form correct (the unfolded calls are corrupted), the choice is a folded
+    one, checked against the UNFOLDED float64 truth; a site without norms has no folded candidate."""
+    seen = []
+
+    def corrupt_unfolded(*args, norm_folded=False):
+        seen.append((dispatch._scoped.backend, norm_folded, args[1].data_ptr()))
+        eagle3_ops.draft_fc_out(*args, norm_folded=norm_folded)
+        if not norm_folded:
+            args[-1][0, 0] += 1.0
+
+    plan = qualify.qualify(FC, buckets=(4,), timer=FakeTimer(100.0, 10.0), use_cache=False,
+                           run_candidate=corrupt_unfolded)
+    choice = plan.choices[0]
+    assert choice.folded and choice.backend is not None and choice.max_rel_err <= 2e-2
+    assert {r.folded for r in plan.rejected} == {False}
+    assert len({w for _, folded, w in seen if folded}) == 1  # one folded weight, prepared once
+    assert "+folded" in plan.table()
+    plain = qualify.Shape("draft_fc", hidden=16, captures=3, out_features=24, dtype="bfloat16")
+    seen.clear()
+    qualify.qualify(plain, buckets=(4,), timer=FakeTimer(100.0, 10.0), use_cache=False, run_candidate=corrupt_unfolded)
+    assert seen and not any(folded for _, folded, _ in seen)
 
 
 def test_a_crashing_candidate_is_rejected():
@@ -101,7 +126,7 @@ def test_cli_json_shape(tmp_path):
     assert set(data) == {"device", "choices", "rejected"} and data["device"] == "cpu"
     assert {c["op"] for c in data["choices"]} == {"draft_fc", "fused_add_rmsnorm_capture"}
     for c in data["choices"]:
-        assert {"op", "rows", "backend", "path", "max_rel_err", "median_us", "stock_us"} <= set(c)
+        assert {"op", "rows", "backend", "path", "max_rel_err", "median_us", "stock_us", "folded"} <= set(c)
     assert [c["rows"] for c in data["choices"] if c["op"] == "draft_fc"] == [1, 8]
 
 

@@ -11,17 +11,22 @@ PROMPTS = [[5, 17, 3, 99, 42], [7, 1, 64, 23, 88, 120, 11]]
 
 
 class _Timer:
-    """Stock (the closures named ``run``) takes ``stock``; every candidate takes ``cand``."""
+    """Stock (the closures named ``run``) takes ``stock``; every candidate takes ``cand``, a
+    candidate on the folded weight ``folded`` when given (its closure's last default is True)."""
 
-    def __init__(self, stock, cand):
-        self.stock, self.cand = stock, cand
+    def __init__(self, stock, cand, folded=None):
+        self.stock, self.cand, self.folded = stock, cand, folded
 
     def __call__(self, device, reps=10):
         return self
 
     def time(self, fn):
         fn()
-        return self.stock if fn.__name__ == "run" else self.cand
+        if fn.__name__ == "run":
+            return self.stock
+        if self.folded is not None and (fn.__defaults__ or (None,))[-1] is True:
+            return self.folded
+        return self.cand
 
 
 @pytest.fixture
@@ -37,8 +42,8 @@ def qualifying(monkeypatch, tmp_path):
     # which the Triton interpreter would take minutes over)
     monkeypatch.setattr(capture_hooks, "_default_max_tokens", lambda: 64)
 
-    def use(stock, cand):
-        timer = _Timer(stock, cand)
+    def use(stock, cand, folded=None):
+        timer = _Timer(stock, cand, folded)
         monkeypatch.setattr(qualify, "Timer", lambda device, reps=10: timer.time)
     return use
 
@@ -53,11 +58,11 @@ def _draft_and_aux(h, dtype):
     return cfg, dcfg, aux.clone()
 
 
-@pytest.mark.parametrize("winner", ["candidate", "stock"])
+@pytest.mark.parametrize("winner", ["candidate", "stock", "folded"])
 def test_draft_fc_follows_its_qualification(sglang_cpu, qualifying, caplog, winner):
     h = sglang_cpu
     dtype = torch.bfloat16
-    qualifying(100.0, 10.0 if winner == "candidate" else 99.0)
+    qualifying(100.0, 10.0 if winner != "stock" else 99.0, 5.0 if winner == "folded" else None)
     cfg, dcfg, aux = _draft_and_aux(h, dtype)
     from test_draft_fc import _draft_steps
 
@@ -81,8 +86,23 @@ def test_draft_fc_follows_its_qualification(sglang_cpu, qualifying, caplog, winn
         assert torch.equal(p_fc, s_fc) and torch.equal(p_ext.next_token_logits, s_ext.next_token_logits)
     else:
         assert all(c.backend is not None for c in state.plan.choices)
+        assert all(c.folded == (winner == "folded") for c in state.plan.choices)
         assert state.stats == {"fused_calls": 1, "stock_calls": 1}
         torch.testing.assert_close(p_fc, s_fc, **h.tolerances(dtype))
+    if winner != "folded":
+        assert state.folded_weight is None  # no second copy of the weight unless a folded candidate serves
+        return
+    import eagle3_ops
+
+    fc = draft.model.fc
+    want = eagle3_ops.fold_norm_weights(fc.weight, state.chunk_norm_weight)
+    assert torch.equal(state.folded_weight, want) and state.folded_weight.data_ptr() != fc.weight.data_ptr()
+    assert any("folded norm weights prepared for row buckets [1, 4, 16, 64]" in r.getMessage() for r in caplog.records)
+    # a weight update (SGLang copies into the parameters in place) re-folds: never a stale copy
+    new_w = torch.randn_like(fc.weight, dtype=torch.float32)
+    draft.load_weights([("fc.weight", new_w)])
+    assert torch.equal(fc.weight, new_w.to(dtype))
+    assert torch.equal(state.folded_weight, eagle3_ops.fold_norm_weights(fc.weight, state.chunk_norm_weight))
 
 
 def test_target_norm_stays_sglangs_where_nothing_wins(sglang_cpu, qualifying, caplog):

@@ -95,6 +95,22 @@ def test_tp2_sharded_draft_fc(sglang_cpu, tmp_path):
                                            msg=f"{key} rank{r} {name} vs TP=1")
         for name in OUTPUTS:
             assert torch.equal(ranks[0][(key, "sharded")][name], ranks[1][(key, "sharded")][name]), name
+        # qualified: both ranks hold the same plan, from the max of each timing over the ranks
+        plans = [res[(key, "qualified")]["partial_sharding"] for res in ranks]
+        assert plans[0] is not None and plans[0] == plans[1], plans
+        rows, sharded, timings = plans[0]
+        assert rows[:4] == [1, 4, 16, 64] and sharded[3] is False and all(sharded[:3]) and all(sharded[4:])
+        assert timings[0] == (100.0, 20.0, 20.0) and timings[3] == (100.0, 20.0, 200.0)  # rank 1's maxima
+        for r, res in enumerate(ranks):
+            q, stock, replicated = (res[(key, v)] for v in ("qualified", "stock", "replicated"))
+            assert q["fc_class"] == "Linear" and q["fc_weight_shape"] == (N, KH) and q["sharding"] is None
+            assert q["extend_gathers"] == stock["extend_gathers"] + 1  # 12 rows: bucket 16, sharded
+            assert q["decode_gathers"] == stock["decode_gathers"]
+            assert q["stats"] == {"fused_calls": 1, "stock_calls": 1}
+            for name in OUTPUTS:
+                h.assert_plugin_matches_stock(q[name], replicated[name], dtype, f"{key} rank{r} {name} qualified",
+                                              reference=res["reference_only"])
     joined = "\n".join(logs)
     assert "fc sharded over 2 TP ranks" in joined and "was released" in joined
     assert "stays replicated on each of the 2 TP ranks (EAGLE3_OPS_SGLANG_SHARD_FC=0)" in joined
+    assert "fc at TP=2: sharded for some buckets: the replicated weight stays" in joined

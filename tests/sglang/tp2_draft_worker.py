@@ -10,7 +10,12 @@ as stock SGLang does) three times per dtype:
   fused fc and, at TP=2, shards it);
 * ``replicated``: the same with ``EAGLE3_OPS_SGLANG_SHARD_FC=0``;
 * ``sharded-stepped-aside``: sharded, with the fused call turned off, so SGLang's own fc block
-  runs and calls the sharded module (``ColumnShardedFc.forward``: rows + all-gather).
+  runs and calls the sharded module (``ColumnShardedFc.forward``: rows + all-gather);
+* ``qualified``: EAGLE3_OPS_QUALIFY=on with scripted, rank-dependent timings (:class:`ScriptedTimer`;
+  the real fn runs on every call, so the all-gathers being timed happen in step): rank 0's own
+  numbers would shard every bucket, rank 1's make the 64-row bucket (the 4th) replicated; the
+  agreed plan (max over ranks) is replicated at 64 rows and sharded elsewhere, so the fc stays
+  replicated and the 12-row extend (bucket 16) takes this rank's rows of it + one all-gather.
 
 Each runs one draft EXTEND (on the target's aux states) and one DECODE step, counting every
 all-gather SGLang's TP group performs, and saves outputs, counts and what the rank holds."""
@@ -48,6 +53,23 @@ def _full_fc_tensors(shape):
     return found
 
 
+class ScriptedTimer:
+    """Per bucket (1, 4, 16, 64, ... rows) the calls are: replicated fc, rows fc, all-gather."""
+
+    def __init__(self, rank: int):
+        self.rank, self.calls = rank, 0
+
+    def __call__(self, fn):
+        fn()
+        bucket, which = divmod(self.calls, 3)
+        self.calls += 1
+        if which == 0:
+            return 100.0
+        if self.rank == 1 and bucket == 3:
+            return 200.0 if which == 2 else 20.0  # a slow all-gather at 64 rows on rank 1 only
+        return 10.0 if self.rank == 0 else 20.0
+
+
 def main(rank: int, port: int, outdir: str) -> None:
     h.disable_dynamo()
     import logging
@@ -82,21 +104,33 @@ def main(rank: int, port: int, outdir: str) -> None:
     results = {"reference_only": h.reference_only(torch.float32)}
     for dtype in (torch.float32, torch.bfloat16):
         aux = aux32.to(dtype)
-        for variant in ("stock", "sharded", "replicated", "sharded-stepped-aside"):
+        for variant in ("stock", "sharded", "replicated", "sharded-stepped-aside", "qualified"):
             draft = _build(dcfg, dtype, inputs_path)
             rec = {}
             if variant != "stock":
                 if variant == "replicated":
                     os.environ["EAGLE3_OPS_SGLANG_SHARD_FC"] = "0"
+                from eagle3_ops.sglang import draft_fc_hooks
+
+                saved_site = draft_fc_hooks._qualify_site
+                if variant == "qualified":
+                    os.environ["EAGLE3_OPS_QUALIFY"] = "on"
+                    draft_fc_hooks.SHARDING_TIMER = lambda device: ScriptedTimer(rank)
+                    draft_fc_hooks._qualify_site = lambda *a: None  # this scenario: the sharding decision only
                 try:
                     h.configure_capture(draft, None, eagle=False)
                 finally:
-                    os.environ.pop("EAGLE3_OPS_SGLANG_SHARD_FC", None)
+                    for var in ("EAGLE3_OPS_SGLANG_SHARD_FC", "EAGLE3_OPS_QUALIFY"):
+                        os.environ.pop(var, None)
+                    draft_fc_hooks.SHARDING_TIMER = None
+                    draft_fc_hooks._qualify_site = saved_site
                 state = draft_fc_state(draft)
                 assert state is not None, variant
                 if variant == "sharded-stepped-aside":
                     state.enabled = False  # SGLang's own fc block runs: its fc call is ColumnShardedFc.forward
                 rec["sharding"] = state.sharding
+                partial = state.partial_sharding
+                rec["partial_sharding"] = (partial.rows, partial.sharded, partial.timings) if partial else None
                 fc = draft.model.fc
                 rec["fc_class"] = type(fc).__name__
                 rec["fc_weight_shape"] = tuple(fc.weight.shape)
