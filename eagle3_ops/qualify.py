@@ -364,7 +364,7 @@ def _store(key: str, plan: Plan) -> None:
         path.parent.mkdir(parents=True, exist_ok=True)
         data = json.loads(path.read_text()) if path.exists() else {}
         data[key] = plan.to_json()
-        tmp = path.with_suffix(".tmp")
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")  # TP ranks on one machine write the same file
         tmp.write_text(json.dumps(data, indent=1))
         os.replace(tmp, path)
     except (OSError, ValueError) as e:  # a read-only home: qualification still works, uncached

@@ -377,6 +377,8 @@ def _qualify_site(state: DraftFcState, name: str, max_tokens: int) -> None:
     tensors = {"weight": weight, "bias": state.fc.bias, "chunk_norm_weight": state.chunk_norm_weight,
                "input_norm_weight": input_norm_weight, "eps": state.eps}
     plan = qualify.qualify(shape, weight.device, qualify.buckets_up_to(max_tokens), tensors=tensors)
+    if state.partial_sharding is not None:
+        _agree_on_stock(plan, name)
     state.plan = plan
     for line in plan.table().splitlines():
         log.info("eagle3_ops: draft %s fc %s", name, line)
@@ -482,6 +484,26 @@ def _qualify_sharding(state: DraftFcState, name: str, tp_rank: int, tp_size: int
     for line in plan.table().splitlines():
         log.info("eagle3_ops: draft %s fc sharding %s", name, line)
     return plan
+
+
+def _agree_on_stock(plan, name: str) -> None:
+    """With partial sharding, a bucket's fused call adds an all-gather (its rows) and its stock call
+    does not (the replicated nn.Linear): every rank must take the same one or the collectives hang.
+    Each rank's fastest candidate may differ (no collective depends on it), but a bucket is fused
+    only where every rank chose a fused candidate (an all-reduce MIN on the TP group's CPU group)."""
+    import dataclasses
+
+    import torch.distributed as dist
+
+    from .groups import tp_group
+
+    fused = torch.tensor([c.backend is not None for c in plan.choices], dtype=torch.int64)
+    dist.all_reduce(fused, op=dist.ReduceOp.MIN, group=tp_group().cpu_group)
+    for i, (choice, agreed) in enumerate(zip(list(plan.choices), fused.tolist())):
+        if choice.backend is not None and not agreed:
+            plan.choices[i] = dataclasses.replace(choice, backend=None, path=None, folded=False)
+            log.info("eagle3_ops: draft %s fc: %d rows run stock on every TP rank (another rank's qualification "
+                     "kept stock there; the ranks must take the same path)", name, choice.rows)
 
 
 def _shard_plan(inner, fc: torch.nn.Linear, name: str):

@@ -99,7 +99,7 @@ def test_tp2_sharded_draft_fc(sglang_cpu, tmp_path):
         plans = [res[(key, "qualified")]["partial_sharding"] for res in ranks]
         assert plans[0] is not None and plans[0] == plans[1], plans
         rows, sharded, timings = plans[0]
-        assert rows[:4] == [1, 4, 16, 64] and sharded[3] is False and all(sharded[:3]) and all(sharded[4:])
+        assert rows == [1, 4, 16, 64] and sharded == [True, True, True, False]
         assert timings[0] == (100.0, 20.0, 20.0) and timings[3] == (100.0, 20.0, 200.0)  # rank 1's maxima
         for r, res in enumerate(ranks):
             q, stock, replicated = (res[(key, v)] for v in ("qualified", "stock", "replicated"))
@@ -110,7 +110,16 @@ def test_tp2_sharded_draft_fc(sglang_cpu, tmp_path):
             for name in OUTPUTS:
                 h.assert_plugin_matches_stock(q[name], replicated[name], dtype, f"{key} rank{r} {name} qualified",
                                               reference=res["reference_only"])
+            # rank 0's own qualification would fuse, rank 1's keeps stock: both run stock (no lone all-gather)
+            one = res[(key, "qualified-stock-on-one-rank")]
+            assert one["partial_sharding"] == plans[0] and one["fc_class"] == "Linear"
+            assert one["site_plan"] and all(backend is None for _, backend in one["site_plan"]), one["site_plan"]
+            assert one["stats"] == {"fused_calls": 0, "stock_calls": 2}
+            assert one["extend_gathers"] == stock["extend_gathers"] and one["decode_gathers"] == stock["decode_gathers"]
+            for name in OUTPUTS:
+                assert torch.equal(one[name], stock[name]), f"{key} rank{r} {name}: stock on every rank"
     joined = "\n".join(logs)
     assert "fc sharded over 2 TP ranks" in joined and "was released" in joined
     assert "stays replicated on each of the 2 TP ranks (EAGLE3_OPS_SGLANG_SHARD_FC=0)" in joined
     assert "fc at TP=2: sharded for some buckets: the replicated weight stays" in joined
+    assert "rows run stock on every TP rank (another rank's qualification kept stock there" in logs[0]

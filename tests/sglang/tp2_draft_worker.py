@@ -15,7 +15,10 @@ as stock SGLang does) three times per dtype:
   the real fn runs on every call, so the all-gathers being timed happen in step): rank 0's own
   numbers would shard every bucket, rank 1's make the 64-row bucket (the 4th) replicated; the
   agreed plan (max over ranks) is replicated at 64 rows and sharded elsewhere, so the fc stays
-  replicated and the 12-row extend (bucket 16) takes this rank's rows of it + one all-gather.
+  replicated and the 12-row extend (bucket 16) takes this rank's rows of it + one all-gather;
+* ``qualified-stock-on-one-rank``: the same sharding plan, and the site's own qualification runs with
+  a timer under which rank 0's candidates beat stock and rank 1's do not: the ranks agree on stock
+  for every bucket (else rank 0 would all-gather alone), so the extend runs SGLang's stock fc.
 
 Each runs one draft EXTEND (on the target's aux states) and one DECODE step, counting every
 all-gather SGLang's TP group performs, and saves outputs, counts and what the rank holds."""
@@ -70,6 +73,18 @@ class ScriptedTimer:
         return 10.0 if self.rank == 0 else 20.0
 
 
+class SiteTimer:
+    """The site's qualification: stock (closures named ``run``) 100 us; candidates 10 us on rank 0
+    (they would serve), 99 us on rank 1 (inside the 5% margin: stock)."""
+
+    def __init__(self, rank: int):
+        self.rank = rank
+
+    def __call__(self, fn):
+        fn()
+        return 100.0 if fn.__name__ == "run" else (10.0 if self.rank == 0 else 99.0)
+
+
 def main(rank: int, port: int, outdir: str) -> None:
     h.disable_dynamo()
     import logging
@@ -104,7 +119,8 @@ def main(rank: int, port: int, outdir: str) -> None:
     results = {"reference_only": h.reference_only(torch.float32)}
     for dtype in (torch.float32, torch.bfloat16):
         aux = aux32.to(dtype)
-        for variant in ("stock", "sharded", "replicated", "sharded-stepped-aside", "qualified"):
+        for variant in ("stock", "sharded", "replicated", "sharded-stepped-aside", "qualified",
+                        "qualified-stock-on-one-rank"):
             draft = _build(dcfg, dtype, inputs_path)
             rec = {}
             if variant != "stock":
@@ -112,18 +128,28 @@ def main(rank: int, port: int, outdir: str) -> None:
                     os.environ["EAGLE3_OPS_SGLANG_SHARD_FC"] = "0"
                 from eagle3_ops.sglang import draft_fc_hooks
 
-                saved_site = draft_fc_hooks._qualify_site
-                if variant == "qualified":
+                from eagle3_ops import qualify
+
+                from eagle3_ops.sglang import capture_hooks
+
+                saved = draft_fc_hooks._qualify_site, qualify.Timer, capture_hooks._default_max_tokens
+                if variant.startswith("qualified"):
                     os.environ["EAGLE3_OPS_QUALIFY"] = "on"
+                    os.environ["XDG_CACHE_HOME"] = os.path.join(outdir, f"cache-{rank}-{variant}-{dtype}")
                     draft_fc_hooks.SHARDING_TIMER = lambda device: ScriptedTimer(rank)
+                    capture_hooks._default_max_tokens = lambda: 64  # buckets 1, 4, 16, 64 (the interpreter is slow)
+                if variant == "qualified":
                     draft_fc_hooks._qualify_site = lambda *a: None  # this scenario: the sharding decision only
+                elif variant == "qualified-stock-on-one-rank":
+                    site_timer = SiteTimer(rank)
+                    qualify.Timer = lambda device, reps=10: site_timer
                 try:
                     h.configure_capture(draft, None, eagle=False)
                 finally:
-                    for var in ("EAGLE3_OPS_SGLANG_SHARD_FC", "EAGLE3_OPS_QUALIFY"):
+                    for var in ("EAGLE3_OPS_SGLANG_SHARD_FC", "EAGLE3_OPS_QUALIFY", "XDG_CACHE_HOME"):
                         os.environ.pop(var, None)
                     draft_fc_hooks.SHARDING_TIMER = None
-                    draft_fc_hooks._qualify_site = saved_site
+                    draft_fc_hooks._qualify_site, qualify.Timer, capture_hooks._default_max_tokens = saved
                 state = draft_fc_state(draft)
                 assert state is not None, variant
                 if variant == "sharded-stepped-aside":
@@ -131,6 +157,8 @@ def main(rank: int, port: int, outdir: str) -> None:
                 rec["sharding"] = state.sharding
                 partial = state.partial_sharding
                 rec["partial_sharding"] = (partial.rows, partial.sharded, partial.timings) if partial else None
+                rec["site_plan"] = ([(c.rows, c.backend) for c in state.plan.choices] if state.plan is not None
+                                    else None)
                 fc = draft.model.fc
                 rec["fc_class"] = type(fc).__name__
                 rec["fc_weight_shape"] = tuple(fc.weight.shape)
