@@ -8,6 +8,9 @@
   with ``chunk_norm_weight``. The RMSNorm is sgl_kernel's or FlashInfer's when it imports and passes
   a probe on this device, else ``F.rms_norm`` (torch); the row's ``stock_impl`` names which one ran
   and ``stock_note`` why (the device image has no SGLang).
+* ``draft_fc_chunk_norm_folded``: the same draft with the norm weights folded into a prepared copy
+  of the weight once (``eagle3_ops.fold_norm_weights``; ``draft_fc_out(..., norm_folded=True)``:
+  the plain hot loop plus per-(row, chunk) scales); same stock.
 * ``draft_fc_paths``: every path of each backend at H = 7168, to set the one crossover table
   (``eagle3_ops/plans.py`` CROSSOVER, both backends), each forced with ``plans.forced_path``.
   stock = ``F.linear(x[rows], weight)``.
@@ -92,7 +95,7 @@ def fc_problem(M, H, device, N=None):
     return p.x, p.weight, p.rows, p.chunk_norm_weight, out
 
 
-def path_info(backend, x, weight, bias, rows, chunk_norm_weight, input_norm_weight, M):
+def path_info(backend, x, weight, bias, rows, chunk_norm_weight, input_norm_weight, M, norm_folded=False):
     """What ``backend`` launches for these arguments right now (call inside any forced_path scope):
     ``path_table`` = plans.choose, ``path`` / ``splits_per_chunk`` / ``launch`` = the backend's own
     plan (after its launch-contract fallbacks)."""
@@ -103,12 +106,12 @@ def path_info(backend, x, weight, bias, rows, chunk_norm_weight, input_norm_weig
         if backend == "cuda":
             from eagle3_ops import cuda_backend
 
-            pl = cuda_backend.plan(x, weight, bias, rows, chunk_norm_weight, input_norm_weight)
+            pl = cuda_backend.plan(x, weight, bias, rows, chunk_norm_weight, input_norm_weight, norm_folded)
             info.update(path=pl.path, splits_per_chunk=getattr(pl, "splits", None))
         else:
             from eagle3_ops.triton import draft_fc as triton_fc
 
-            pl = triton_fc.plan(x, weight, bias, rows, chunk_norm_weight, input_norm_weight)
+            pl = triton_fc.plan(x, weight, bias, rows, chunk_norm_weight, input_norm_weight, norm_folded=norm_folded)
             info.update(path=pl.path, splits_per_chunk=getattr(pl, "splits_per_chunk", None),
                         launch=str(pl.cfg) if getattr(pl, "cfg", None) else None)
     except Exception as e:  # the row still says what the table chose, and why the plan is unknown
@@ -242,6 +245,31 @@ def test_draft_fc_chunk_norm(M, H, ours_backend, bench_device, bench_record, ben
                        stock_note=norm_note, dtype="bf16", bw="read", flops=fc_flops(M, H), tflops=gemm_tflops,
                        post=lambda row: _extra(M, H, H, row, linear.eager_us, gemm_tflops),
                        **path_info(ours_backend, x, w, None, rows, chunk_w, None, M))
+
+
+@pytest.mark.parametrize("ours_backend", OURS_BACKENDS, indirect=True)
+@pytest.mark.parametrize("M,H", NORM_SHAPES, ids=[shape_id(*s) for s in NORM_SHAPES])
+def test_draft_fc_chunk_norm_folded(M, H, ours_backend, bench_device, bench_record, bench_timer, gemm_tflops):
+    x, w, rows, chunk_w, out = fc_problem(M, H, bench_device)
+    folded = eagle3_ops.fold_norm_weights(w, chunk_w)  # once, as the plugin does at install
+    norm_impl, norm_note, rmsnorm = stock_rmsnorm(bench_device.type)
+
+    def stock():  # SGLang llama_eagle3: chunk, RMSNorm each, cat, fc (the unfolded weight)
+        chunks = x[rows].chunk(K, dim=-1)
+        return F.linear(torch.cat([rmsnorm(c, chunk_w[k], EPS) for k, c in enumerate(chunks)], dim=-1), w)
+
+    def ours():
+        eagle3_ops.draft_fc_out(x, folded, None, rows, chunk_w, None, EPS, out, norm_folded=True)
+
+    ours()
+    _close(out, stock())
+    linear = bench_timer.measure_cached(("rows", M, H, H), lambda: F.linear(x[rows], w))
+    bench_record("draft_fc_chunk_norm_folded", shape_id(M, H), fc_bytes(M, H), ours_backend, ours, op="draft_fc",
+                 stock_name=f"x[rows] + {K}x {norm_impl} + cat + F.linear", stock_fn=stock,
+                 stock_key=("chunk_norm", M, H), stock_impl=f"torch gather/cat + {norm_impl} + F.linear (cuBLAS)",
+                 stock_note=norm_note, dtype="bf16", bw="read", flops=fc_flops(M, H), tflops=gemm_tflops,
+                 post=lambda row: _extra(M, H, H, row, linear.eager_us, gemm_tflops),
+                 **path_info(ours_backend, x, folded, None, rows, chunk_w, None, M, norm_folded=True))
 
 
 def _path_cases():

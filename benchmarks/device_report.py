@@ -28,12 +28,13 @@ SHORT_BENCH_ROWS = 40  # key rows printed on stdout (all rows are in summary.txt
 KEY_H = 7168           # the Kimi-K2.5 / DeepSeek-V3 hidden size: key rows are at this H
 # bench -> the sizes (M or T) of its key rows at H = KEY_H; draft_fc_rows_tp = N != H (sharded fc)
 KEY_SIZES = {"draft_fc_rows": {1, 16, 64, 256, 4096}, "draft_fc_rows_tp": {1, 64},
-             "draft_fc_chunk_norm": {1, 64}, "capture3_llama": {1, 8192}, "capture3_packer": {8192},
+             "draft_fc_chunk_norm": {1, 64}, "draft_fc_chunk_norm_folded": {1, 64}, "capture3_llama": {1, 8192}, "capture3_packer": {8192},
              "fused_add_rmsnorm_capture": {1, 8192}}
 
 
 # Short names on stdout (summary.txt keeps the full ones).
-ABBREV = {"draft_fc_rows": "fc_rows", "draft_fc_chunk_norm": "fc_chunk_norm", "draft_fc_paths": "fc_paths",
+ABBREV = {"draft_fc_rows": "fc_rows", "draft_fc_chunk_norm": "fc_chunk_norm",
+          "draft_fc_chunk_norm_folded": "fc_norm_folded", "draft_fc_paths": "fc_paths",
           "capture3_llama": "cap3_llama", "capture3_packer": "cap3_packer",
           "fused_add_rmsnorm_capture": "fused_norm_cap"}
 

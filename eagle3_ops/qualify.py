@@ -8,14 +8,17 @@ what ``python -m eagle3_ops qualify`` prints. Candidates:
 * ``draft_fc``: every (backend, path) that can serve the device — ``cuda``/``skinny``,
   ``cuda``/``cublas``, ``triton``/``skinny``|``tiled``|``cublas``, ``reference`` (CPU only) — and,
   when the site has pre-fc norms, each of them again on the folded weight
-  (``fold_norm_weights``, ``norm_folded=True``: the plain hot loop; ``Choice.folded``), against stock = what SGLang's llama_eagle3 runs: its RMSNorms (rounded to the dtype) and
-  ``F.linear`` (cuBLAS).
+  (``fold_norm_weights``, ``norm_folded=True``: the plain hot loop; ``Choice.folded``), against
+  stock = what SGLang's llama_eagle3 runs: its RMSNorms (rounded to the dtype) and ``F.linear``
+  (cuBLAS).
 * ``fused_add_rmsnorm_capture``: each backend against stock = the add + RMSNorm in torch eager
   (``sgl_kernel``'s ``fused_add_rmsnorm`` where importable: the row says which) plus a slot copy.
 
 Correctness: the output is NaN-poisoned first; a candidate whose max relative error (normwise for
 the matrix product, elementwise for the norm) exceeds the dtype's tolerance, or that raises, is
-rejected with that reason and never chosen. Timing: median of CUDA events over repetitions with the
+rejected with that reason and never chosen. The target norm is also checked against stock run on
+the same device: the new residual and the capture must be bitwise stock's (the next layer and the
+draft read them), the normed output within two ulps of stock's. Timing: median of CUDA events over repetitions with the
 L2 flushed by reading a buffer of twice its size before each (cold weights, as in serving); on the
 CPU ``perf_counter`` (a CPU time says nothing about a GPU; there the mechanism is what is tested).
 
@@ -287,6 +290,10 @@ def _qualify_fused(shape: Shape, rows: int, device, timer: Timer, plan: Plan, ma
     base = testing.capture_problem(rows, shape.hidden, shape.captures, shape.torch_dtype, device, key=("qualify",),
                                    slot=0, fused=True)
     normed64, sum64 = base.normed64(), base.sum64()
+    # what stock computes on this device, once, untimed: candidates must match its new residual and
+    # capture bitwise (SGLang's next layer and the draft read those) and its normed output closely
+    want = base.clone()
+    _fused_stock(want, want.slot_view)[0]()
     s = base.clone()
     stock_fn, stock_label = _fused_stock(s, s.slot_view)
     stock_us = timer(stock_fn)
@@ -304,12 +311,25 @@ def _qualify_fused(shape: Shape, rows: int, device, timer: Timer, plan: Plan, ma
         try:
             once()
             err = _fused_error(q, normed64, sum64)
+            stock_err = testing.rel_err(q.hidden, want.hidden.double())
         except Exception as e:
             plan.rejected.append(Rejection("fused_add_rmsnorm_capture", rows, backend, None, f"{type(e).__name__}: {e}"))
             continue
         if not err <= tol:
             plan.rejected.append(Rejection("fused_add_rmsnorm_capture", rows, backend, None,
                                            f"max rel err {err:.3g} > tolerance {tol:.1g}"))
+            continue
+        differs = [name for name, got, ref in (("residual", q.residual, want.residual),
+                                               ("capture", q.slot_view, want.slot_view))
+                   if not testing.same_bits(got, ref)]
+        if differs:
+            plan.rejected.append(Rejection("fused_add_rmsnorm_capture", rows, backend, None,
+                                           f"{' and '.join(differs)} not bitwise equal to stock ({stock_label})"))
+            continue
+        if not stock_err <= tol:
+            plan.rejected.append(Rejection("fused_add_rmsnorm_capture", rows, backend, None,
+                                           f"normed output differs from stock ({stock_label}) by {stock_err:.3g} > "
+                                           f"{tol:.1g}"))
             continue
         t = base.clone()  # timing mutates input/residual in place: time on a copy
 

@@ -177,3 +177,22 @@ def test_skinny_weight_stream_is_evict_first():
         assert len(weight) >= 16, (key, "2 x kUnroll x 2 weight loads (prologue + loop) expected")
         assert other, key
         assert not set(weight) & set(other), (key, set(weight), set(other))
+
+
+@needs_extension
+def test_split_k_reducer_is_a_programmatic_dependent_launch():
+    """The reducer waits for the skinny grid with griddepcontrol.wait (SASS ACQBULK) before its first
+    global load, every skinny variant lets it be scheduled early (griddepcontrol.launch_dependents:
+    SASS PREEXIT), and the host launches it with cudaLaunchAttributeProgrammaticStreamSerialization.
+    (Same bits as two plain launches: the wait covers the whole skinny grid and its writes.)"""
+    ext, tool = _built()
+    sass = _sass_functions(tool, ext.__file__)
+    reducers = {k: v for k, v in sass.items() if "fc_reduce_kernel" in k[1]}
+    skinny = {k: v for k, v in sass.items() if "fc_skinny_kernel" in k[1]}
+    assert len(reducers) == 2 * 4 and len(skinny) == 2 * 24
+    for (arch, fn), text in reducers.items():
+        wait, load = text.find("ACQBULK"), text.find("LDG")
+        assert 0 <= wait < load, (arch, fn)
+    assert all("PREEXIT" in text for text in skinny.values())
+    src = (ROOT / "csrc" / "draft_fc.cu").read_text()
+    assert "cudaLaunchAttributeProgrammaticStreamSerialization" in src and "cudaLaunchKernelEx" in src

@@ -102,6 +102,22 @@ def test_a_crashing_candidate_is_rejected():
     assert plan.choices[0].backend == "triton"
 
 
+def test_target_norm_candidates_must_match_stocks_residual_and_capture_bitwise():
+    """A candidate whose new residual is off by one ulp (inside the float64 tolerance) is rejected:
+    SGLang's next layer and the draft read the residual and the capture, so they must be stock's bits."""
+    def one_ulp_off(*args):
+        eagle3_ops.fused_add_rmsnorm_capture(*args)
+        if dispatch._scoped.backend == "triton":
+            residual = args[1]
+            residual.view(torch.int16)[0, 0] += 1  # the next bf16 value
+
+    plan = qualify.qualify(NORM, buckets=(4,), timer=FakeTimer(100.0, 10.0), use_cache=False,
+                           run_candidate=one_ulp_off)
+    assert [(r.backend, r.reason) for r in plan.rejected] == [
+        ("triton", "residual not bitwise equal to stock (torch eager add + RMSNorm + slot copy (no sgl_kernel here))")]
+    assert plan.choices[0].backend == "reference"
+
+
 def test_results_are_cached_per_device_and_shape():
     first = qualify.qualify(FC, buckets=(2,), reps=1)
     assert not first.cached and qualify.cache_path().is_file()
