@@ -39,8 +39,10 @@
 // Folded norm weights (norm_folded: the weight was prepared once as W[n, k] * g[k],
 // eagle3_ops.fold_norm_weights): the hot loop is the plain one (no per-element x * g, no repack,
 // no sums in it), and the blocks of weight tile 0 take the RMS statistics of their (token tile,
-// split) in a separate pass over x before it (8*NT rows of one split: kilobytes, L1/L2 resident,
-// against 64 weight rows of the split per block). x is never multiplied, so fp16 folds safely too.
+// split) in a separate pass over x at the end of the kernel (8*NT rows of one split: kilobytes, in
+// cache from the main loop, against 64 weight rows of the split per block). x is never multiplied
+// here; fp16 folds only without input_norm_weight (eagle3_ops/validation.py FOLDED_FP16_INPUT_NORM:
+// the cuBLAS path's prepared x * scales could overflow without g).
 // The reducer is launched with programmatic dependent launch (PDL, sm_90+): it is scheduled while
 // the skinny grid drains (the skinny blocks trigger after their main loop) and waits at
 // griddepcontrol.wait for the whole skinny grid to finish and its writes to be visible, so the

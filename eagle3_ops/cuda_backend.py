@@ -373,7 +373,8 @@ def draft_fc(x, weight, bias, rows, chunk_norm_weight, input_norm_weight, eps, o
 
 
 __all__ = ["BLOCKS_PER_SM", "MAX_SPLITS_PER_CHUNK", "OPS", "PATH_INDEX", "Plan", "SKINNY_REGISTERS", "SM_LIMITS",
-           "SKINNY_VARIANTS", "SmLimits", "blocks_per_sm_from_registers", "capture", "compiled_archs", "cuda_extension", "device_arch",
+           "SKINNY_VARIANTS", "SmLimits", "blocks_per_sm_from_registers", "capture", "compiled_archs",
+           "cuda_extension", "device_arch",
            "draft_fc", "draft_fc_workspace_bytes", "fused_add_rmsnorm_capture", "ops_registered", "plan", "serves",
            "skinny_blocks_per_sm", "skinny_cost", "skinny_launchable", "skinny_split_shape", "skinny_splits",
            "skinny_variant",

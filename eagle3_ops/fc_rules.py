@@ -13,7 +13,10 @@ allocated; every function works on real, meta and fake tensors alike.
   copies come first in the workspace, in the order bias, rows, input_norm_weight.
 * **Folded norm weights** (``norm_folded``, :func:`eagle3_ops.fold_norm_weights`): the weight
   already carries ``g``; kernels apply only the RMS scales (input_norm_weight still feeds the chunk
-  statistic) and never multiply x by ``g``, so the fp16 rule above does not apply.
+  statistic) and never multiply x by ``g``, so the fp16 rule above does not apply to the skinny
+  kernels. The tiled and cuBLAS paths do round ``x * scales`` to the dtype, and without ``g`` the
+  chunk scale carries ~1/input_norm_weight, so fp16 with an input norm is refused when folded
+  (``validation.FOLDED_FP16_INPUT_NORM``).
 * **The cuBLAS path prepares ``norm(x[rows])``** only when there is a gather or a norm; otherwise x
   goes to cuBLAS as it is (no workspace).
 """

@@ -276,17 +276,19 @@ def fold_norm_weights(weight: torch.Tensor, chunk_norm_weight: Optional[torch.Te
                       input_norm_weight: Optional[torch.Tensor] = None,
                       out: Optional[torch.Tensor] = None) -> torch.Tensor:
     """The fc weight with the pre-fc norm gains folded in, ``weight[n, k] * g[k]`` with
-    ``g = input_norm_weight * chunk_norm_weight.flatten()`` (fp32 product, one rounding into
+    ``g = input_norm_weight * chunk_norm_weight.flatten()`` (g then the product in fp32, one rounding into
     weight's dtype), for ``draft_fc(..., norm_folded=True)``: prepared ONCE (weights are fixed while
     serving), it turns the norm variant's hot loop into the plain one. Written into ``out`` when
     given (same shape and dtype as weight; may be weight itself), else a new tensor: the caller
     owns the memory. Raises ValueError naming the argument when the shapes do not fit, when there
-    is no norm weight, or when a folded value is not finite where the weight is (fp16 overflow)."""
+    is no norm weight, when a folded value is not finite where the weight is (fp16 overflow; ``out``
+    is then left untouched), or for fp16 with ``input_norm_weight`` (see validation)."""
     from .reference import fold_gains
 
     op = "fold_norm_weights"
     if weight.dim() != 2:
-        raise validation.Eagle3ArgumentError(f"eagle3_ops.{op}: weight has shape {tuple(weight.shape)}, expected [N, K*H]")
+        raise validation.Eagle3ArgumentError(
+            f"eagle3_ops.{op}: weight has shape {tuple(weight.shape)}, expected [N, K*H]")
     if chunk_norm_weight is None and input_norm_weight is None:
         raise validation.Eagle3ArgumentError(f"eagle3_ops.{op}: neither chunk_norm_weight nor input_norm_weight given: "
                                              f"nothing to fold")
@@ -300,18 +302,21 @@ def fold_norm_weights(weight: torch.Tensor, chunk_norm_weight: Optional[torch.Te
         raise validation.Eagle3ArgumentError(
             f"eagle3_ops.{op}: out is {out.dtype} {tuple(out.shape)} on {out.device}, expected weight's "
             f"{weight.dtype} {tuple(weight.shape)} on {weight.device}")
+    if weight.dtype == torch.float16 and input_norm_weight is not None:
+        raise validation.Eagle3ArgumentError(validation.FOLDED_FP16_INPUT_NORM.format(op=f"eagle3_ops.{op}"))
     g = fold_gains(chunk_norm_weight, input_norm_weight)
     folded = out if out is not None else torch.empty_like(weight, memory_format=torch.contiguous_format)
     step = max(1, (64 << 20) // max(1, 4 * KH))  # fp32 temporaries of at most ~64 MB at a time
+    blocks = range(0, weight.shape[0], step)
     with torch.no_grad():
-        for n0 in range(0, weight.shape[0], step):
+        for n0 in blocks:  # check everything first: a refused fold leaves ``out`` untouched
             block = weight[n0:n0 + step].float() * g
-            rounded = block.to(weight.dtype)
-            bad = ~torch.isfinite(rounded) & torch.isfinite(weight[n0:n0 + step])
+            bad = ~torch.isfinite(block.to(weight.dtype)) & torch.isfinite(weight[n0:n0 + step])
             if bool(bad.any()):
                 n, k = (int(i) for i in bad.nonzero()[0])
                 raise validation.Eagle3ArgumentError(
                     f"eagle3_ops.{op}: weight[{n0 + n}, {k}] * g[{k}] = {float(block[n, k]):.4g} is not finite in "
                     f"{weight.dtype}; this weight cannot be folded (serve it with norm_folded=False)")
-            folded[n0:n0 + step].copy_(rounded)
+        for n0 in blocks:
+            folded[n0:n0 + step].copy_((weight[n0:n0 + step].float() * g).to(weight.dtype))
     return folded

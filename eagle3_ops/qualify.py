@@ -44,6 +44,10 @@ from . import dispatch, plans, testing
 log = logging.getLogger("eagle3_ops")
 
 MARGIN = 1.05          # a candidate must be at least 5% faster than stock to replace it
+# Part of the cache key: bump whenever the candidates or the acceptance rules change, so that plans
+# cached by an older version are measured again instead of bypassing the new rules.
+# 2: folded candidates; the target norm bitwise against stock.
+RULES_VERSION = 2
 DEFAULT_BUCKETS = (1, 4, 16, 64, 128, 512, 2048)   # decode / verify / prefill row counts
 TOL = {"draft_fc": testing.MATMUL_TOL, "fused_add_rmsnorm_capture": testing.NORM_TOL}
 
@@ -367,7 +371,7 @@ def _device_key(device: torch.device) -> str:
 
 
 def _cache_key(device, shape: Shape, buckets: Sequence[int], margin: float) -> str:
-    raw = json.dumps([_device_key(device), asdict(shape), list(buckets), margin], sort_keys=True)
+    raw = json.dumps([_device_key(device), asdict(shape), list(buckets), margin, RULES_VERSION], sort_keys=True)
     return hashlib.sha256(raw.encode()).hexdigest()[:24]
 
 

@@ -219,6 +219,15 @@ def check_fused_add_rmsnorm_capture(input: torch.Tensor, residual: torch.Tensor,
                      {"weight": weight})
 
 
+# fp16 folded weights with an input norm: the tiled and cuBLAS paths round x * (RMS scales) to the
+# dtype before the product; without g the chunk scale carries ~1/input_norm_weight, which can exceed
+# fp16's range where the unfolded norm(x) cannot. bf16 (fp32's range) and fp16 without input norm
+# (the chunk-normalized x has RMS 1) are safe.
+FOLDED_FP16_INPUT_NORM = ("{op}: norm_folded with float16 and input_norm_weight is refused: the scaled input of the "
+                          "tiled/cuBLAS paths could overflow float16 without the norm weights; fold in bfloat16 or "
+                          "serve float16 unfolded")
+
+
 def check_draft_fc(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
                    rows: Optional[torch.Tensor], chunk_norm_weight: Optional[torch.Tensor],
                    input_norm_weight: Optional[torch.Tensor], eps: float,
@@ -263,6 +272,8 @@ def check_draft_fc(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.T
     if norm_folded and chunk_norm_weight is None and input_norm_weight is None:
         _fail(op, "norm_folded=True but neither chunk_norm_weight nor input_norm_weight is given: a folded weight "
                   "needs the norm weights it was folded with (for the RMS scales)")
+    if norm_folded and x.dtype == torch.float16 and input_norm_weight is not None:
+        raise Eagle3ArgumentError(FOLDED_FP16_INPUT_NORM.format(op=f"eagle3::{op}"))
     if rows is None:
         M = R
     else:

@@ -47,6 +47,7 @@ log = logging.getLogger("eagle3_ops.sglang")
 
 _STATE_ATTR = "_eagle3_ops_draft_fc"
 _sharded_states: "weakref.WeakSet" = weakref.WeakSet()
+_folded_states: "weakref.WeakSet" = weakref.WeakSet()  # states keeping a folded fc weight
 DRAFT_MODULE = "sglang.srt.models.llama_eagle3"
 
 
@@ -125,6 +126,7 @@ class DraftFcState:
         # fc.weight with the norm weights folded in (eagle3_ops.fold_norm_weights), kept only when
         # qualification chose a folded candidate for some bucket; re-folded after every load_weights
         self.folded_weight: Optional[torch.Tensor] = None
+        self.name = type(inner).__name__  # the draft's class name in log lines (install sets it)
         if fc_norm is not None:
             self._share_chunk_norm_storage()
 
@@ -149,6 +151,12 @@ class DraftFcState:
         pool) instead of growing inside a graph capture. Returns its bytes."""
         weight = self.fc.weight
         input_norm_weight = self.input_norm.weight if self.input_norm is not None else None
+        # the weights calls are made with: the fc's, and this rank's rows of it under partial sharding
+        # (fewer rows can plan more splits, so more partials)
+        weights = [(weight, self.fc.bias)]
+        if self.partial_sharding is not None:
+            rows, bias_rows, _ = self.partial_sharding.rows_of(weight, self.fc.bias)
+            weights.append((rows, bias_rows))
         need = 0
         # every M where the planned split count changes (the skinny range, up to 256) and the larger
         # buckets: the bytes are monotone in M within a path and split count
@@ -158,19 +166,22 @@ class DraftFcState:
             x = torch.empty((m, self.fc.in_features), dtype=weight.dtype, device="meta")
             for folded in (False, True) if self.chunk_norm_weight is not None or input_norm_weight is not None \
                     else (False,):
-                need = max(need, ops.draft_fc_workspace_bytes(x, weight, self.fc.bias, None, self.chunk_norm_weight,
-                                                              input_norm_weight, norm_folded=folded))
+                if folded and weight.dtype == torch.float16 and input_norm_weight is not None:
+                    continue  # never folded (validation.FOLDED_FP16_INPUT_NORM)
+                for w, b in weights:
+                    need = max(need, ops.draft_fc_workspace_bytes(x, w, b, None, self.chunk_norm_weight,
+                                                                  input_norm_weight, norm_folded=folded))
         self.workspace = torch.empty(need, dtype=torch.uint8, device=weight.device) if need else None
         return need
 
-    def workspace_for(self, h: torch.Tensor, chunk, input_norm_weight, folded: bool = False) -> Optional[torch.Tensor]:
-        """The plugin's workspace when it is large enough for this call, else None (the face's
-        per-stream scratch serves it)."""
+    def workspace_for(self, h: torch.Tensor, weight, bias, chunk, input_norm_weight,
+                      folded: bool = False) -> Optional[torch.Tensor]:
+        """The plugin's workspace when it is large enough for this call (the weight and bias it is
+        made with), else None (the face's per-stream scratch serves it)."""
         ws = self.workspace
         if ws is None:
             return None
-        need = ops.draft_fc_workspace_bytes(h, self.fc.weight, self.fc.bias, None, chunk, input_norm_weight,
-                                            norm_folded=folded)
+        need = ops.draft_fc_workspace_bytes(h, weight, bias, None, chunk, input_norm_weight, norm_folded=folded)
         return ws if need <= ws.numel() else None
 
     def chunk_weight(self) -> Optional[torch.Tensor]:
@@ -248,7 +259,8 @@ def _run_draft_forward(state: DraftFcState, original, inner, args, kwargs):
         weight, bias, gather = state.partial_sharding.rows_of(weight, bias)
     with dispatch.using(choice.backend if choice else None), plans.forced_path(choice.path if choice else None):
         x = ops.draft_fc(h, weight, bias, None, chunk, input_norm_weight, state.eps,
-                         workspace=state.workspace_for(h, chunk, input_norm_weight, folded), norm_folded=folded)
+                         workspace=state.workspace_for(h, weight, bias, chunk, input_norm_weight, folded),
+                         norm_folded=folded)
     if gather is not None:
         x = gather(x)  # [M, N/tp] -> [M, N]: the one collective sharding adds
     state.stats["fused_calls"] += 1
@@ -321,11 +333,20 @@ def install_draft_fc(model) -> Optional[DraftFcState]:
             _install_sharded_fc(state, name, *shard)
         elif sharding.anywhere:
             state.partial_sharding = sharding
-    nbytes = state.allocate_workspace(max_tokens)
-    if nbytes:
-        log.info("eagle3_ops: draft %s fc workspace: %.1f MiB on %s, owned by the plugin (allocated once, outside "
-                 "CUDA-graph pools)", name, nbytes / 2**20, state.fc.weight.device)
-    _qualify_site(state, name, max_tokens)
+    failed = False
+    try:
+        nbytes = state.allocate_workspace(max_tokens)
+        if nbytes:
+            log.info("eagle3_ops: draft %s fc workspace: %.1f MiB on %s, owned by the plugin (allocated once, "
+                     "outside CUDA-graph pools)", name, nbytes / 2**20, state.fc.weight.device)
+        _qualify_site(state, name, max_tokens)
+    except Exception:
+        if state.partial_sharding is None:
+            raise
+        log.exception("eagle3_ops: draft %s fc: workspace or qualification failed on this rank", name)
+        failed = True
+    if state.partial_sharding is not None:  # every rank gets here, failed or not (a collective)
+        _agree_on_stock(state, name, failed)
     _keep_folded_weight(model, state, name)
     return state
 
@@ -353,10 +374,36 @@ def _keep_folded_weight(model, state: DraftFcState, name: str) -> None:
 
         load_weights._eagle3_refolds = True
         model.load_weights = load_weights
+    state.name = name
+    _folded_states.add(state)
     rows = [c.rows for c in plan.choices if c.folded]
     log.info("eagle3_ops: draft %s fc: folded norm weights prepared for row buckets %s (%.1f MiB, one copy of "
-             "this rank's fc weight; re-folded after every load_weights)", name, rows,
-             state.folded_weight.numel() * state.folded_weight.element_size() / 2**20)
+             "this rank's fc weight; re-folded after every load_weights and every SGLang online weight update)",
+             name, rows, state.folded_weight.numel() * state.folded_weight.element_size() / 2**20)
+
+
+def refold_all() -> None:
+    """Fold every kept folded draft fc weight again from its current fc and norm weights (after an
+    online weight update). A fold that is refused leaves that copy as it was: logged as an ERROR,
+    since those buckets then serve the previous weights (CUDA graphs hold the copy's address)."""
+    for state in list(_folded_states):
+        try:
+            state.refold()
+        except Exception:
+            log.exception("eagle3_ops: draft %s fc: the updated weights could not be folded; its folded buckets "
+                          "serve the PREVIOUS weights until restart (set EAGLE3_OPS_QUALIFY=off to serve unfolded)",
+                          getattr(state, "name", "?"))
+
+
+def _site_shape(state: DraftFcState):
+    """The qualify.Shape of this draft's fc site (this rank's rows when the fc is sharded)."""
+    from .. import qualify
+
+    inner, weight = state.inner, state.fc.weight
+    K = int(getattr(inner, "num_aux_hidden_states", 0) or (len(state.fc_norm) if state.fc_norm is not None else 3))
+    return qualify.Shape("draft_fc", state.fc.in_features // K, K, state.fc.out_features if not state.sharding
+                         else state.fc.rows, str(weight.dtype).replace("torch.", ""), state.fc.bias is not None,
+                         state.fc_norm is not None, state.input_norm is not None)
 
 
 def _qualify_site(state: DraftFcState, name: str, max_tokens: int) -> None:
@@ -368,17 +415,10 @@ def _qualify_site(state: DraftFcState, name: str, max_tokens: int) -> None:
     weight = state.fc.weight
     if not qualify.enabled(weight.device):
         return
-    inner = state.inner
-    K = int(getattr(inner, "num_aux_hidden_states", 0) or (len(state.fc_norm) if state.fc_norm is not None else 3))
     input_norm_weight = state.input_norm.weight if state.input_norm is not None else None
-    shape = qualify.Shape("draft_fc", state.fc.in_features // K, K, state.fc.out_features if not state.sharding
-                          else state.fc.rows, str(weight.dtype).replace("torch.", ""), state.fc.bias is not None,
-                          state.fc_norm is not None, input_norm_weight is not None)
     tensors = {"weight": weight, "bias": state.fc.bias, "chunk_norm_weight": state.chunk_norm_weight,
                "input_norm_weight": input_norm_weight, "eps": state.eps}
-    plan = qualify.qualify(shape, weight.device, qualify.buckets_up_to(max_tokens), tensors=tensors)
-    if state.partial_sharding is not None:
-        _agree_on_stock(plan, name)
+    plan = qualify.qualify(_site_shape(state), weight.device, qualify.buckets_up_to(max_tokens), tensors=tensors)
     state.plan = plan
     for line in plan.table().splitlines():
         log.info("eagle3_ops: draft %s fc %s", name, line)
@@ -459,18 +499,33 @@ def _qualify_sharding(state: DraftFcState, name: str, tp_rank: int, tp_size: int
     input_norm_weight = state.input_norm.weight if state.input_norm is not None else None
     timer = SHARDING_TIMER(weight.device) if SHARDING_TIMER is not None else qualify.Timer(weight.device)
     buckets = qualify.buckets_up_to(max_tokens)
-    measured = []
+    # Every rank must reach every collective below: first the local timings (which may fail, e.g.
+    # out of memory), then one all-reduce of "done" so that all ranks go on or all give up together.
+    measured, local = [], None
+    try:
+        with torch.no_grad():
+            for m in buckets:
+                gen = testing.generator(weight.device, "sharding", m, weight.shape[1])
+                x = testing.randn((m, weight.shape[1]), weight.dtype, weight.device, gen, scale=3.0)
+                measured.append([
+                    timer(lambda: ops.draft_fc(x, weight, bias, None, chunk, input_norm_weight, state.eps)),
+                    timer(lambda: ops.draft_fc(x, rows_w, rows_b, None, chunk, input_norm_weight, state.eps)),
+                ])
+                del x
+            local = torch.zeros((buckets[-1], n), dtype=weight.dtype, device=weight.device)
+        done = 1
+    except Exception:
+        log.exception("eagle3_ops: draft %s fc: timing the sharded and replicated fc failed on this rank", name)
+        done = 0
+    if not _all_ranks_agree(bool(done)):
+        log.warning("eagle3_ops: draft %s fc at TP=%d: the sharding could not be qualified on every rank; sharded "
+                    "for every bucket (the unqualified default)", name, tp_size)
+        return None
     with torch.no_grad():
-        for m in buckets:
-            gen = testing.generator(weight.device, "sharding", m, weight.shape[1])
-            x = testing.randn((m, weight.shape[1]), weight.dtype, weight.device, gen, scale=3.0)
-            local = torch.zeros((m, n), dtype=weight.dtype, device=weight.device)
-            measured.append([
-                timer(lambda: ops.draft_fc(x, weight, bias, None, chunk, input_norm_weight, state.eps)),
-                timer(lambda: ops.draft_fc(x, rows_w, rows_b, None, chunk, input_norm_weight, state.eps)),
-                timer(lambda: tensor_model_parallel_all_gather(local, dim=-1)),
-            ])
-            del x, local
+        for m, row in zip(buckets, measured):
+            view = local[:m]
+            row.append(timer(lambda: tensor_model_parallel_all_gather(view, dim=-1)))
+    del local
     agreed = torch.tensor(measured, dtype=torch.float64)
     dist.all_reduce(agreed, op=dist.ReduceOp.MAX, group=group.cpu_group)
     timings = [tuple(float(v) for v in row) for row in agreed.tolist()]
@@ -486,17 +541,45 @@ def _qualify_sharding(state: DraftFcState, name: str, tp_rank: int, tp_size: int
     return plan
 
 
-def _agree_on_stock(plan, name: str) -> None:
-    """With partial sharding, a bucket's fused call adds an all-gather (its rows) and its stock call
-    does not (the replicated nn.Linear): every rank must take the same one or the collectives hang.
-    Each rank's fastest candidate may differ (no collective depends on it), but a bucket is fused
-    only where every rank chose a fused candidate (an all-reduce MIN on the TP group's CPU group)."""
-    import dataclasses
-
+def _all_ranks_agree(ok: bool) -> bool:
+    """Whether ``ok`` holds on every rank of the current TP group (all-reduce MIN on its CPU group);
+    ``ok`` itself without a group of more than one rank."""
     import torch.distributed as dist
 
     from .groups import tp_group
 
+    group = tp_group()
+    if group is None or int(group.world_size) <= 1:
+        return ok
+    flag = torch.tensor([1 if ok else 0], dtype=torch.int64)
+    dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=group.cpu_group)
+    return bool(flag.item())
+
+
+def _agree_on_stock(state: DraftFcState, name: str, failed: bool) -> None:
+    """With partial sharding, a bucket's fused call adds an all-gather (its rows) and its stock call
+    does not (the replicated nn.Linear): every rank must take the same one or the collectives hang.
+    Each rank's fastest candidate may differ (no collective depends on it), but a bucket is fused
+    only where every rank chose a fused candidate (an all-reduce MIN on the TP group's CPU group).
+    ``failed``: this rank's qualification (or workspace) failed: it votes stock for every bucket
+    and serves stock, and so do the others. Every rank with partial sharding calls this."""
+    import dataclasses
+
+    import torch.distributed as dist
+
+    from .. import qualify
+    from .groups import tp_group
+
+    from .. import dispatch
+
+    buckets, weight = state.partial_sharding.rows, state.fc.weight
+    if failed or state.plan is None:
+        # failed: stock for every bucket; no plan (qualification not run): the default backend
+        backend = None if failed else dispatch.select("draft_fc", weight.device, weight.dtype)[0]
+        why = "qualification failed on this rank" if failed else "not qualified: default backend"
+        state.plan = qualify.Plan(str(weight.device), _site_shape(state), [
+            qualify.Choice("draft_fc", rows, backend, None, None, None, 0.0, why) for rows in buckets])
+    plan = state.plan
     fused = torch.tensor([c.backend is not None for c in plan.choices], dtype=torch.int64)
     dist.all_reduce(fused, op=dist.ReduceOp.MIN, group=tp_group().cpu_group)
     for i, (choice, agreed) in enumerate(zip(list(plan.choices), fused.tolist())):
@@ -554,7 +637,13 @@ def _install_sharded_fc(state: DraftFcState, name: str, tp_rank: int, tp_size: i
     try:
         sharded = ColumnShardedFc(full, tp_rank, tp_size)
     except Exception:  # e.g. out of memory for the rows' copy: the fused replicated fc stays
-        log.exception("eagle3_ops: draft %s fc could not be sharded; it stays replicated (fused)", name)
+        log.exception("eagle3_ops: draft %s fc could not be sharded on this rank", name)
+        sharded = None
+    # All ranks shard or none does: a sharded rank all-gathers in every draft extend, a replicated
+    # one does not, and a mix of the two hangs in the first one.
+    if not _all_ranks_agree(sharded is not None):
+        log.warning("eagle3_ops: draft %s fc stays replicated (fused) on every TP rank: %s", name,
+                    "sharding failed on this rank" if sharded is None else "sharding failed on another rank")
         return
     inner.fc = sharded
     state.fc = sharded

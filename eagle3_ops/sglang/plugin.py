@@ -18,6 +18,8 @@ applies the hooks registered with its ``HookRegistry``. We register:
   instance.
 * AROUND ``AuxHiddenStateList.capture`` and ``AuxHiddenStatePacker.append`` — inert (one
   thread-local read) unless a model with an installed buffer is running its forward.
+* AFTER each online weight update of ``WeightUpdater`` (from disk, tensor, IPC, distributed) — the
+  folded draft fc weights (kept only where qualification chose them) are folded again in place.
 * AFTER ``ModelRunner.init_cuda_graphs`` and ``ModelRunner.init_prefill_cuda_graph`` (the draft's
   prefill graphs are set up by the latter) — a check only: SGLang's graph/compile setup may replace
   a model's ``forward`` (``tc_piecewise``'s ``install_torch_compiled``); the plugin wraps the model
@@ -50,6 +52,11 @@ ALLOC_MEMORY_POOL_TARGET = "sglang.srt.model_executor.model_runner.ModelRunner.a
 INITIALIZE_TARGET = "sglang.srt.model_executor.model_runner.ModelRunner.initialize"
 GRAPHS_TARGETS = ("sglang.srt.model_executor.model_runner.ModelRunner.init_cuda_graphs",
                   "sglang.srt.model_executor.model_runner.ModelRunner.init_prefill_cuda_graph")
+# Every online weight update of SGLang's WeightUpdater (some write the parameters directly, not
+# through the model's load_weights): the folded draft fc weights are folded again after each.
+_UPDATER = "sglang.srt.model_executor.model_runner_components.weight_updater.WeightUpdater."
+WEIGHT_UPDATE_TARGETS = tuple(_UPDATER + m for m in ("update_weights_from_disk", "load_weights_from_distributed",
+                                                     "update_weights_from_tensor", "update_weights_from_ipc"))
 
 _registered = False
 _warned_version = False
@@ -73,6 +80,18 @@ def _on_configure_aux_hidden_state_capture(result, *args, **kwargs):
     except Exception:  # never stop SGLang; the model keeps whatever stock path it had
         log.exception("eagle3_ops: could not patch %s; it runs stock", type(model).__name__)
     return None
+
+
+def _after_weight_update(result, *args, **kwargs):
+    """AFTER each WeightUpdater update: re-fold every kept folded draft fc weight in place (the
+    parameters were overwritten; the folded copies, which captured graphs read, must follow)."""
+    try:
+        from .draft_fc_hooks import refold_all
+
+        refold_all()
+    except Exception:  # never stop SGLang; refold_all has logged which draft serves stale weights
+        log.exception("eagle3_ops: re-folding the draft fc weights after a weight update failed")
+    return result
 
 
 def _after_initialize(result, *args, **kwargs):
@@ -209,6 +228,8 @@ def register() -> None:
         for target in GRAPHS_TARGETS:
             HookRegistry.register(target, _after_graph_setup, HookType.AFTER)
         HookRegistry.register(FINAL_NORM_TARGET, _around_final_norm, HookType.AROUND)
+        for target in WEIGHT_UPDATE_TARGETS:
+            HookRegistry.register(target, _after_weight_update, HookType.AFTER)
         from . import static_inputs as si
 
         HookRegistry.register(si.BCG_ALLOC_TARGET, _around_alloc_full_buffer, HookType.AROUND)

@@ -414,14 +414,19 @@ else:
 NORM_VARIANTS = ("chunk_norm", "input_norm", "all")
 
 
+def _foldable(variant, dtype) -> bool:
+    """fp16 folds with a chunk norm only (validation.FOLDED_FP16_INPUT_NORM)."""
+    return not (dtype == torch.float16 and VARIANTS[variant].get("inorm"))
+
+
 def folded_grid(target):
     """(path, M, H, K, N, variant, dtype): every path of the backend with each norm combination."""
     paths = FC_PATHS[target.backend]
     if not target.gpu:
         return [(path, M, 80, 3, 72, v, dt) for path in paths for M in (1, 40) for v in NORM_VARIANTS
-                for dt in DTYPES]
+                for dt in DTYPES if _foldable(v, dt)]
     return [(path, M, 7168, 3, None, v, dt) for path in paths for M in (1, 16, 64, 256, 1000)
-            for v in NORM_VARIANTS for dt in (BF16, torch.float16)]
+            for v in NORM_VARIANTS for dt in (BF16, torch.float16) if _foldable(v, dt)]
 
 
 @pytest.mark.parametrize("target,path,M,H,K,N,variant,dtype", params(TARGETS, folded_grid))
@@ -430,8 +435,9 @@ def test_folded_norm_weights_match_fp64_of_the_unfolded_fc(target, path, M, H, K
     the UNFOLDED problem (original W and norm weights): folding changes one rounding (W * g into the
     dtype) and nothing else, so the tolerance is the unfolded one."""
     p = fc_problem(M, H, K, dtype, device, N=N, key=("folded", path), **VARIANTS[variant])
+    before = p.weight.clone()
     folded = eagle3_ops.fold_norm_weights(p.weight, p.chunk_norm_weight, p.input_norm_weight)
-    assert folded.data_ptr() != p.weight.data_ptr() and torch.equal(p.weight, p.weight)  # a new tensor
+    assert folded.data_ptr() != p.weight.data_ptr() and same_bits(p.weight, before)  # a new tensor, W untouched
     out = p.out()
     with plans.forced_path(path):
         testing.run_canaried(lambda: eagle3_ops.draft_fc_out(p.x, folded, p.bias, p.rows, p.chunk_norm_weight,
@@ -471,13 +477,17 @@ def test_fold_norm_weights_rounds_once_and_writes_where_asked(dtype):
     w = testing.randn((N, K * H), dtype, "cpu", gen)
     cn = testing.positive((K, H), dtype, "cpu", gen)
     inw = testing.positive((K * H,), dtype, "cpu", gen)
+    assert same_bits(eagle3_ops.fold_norm_weights(w, cn), (w.float() * cn.float().flatten()).to(dtype))
+    inplace = w.clone()
+    assert eagle3_ops.fold_norm_weights(inplace, cn, out=inplace) is inplace  # in place: the caller's memory
+    assert same_bits(inplace, (w.float() * cn.float().flatten()).to(dtype))
+    if dtype == torch.float16:  # refused with an input norm (validation.FOLDED_FP16_INPUT_NORM)
+        with pytest.raises(ValueError, match="norm_folded with float16 and input_norm_weight is refused"):
+            eagle3_ops.fold_norm_weights(w, cn, inw)
+        return
     want = (w.float() * (inw.float() * cn.float().flatten())).to(dtype)  # g first, as documented
     assert same_bits(eagle3_ops.fold_norm_weights(w, cn, inw), want)
-    assert same_bits(eagle3_ops.fold_norm_weights(w, cn), (w.float() * cn.float().flatten()).to(dtype))
     assert same_bits(eagle3_ops.fold_norm_weights(w, None, inw), (w.float() * inw.float()).to(dtype))
-    inplace = w.clone()
-    assert eagle3_ops.fold_norm_weights(inplace, cn, inw, out=inplace) is inplace  # in place: the caller's memory
-    assert same_bits(inplace, want)
 
 
 def test_fold_norm_weights_rejects_what_it_cannot_fold():
@@ -489,12 +499,25 @@ def test_fold_norm_weights_rejects_what_it_cannot_fold():
     with pytest.raises(ValueError, match="out is"):
         eagle3_ops.fold_norm_weights(w, None, torch.ones(12), out=torch.empty(8, 12, dtype=torch.float16))
     big = torch.full((2, 4), 300.0, dtype=torch.float16)
+    gain = torch.tensor([[1.0, 300.0], [1.0, 1.0]], dtype=torch.float16)
     with pytest.raises(ValueError, match=r"weight\[0, 1\] \* g\[1\] = .* not finite in torch.float16"):
-        eagle3_ops.fold_norm_weights(big, None, torch.tensor([1.0, 300.0, 1.0, 1.0], dtype=torch.float16))
+        eagle3_ops.fold_norm_weights(big, gain)
+    # a refused fold never leaves a half-written out: every row block is checked before any is written
+    many = torch.ones(300, 1 << 16, dtype=torch.float16)  # two row blocks of 256 (64 MB of fp32 each)
+    many[299, 7] = 300.0
+    gain = torch.ones(2, 1 << 15, dtype=torch.float16)
+    gain[0, 7] = 300.0
+    out = torch.full_like(many, 2.0)
+    with pytest.raises(ValueError, match=r"weight\[299, 7\]"):
+        eagle3_ops.fold_norm_weights(many, gain, out=out)
+    assert bool((out == 2.0).all())
 
 
 def test_norm_folded_needs_the_norm_weights():
     x, w = torch.randn(3, 8), torch.randn(4, 8)
+    h = torch.randn(3, 8, dtype=torch.float16)
+    with pytest.raises(ValueError, match="norm_folded with float16 and input_norm_weight is refused"):
+        eagle3_ops.draft_fc(h, w.half(), None, None, None, torch.ones(8, dtype=torch.float16), norm_folded=True)
     with pytest.raises(ValueError, match="norm_folded=True but neither chunk_norm_weight nor input_norm_weight"):
         eagle3_ops.draft_fc(x, w, norm_folded=True)
     with pytest.raises(ValueError, match="norm_folded=True"):

@@ -127,6 +127,13 @@ def test_results_are_cached_per_device_and_shape():
     assert not other.cached
 
 
+def test_plans_cached_under_older_rules_are_measured_again(monkeypatch):
+    first = qualify.qualify(FC, buckets=(2,), reps=1)
+    assert not first.cached and qualify.qualify(FC, buckets=(2,), reps=1).cached
+    monkeypatch.setattr(qualify, "RULES_VERSION", qualify.RULES_VERSION + 1)
+    assert not qualify.qualify(FC, buckets=(2,), reps=1).cached
+
+
 def test_choice_for_rows():
     plan = qualify.qualify(FC, buckets=(4, 64), timer=FakeTimer(100.0, 10.0), use_cache=False)
     assert plan.choice_for(1).rows == 4 and plan.choice_for(5).rows == 64 and plan.choice_for(1000).rows == 64

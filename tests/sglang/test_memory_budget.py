@@ -113,6 +113,7 @@ def test_draft_fc_installed_and_sharded_before_kv_sizing(sglang_cpu, monkeypatch
     monkeypatch.setattr(ps, "get_tp_group", lambda: group)
     monkeypatch.setattr(draft.model.layers[0].self_attn.qkv_proj, "tp_group", group)
     monkeypatch.setattr(draft_fc_hooks, "_sharded_states", weakref.WeakSet())
+    monkeypatch.setattr(draft_fc_hooks, "_all_ranks_agree", lambda ok: ok)  # one process plays one rank
     plugin._after_initialize(None, types.SimpleNamespace(model=target, is_draft_worker=False))
     assert draft_fc_hooks.draft_fc_state(target) is None  # a target runner: nothing here
     plugin._after_initialize(None, types.SimpleNamespace(model=draft, is_draft_worker=True))

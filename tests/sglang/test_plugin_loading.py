@@ -22,6 +22,11 @@ OUR_TARGETS = sorted([
     "sglang.srt.model_executor.model_runner.ModelRunner.initialize",  # the draft fc before KV sizing
     "sglang.srt.model_executor.model_runner.ModelRunner.init_prefill_cuda_graph",
     "sglang.srt.model_executor.model_runner_components.attention_backend_setup.configure_aux_hidden_state_capture",
+    # re-fold kept folded draft fc weights after every online weight update
+    "sglang.srt.model_executor.model_runner_components.weight_updater.WeightUpdater.load_weights_from_distributed",
+    "sglang.srt.model_executor.model_runner_components.weight_updater.WeightUpdater.update_weights_from_disk",
+    "sglang.srt.model_executor.model_runner_components.weight_updater.WeightUpdater.update_weights_from_ipc",
+    "sglang.srt.model_executor.model_runner_components.weight_updater.WeightUpdater.update_weights_from_tensor",
     # static_inputs.py: SGLang's static copies of the aux states become same-storage
     "sglang.srt.model_executor.runner.prefill_cuda_graph_runner.PrefillCudaGraphRunner.capture",
     "sglang.srt.model_executor.runner.prefill_cuda_graph_runner.PrefillCudaGraphRunner.load_batch",

@@ -103,6 +103,16 @@ def test_draft_fc_follows_its_qualification(sglang_cpu, qualifying, caplog, winn
     draft.load_weights([("fc.weight", new_w)])
     assert torch.equal(fc.weight, new_w.to(dtype))
     assert torch.equal(state.folded_weight, eagle3_ops.fold_norm_weights(fc.weight, state.chunk_norm_weight))
+    # SGLang's direct updates write the parameters without load_weights: the plugin's AFTER hook on
+    # every WeightUpdater update (plugin.WEIGHT_UPDATE_TARGETS) folds again, in place
+    from eagle3_ops.sglang import plugin
+
+    address = state.folded_weight.data_ptr()
+    with torch.no_grad():
+        fc.weight.mul_(-0.5)
+    assert plugin._after_weight_update(("ok", "done")) == ("ok", "done")
+    assert state.folded_weight.data_ptr() == address  # captured graphs keep reading the same memory
+    assert torch.equal(state.folded_weight, eagle3_ops.fold_norm_weights(fc.weight, state.chunk_norm_weight))
 
 
 def test_target_norm_stays_sglangs_where_nothing_wins(sglang_cpu, qualifying, caplog):

@@ -118,8 +118,17 @@ def test_tp2_sharded_draft_fc(sglang_cpu, tmp_path):
             assert one["extend_gathers"] == stock["extend_gathers"] and one["decode_gathers"] == stock["decode_gathers"]
             for name in OUTPUTS:
                 assert torch.equal(one[name], stock[name]), f"{key} rank{r} {name}: stock on every rank"
+            # a failure on rank 1 before the collectives: both ranks return (no hang) and shard everywhere
+            failed = res[(key, "qualified-fails-on-rank-1")]
+            assert failed["partial_sharding"] is None and failed["fc_class"] == "ColumnShardedFc"
+            assert failed["extend_gathers"] == stock["extend_gathers"] + 1
+            for name in OUTPUTS:
+                h.assert_plugin_matches_stock(failed[name], res[(key, "sharded")][name], dtype,
+                                              f"{key} rank{r} {name} failed", reference=res["reference_only"])
     joined = "\n".join(logs)
     assert "fc sharded over 2 TP ranks" in joined and "was released" in joined
     assert "stays replicated on each of the 2 TP ranks (EAGLE3_OPS_SGLANG_SHARD_FC=0)" in joined
     assert "fc at TP=2: sharded for some buckets: the replicated weight stays" in joined
     assert "rows run stock on every TP rank (another rank's qualification kept stock there" in logs[0]
+    assert "timing the sharded and replicated fc failed on this rank" in logs[1]
+    assert all("the sharding could not be qualified on every rank; sharded for every bucket" in lg for lg in logs)

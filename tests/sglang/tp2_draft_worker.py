@@ -16,6 +16,8 @@ as stock SGLang does) three times per dtype:
   numbers would shard every bucket, rank 1's make the 64-row bucket (the 4th) replicated; the
   agreed plan (max over ranks) is replicated at 64 rows and sharded elsewhere, so the fc stays
   replicated and the 12-row extend (bucket 16) takes this rank's rows of it + one all-gather;
+* ``qualified-fails-on-rank-1``: timing fails on rank 1 before any collective; both ranks give up
+  together (no rank is left waiting in an all-gather) and shard for every bucket (the default);
 * ``qualified-stock-on-one-rank``: the same sharding plan, and the site's own qualification runs with
   a timer under which rank 0's candidates beat stock and rank 1's do not: the ranks agree on stock
   for every bucket (else rank 0 would all-gather alone), so the extend runs SGLang's stock fc.
@@ -57,14 +59,20 @@ def _full_fc_tensors(shape):
 
 
 class ScriptedTimer:
-    """Per bucket (1, 4, 16, 64, ... rows) the calls are: replicated fc, rows fc, all-gather."""
+    """The calls: per bucket (1, 4, 16, 64 rows) the replicated fc and this rank's rows, then per
+    bucket the all-gather. ``fail_rank`` raises there on its first fc timing (out of memory, say)."""
 
-    def __init__(self, rank: int):
-        self.rank, self.calls = rank, 0
+    BUCKETS = 4
+
+    def __init__(self, rank: int, fail_rank: int = -1):
+        self.rank, self.calls, self.fail_rank = rank, 0, fail_rank
 
     def __call__(self, fn):
+        if self.rank == self.fail_rank:
+            raise RuntimeError("CUDA out of memory (simulated)")
         fn()
-        bucket, which = divmod(self.calls, 3)
+        i = self.calls
+        bucket, which = divmod(i, 2) if i < 2 * self.BUCKETS else (i - 2 * self.BUCKETS, 2)
         self.calls += 1
         if which == 0:
             return 100.0
@@ -120,7 +128,7 @@ def main(rank: int, port: int, outdir: str) -> None:
     for dtype in (torch.float32, torch.bfloat16):
         aux = aux32.to(dtype)
         for variant in ("stock", "sharded", "replicated", "sharded-stepped-aside", "qualified",
-                        "qualified-stock-on-one-rank"):
+                        "qualified-stock-on-one-rank", "qualified-fails-on-rank-1"):
             draft = _build(dcfg, dtype, inputs_path)
             rec = {}
             if variant != "stock":
@@ -136,10 +144,11 @@ def main(rank: int, port: int, outdir: str) -> None:
                 if variant.startswith("qualified"):
                     os.environ["EAGLE3_OPS_QUALIFY"] = "on"
                     os.environ["XDG_CACHE_HOME"] = os.path.join(outdir, f"cache-{rank}-{variant}-{dtype}")
-                    draft_fc_hooks.SHARDING_TIMER = lambda device: ScriptedTimer(rank)
+                    fail_rank = 1 if variant == "qualified-fails-on-rank-1" else -1
+                    draft_fc_hooks.SHARDING_TIMER = lambda device: ScriptedTimer(rank, fail_rank)
                     capture_hooks._default_max_tokens = lambda: 64  # buckets 1, 4, 16, 64 (the interpreter is slow)
-                if variant == "qualified":
-                    draft_fc_hooks._qualify_site = lambda *a: None  # this scenario: the sharding decision only
+                if variant in ("qualified", "qualified-fails-on-rank-1"):
+                    draft_fc_hooks._qualify_site = lambda *a: None  # these: the sharding decision only
                 elif variant == "qualified-stock-on-one-rank":
                     site_timer = SiteTimer(rank)
                     qualify.Timer = lambda device, reps=10: site_timer
