@@ -223,35 +223,13 @@ def test_draft_fc_rows(M, H, N, ours_backend, bench_device, bench_record, bench_
 NORM_SHAPES = [(M, H) for H in NORM_H_VALUES for M in M_VALUES]
 
 
+@pytest.mark.parametrize("folded", [False, True], ids=["unfolded", "folded"])
 @pytest.mark.parametrize("ours_backend", OURS_BACKENDS, indirect=True)
 @pytest.mark.parametrize("M,H", NORM_SHAPES, ids=[shape_id(*s) for s in NORM_SHAPES])
-def test_draft_fc_chunk_norm(M, H, ours_backend, bench_device, bench_record, bench_timer, gemm_tflops):
+def test_draft_fc_chunk_norm(M, H, ours_backend, folded, bench_device, bench_record, bench_timer, gemm_tflops):
     x, w, rows, chunk_w, out = fc_problem(M, H, bench_device)
-    norm_impl, norm_note, rmsnorm = stock_rmsnorm(bench_device.type)
-
-    def stock():  # SGLang llama_eagle3: chunk, RMSNorm each, cat, fc
-        chunks = x[rows].chunk(K, dim=-1)
-        return F.linear(torch.cat([rmsnorm(c, chunk_w[k], EPS) for k, c in enumerate(chunks)], dim=-1), w)
-
-    def ours():
-        eagle3_ops.draft_fc_out(x, w, None, rows, chunk_w, None, EPS, out)
-
-    ours()
-    _close(out, stock())
-    linear = bench_timer.measure_cached(("rows", M, H, H), lambda: F.linear(x[rows], w))
-    bench_record("draft_fc_chunk_norm", shape_id(M, H), fc_bytes(M, H), ours_backend, ours, op="draft_fc",
-                       stock_name=f"x[rows] + {K}x {norm_impl} + cat + F.linear", stock_fn=stock,
-                       stock_key=("chunk_norm", M, H), stock_impl=f"torch gather/cat + {norm_impl} + F.linear (cuBLAS)",
-                       stock_note=norm_note, dtype="bf16", bw="read", flops=fc_flops(M, H), tflops=gemm_tflops,
-                       post=lambda row: _extra(M, H, H, row, linear.eager_us, gemm_tflops),
-                       **path_info(ours_backend, x, w, None, rows, chunk_w, None, M))
-
-
-@pytest.mark.parametrize("ours_backend", OURS_BACKENDS, indirect=True)
-@pytest.mark.parametrize("M,H", NORM_SHAPES, ids=[shape_id(*s) for s in NORM_SHAPES])
-def test_draft_fc_chunk_norm_folded(M, H, ours_backend, bench_device, bench_record, bench_timer, gemm_tflops):
-    x, w, rows, chunk_w, out = fc_problem(M, H, bench_device)
-    folded = eagle3_ops.fold_norm_weights(w, chunk_w)  # once, as the plugin does at install
+    # folded: the norm weights folded into a copy of the weight once, as the plugin does at install
+    weight = eagle3_ops.fold_norm_weights(w, chunk_w) if folded else w
     norm_impl, norm_note, rmsnorm = stock_rmsnorm(bench_device.type)
 
     def stock():  # SGLang llama_eagle3: chunk, RMSNorm each, cat, fc (the unfolded weight)
@@ -259,17 +237,18 @@ def test_draft_fc_chunk_norm_folded(M, H, ours_backend, bench_device, bench_reco
         return F.linear(torch.cat([rmsnorm(c, chunk_w[k], EPS) for k, c in enumerate(chunks)], dim=-1), w)
 
     def ours():
-        eagle3_ops.draft_fc_out(x, folded, None, rows, chunk_w, None, EPS, out, norm_folded=True)
+        eagle3_ops.draft_fc_out(x, weight, None, rows, chunk_w, None, EPS, out, norm_folded=folded)
 
     ours()
     _close(out, stock())
     linear = bench_timer.measure_cached(("rows", M, H, H), lambda: F.linear(x[rows], w))
-    bench_record("draft_fc_chunk_norm_folded", shape_id(M, H), fc_bytes(M, H), ours_backend, ours, op="draft_fc",
+    bench_record("draft_fc_chunk_norm_folded" if folded else "draft_fc_chunk_norm", shape_id(M, H), fc_bytes(M, H),
+                 ours_backend, ours, op="draft_fc",
                  stock_name=f"x[rows] + {K}x {norm_impl} + cat + F.linear", stock_fn=stock,
                  stock_key=("chunk_norm", M, H), stock_impl=f"torch gather/cat + {norm_impl} + F.linear (cuBLAS)",
                  stock_note=norm_note, dtype="bf16", bw="read", flops=fc_flops(M, H), tflops=gemm_tflops,
                  post=lambda row: _extra(M, H, H, row, linear.eager_us, gemm_tflops),
-                 **path_info(ours_backend, x, folded, None, rows, chunk_w, None, M, norm_folded=True))
+                 **path_info(ours_backend, x, weight, None, rows, chunk_w, None, M, norm_folded=folded))
 
 
 def _path_cases():
