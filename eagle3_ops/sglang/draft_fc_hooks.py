@@ -35,7 +35,7 @@ from __future__ import annotations
 import logging
 import sys
 import weakref
-from typing import Optional
+from typing import List, Optional
 
 import torch
 
@@ -310,12 +310,26 @@ def install_draft_fc(model) -> Optional[DraftFcState]:
     if fc_norm is not None and len(fc_norm) * fc_norm[0].weight.shape[0] != fc.in_features:
         _warn_once(f"draftshape:{name}", "eagle3_ops: draft %s fc_norm does not tile fc input; stock", name)
         return None
-    backend = serving_backends(("draft_fc",), fc.weight.device, fc.weight.dtype, f"draft {name} fc")
-    if backend is None:
-        return None
     eps = eps_values.pop() if eps_values else 1e-6
+    # Everything above depends only on the model and the settings: the same on every TP rank. From
+    # here on a rank may fail alone (a backend's self-check on its GPU, memory), so when collectives
+    # follow (sharding) the ranks first agree that all of them can go on.
     shard = _shard_plan(inner, fc, name)
-    state = DraftFcState(inner, fc, input_norm, fc_norm, eps)
+    backend, state = None, None
+    try:
+        backend = serving_backends(("draft_fc",), fc.weight.device, fc.weight.dtype, f"draft {name} fc")
+        if backend is not None:
+            state = DraftFcState(inner, fc, input_norm, fc_norm, eps)
+    except Exception:
+        log.exception("eagle3_ops: draft %s fc: could not prepare the fused fc on this rank", name)
+    # All TP ranks run the fused fc or none does (ranks with different fc kernels would hold
+    # differently rounded copies of what TP treats as one activation; with sharding, collectives).
+    if _tp_size() > 1 and not _all_ranks_agree(state is not None):
+        log.warning("eagle3_ops: draft %s fc stays stock on every TP rank: %s", name,
+                    "this rank cannot run it fused" if state is None else "another TP rank cannot run it fused")
+        return None
+    if state is None:  # (TP = 1) serving_backends has said why
+        return None
     from .capture_hooks import _default_max_tokens
 
     max_tokens = _default_max_tokens()
@@ -333,22 +347,35 @@ def install_draft_fc(model) -> Optional[DraftFcState]:
             _install_sharded_fc(state, name, *shard)
         elif sharding.anywhere:
             state.partial_sharding = sharding
-    failed = False
     try:
         nbytes = state.allocate_workspace(max_tokens)
         if nbytes:
             log.info("eagle3_ops: draft %s fc workspace: %.1f MiB on %s, owned by the plugin (allocated once, "
                      "outside CUDA-graph pools)", name, nbytes / 2**20, state.fc.weight.device)
+    except Exception:  # e.g. out of memory: the face's per-stream scratch serves instead
+        log.exception("eagle3_ops: draft %s fc: no plugin-owned workspace on this rank", name)
+        state.workspace = None
+    failed = False
+    try:
         _qualify_site(state, name, max_tokens)
     except Exception:
-        if state.partial_sharding is None:
+        if _tp_size() <= 1:
             raise
-        log.exception("eagle3_ops: draft %s fc: workspace or qualification failed on this rank", name)
+        log.exception("eagle3_ops: draft %s fc: qualification failed on this rank", name)
         failed = True
-    if state.partial_sharding is not None:  # every rank gets here, failed or not (a collective)
-        _agree_on_stock(state, name, failed)
+    from .. import qualify
+
+    if _tp_size() > 1 and qualify.enabled(state.fc.weight.device):  # every rank gets here (collectives)
+        _agree_with_rank0(state, name, qualify.buckets_up_to(max_tokens), failed)
     _keep_folded_weight(model, state, name)
     return state
+
+
+def _tp_size() -> int:
+    from .groups import tp_group
+
+    group = tp_group()
+    return int(group.world_size) if group is not None else 1
 
 
 def _keep_folded_weight(model, state: DraftFcState, name: str) -> None:
@@ -382,17 +409,21 @@ def _keep_folded_weight(model, state: DraftFcState, name: str) -> None:
              name, rows, state.folded_weight.numel() * state.folded_weight.element_size() / 2**20)
 
 
-def refold_all() -> None:
+def refold_all() -> List[str]:
     """Fold every kept folded draft fc weight again from its current fc and norm weights (after an
-    online weight update). A fold that is refused leaves that copy as it was: logged as an ERROR,
-    since those buckets then serve the previous weights (CUDA graphs hold the copy's address)."""
+    online weight update). Returns one message per draft whose fold failed (logged as an ERROR):
+    its folded buckets then do not serve the updated weights (CUDA graphs hold the copy's address);
+    a refused fold (fp16 overflow) leaves the copy as it was, an out-of-memory may leave it mixed."""
+    failures = []
     for state in list(_folded_states):
         try:
             state.refold()
-        except Exception:
-            log.exception("eagle3_ops: draft %s fc: the updated weights could not be folded; its folded buckets "
-                          "serve the PREVIOUS weights until restart (set EAGLE3_OPS_QUALIFY=off to serve unfolded)",
-                          getattr(state, "name", "?"))
+        except Exception as e:
+            msg = (f"eagle3_ops: draft {state.name} fc: the updated weights could not be folded ({e}); its folded "
+                   f"buckets do not serve the updated weights; restart (EAGLE3_OPS_QUALIFY=off serves unfolded)")
+            log.exception(msg)
+            failures.append(msg)
+    return failures
 
 
 def _site_shape(state: DraftFcState):
@@ -497,12 +528,14 @@ def _qualify_sharding(state: DraftFcState, name: str, tp_rank: int, tp_size: int
     rows_b = bias.narrow(0, tp_rank * n, n) if bias is not None else None
     chunk = state.chunk_norm_weight
     input_norm_weight = state.input_norm.weight if state.input_norm is not None else None
-    timer = SHARDING_TIMER(weight.device) if SHARDING_TIMER is not None else qualify.Timer(weight.device)
     buckets = qualify.buckets_up_to(max_tokens)
-    # Every rank must reach every collective below: first the local timings (which may fail, e.g.
-    # out of memory), then one all-reduce of "done" so that all ranks go on or all give up together.
+    # Every rank must reach every collective below: first the local work (which may fail, e.g. out
+    # of memory), then one all-reduce of "done" so that all ranks go on or all give up together.
+    # Not covered: a failure inside the timed all-gathers themselves, after every rank has shown it
+    # holds the memory they need (the largest output is allocated and freed before the vote).
     measured, local = [], None
     try:
+        timer = SHARDING_TIMER(weight.device) if SHARDING_TIMER is not None else qualify.Timer(weight.device)
         with torch.no_grad():
             for m in buckets:
                 gen = testing.generator(weight.device, "sharding", m, weight.shape[1])
@@ -513,6 +546,8 @@ def _qualify_sharding(state: DraftFcState, name: str, tp_rank: int, tp_size: int
                 ])
                 del x
             local = torch.zeros((buckets[-1], n), dtype=weight.dtype, device=weight.device)
+            probe = torch.empty((buckets[-1], n * tp_size), dtype=weight.dtype, device=weight.device)
+            del probe  # the largest all-gather output fits (the caching allocator keeps the block)
         done = 1
     except Exception:
         log.exception("eagle3_ops: draft %s fc: timing the sharded and replicated fc failed on this rank", name)
@@ -556,14 +591,16 @@ def _all_ranks_agree(ok: bool) -> bool:
     return bool(flag.item())
 
 
-def _agree_on_stock(state: DraftFcState, name: str, failed: bool) -> None:
-    """With partial sharding, a bucket's fused call adds an all-gather (its rows) and its stock call
-    does not (the replicated nn.Linear): every rank must take the same one or the collectives hang.
-    Each rank's fastest candidate may differ (no collective depends on it), but a bucket is fused
-    only where every rank chose a fused candidate (an all-reduce MIN on the TP group's CPU group).
-    ``failed``: this rank's qualification (or workspace) failed: it votes stock for every bucket
-    and serves stock, and so do the others. Every rank with partial sharding calls this."""
+def _agree_with_rank0(state: DraftFcState, name: str, buckets, failed: bool) -> None:
+    """Under TP > 1 every rank serves each row bucket the same way: rank 0's choice (backend, path,
+    folded) where every rank's own qualification also accepted that candidate (it was correct
+    there), else SGLang's stock fc on every rank. Two reasons: with partial sharding a fused call
+    all-gathers and a stock call does not (different collectives hang); and with a replicated fc,
+    ranks running different kernels would hold differently rounded copies of activations that TP
+    treats as identical. ``failed``: this rank's qualification failed: it accepts nothing (stock
+    everywhere). Every rank calls this (all-reduces on the TP group's CPU group)."""
     import dataclasses
+    import hashlib
 
     import torch.distributed as dist
 
@@ -572,21 +609,39 @@ def _agree_on_stock(state: DraftFcState, name: str, failed: bool) -> None:
 
     from .. import dispatch
 
-    buckets, weight = state.partial_sharding.rows, state.fc.weight
+    group = tp_group()
+    weight = state.fc.weight
     if failed or state.plan is None:
-        # failed: stock for every bucket; no plan (qualification not run): the default backend
+        # failed: stock everywhere; no plan without a failure (the site was not qualified, e.g. a
+        # test stub): the backend dispatch serves, on its own crossover table (path None)
         backend = None if failed else dispatch.select("draft_fc", weight.device, weight.dtype)[0]
-        why = "qualification failed on this rank" if failed else "not qualified: default backend"
         state.plan = qualify.Plan(str(weight.device), _site_shape(state), [
-            qualify.Choice("draft_fc", rows, backend, None, None, None, 0.0, why) for rows in buckets])
+            qualify.Choice("draft_fc", rows, backend, None, None, None, 0.0,
+                           "qualification failed on this rank" if failed else "not qualified")
+            for rows in buckets])
     plan = state.plan
-    fused = torch.tensor([c.backend is not None for c in plan.choices], dtype=torch.int64)
-    dist.all_reduce(fused, op=dist.ReduceOp.MIN, group=tp_group().cpu_group)
-    for i, (choice, agreed) in enumerate(zip(list(plan.choices), fused.tolist())):
-        if choice.backend is not None and not agreed:
-            plan.choices[i] = dataclasses.replace(choice, backend=None, path=None, folded=False)
-            log.info("eagle3_ops: draft %s fc: %d rows run stock on every TP rank (another rank's qualification "
-                     "kept stock there; the ranks must take the same path)", name, choice.rows)
+    pairs = qualify.candidates("draft_fc", weight.device)
+    menu = [(b, p, f) for b, p in pairs for f in (False, True)] + [(b, None, False) for b, _ in pairs]
+    # the candidate lists must be the same on every rank for an index to mean the same candidate
+    digest = int(hashlib.sha1(repr(menu).encode()).hexdigest()[:15], 16)
+    same = torch.tensor([digest, -digest], dtype=torch.int64)
+    dist.all_reduce(same, op=dist.ReduceOp.MAX, group=group.cpu_group)
+    menus_agree = int(same[0]) == -int(same[1])
+    index = {m: i for i, m in enumerate(menu)}
+    mine = [index.get((c.backend, c.path, c.folded), -1) if c.backend is not None else -1 for c in plan.choices]
+    rank0 = torch.tensor(mine if int(group.rank_in_group) == 0 else [-2] * len(mine), dtype=torch.int64)
+    dist.all_reduce(rank0, op=dist.ReduceOp.MAX, group=group.cpu_group)  # = rank 0's indices
+    rejected = {(r.rows, r.backend, r.path, r.folded) for r in plan.rejected}
+    ok = torch.tensor([int(menus_agree and not failed and (i == -1 or (rows, *menu[i]) not in rejected))
+                       for rows, i in zip((c.rows for c in plan.choices), rank0.tolist())], dtype=torch.int64)
+    dist.all_reduce(ok, op=dist.ReduceOp.MIN, group=group.cpu_group)
+    for k, (choice, i, agreed) in enumerate(zip(list(plan.choices), rank0.tolist(), ok.tolist())):
+        backend, path, folded = menu[i] if (agreed and i >= 0) else (None, None, False)
+        if (backend, path, folded) != (choice.backend, choice.path, choice.folded):
+            plan.choices[k] = dataclasses.replace(choice, backend=backend, path=path, folded=folded)
+            log.info("eagle3_ops: draft %s fc: %d rows serve %s on every TP rank (%s)", name, choice.rows,
+                     "stock" if backend is None else f"{backend}/{path}" + ("+folded" if folded else ""),
+                     "rank 0's choice" if backend is not None else "a rank could not take rank 0's choice")
 
 
 def _shard_plan(inner, fc: torch.nn.Linear, name: str):

@@ -84,13 +84,19 @@ def _on_configure_aux_hidden_state_capture(result, *args, **kwargs):
 
 def _after_weight_update(result, *args, **kwargs):
     """AFTER each WeightUpdater update: re-fold every kept folded draft fc weight in place (the
-    parameters were overwritten; the folded copies, which captured graphs read, must follow)."""
+    parameters were overwritten; the folded copies, which captured graphs read, must follow). When
+    a fold fails, SGLang's ``(success, message)`` answer becomes ``(False, why)``: the update did
+    not fully take effect, and the caller must hear it (never a silent "Success")."""
+    failures = []
     try:
         from .draft_fc_hooks import refold_all
 
-        refold_all()
-    except Exception:  # never stop SGLang; refold_all has logged which draft serves stale weights
+        failures = refold_all()
+    except Exception as e:  # never stop SGLang
         log.exception("eagle3_ops: re-folding the draft fc weights after a weight update failed")
+        failures = [f"eagle3_ops: re-folding the draft fc weights failed: {e}"]
+    if failures and isinstance(result, tuple) and len(result) == 2 and isinstance(result[0], bool):
+        return False, "; ".join(failures)
     return result
 
 

@@ -59,7 +59,7 @@ def _draft_and_aux(h, dtype):
 
 
 @pytest.mark.parametrize("winner", ["candidate", "stock", "folded"])
-def test_draft_fc_follows_its_qualification(sglang_cpu, qualifying, caplog, winner):
+def test_draft_fc_follows_its_qualification(sglang_cpu, qualifying, caplog, winner, monkeypatch):
     h = sglang_cpu
     dtype = torch.bfloat16
     qualifying(100.0, 10.0 if winner != "stock" else 99.0, 5.0 if winner == "folded" else None)
@@ -113,6 +113,31 @@ def test_draft_fc_follows_its_qualification(sglang_cpu, qualifying, caplog, winn
     assert plugin._after_weight_update(("ok", "done")) == ("ok", "done")
     assert state.folded_weight.data_ptr() == address  # captured graphs keep reading the same memory
     assert torch.equal(state.folded_weight, eagle3_ops.fold_norm_weights(fc.weight, state.chunk_norm_weight))
+    # and through SGLang's own WeightUpdater (load_format="direct" writes the parameters directly)
+    import types
+
+    from sglang.srt.model_executor.model_runner_components import weight_updater as wu
+
+    monkeypatch.setattr(wu, "get_model", lambda: types.SimpleNamespace(weight_cache_mode="off"))
+    monkeypatch.setattr(wu, "get_parallel", lambda: types.SimpleNamespace(tp_rank=0))
+    updater = wu.WeightUpdater(tp_rank=0, device="cpu", gpu_id=0, model_config=None, custom_weight_loaders={},
+                               get_model=lambda: draft, update_model_fields=lambda **k: None,
+                               recapture_cuda_graph=lambda: None, get_model_runner=lambda: None)
+    assert getattr(wu.WeightUpdater.update_weights_from_tensor, "__wrapped__", None) is not None  # hooked
+    newer = torch.randn(fc.weight.shape, dtype=torch.float32).to(dtype)
+    assert updater.update_weights_from_tensor([("model.fc.weight", newer)], load_format="direct") == (True, "Success")
+    assert torch.equal(fc.weight, newer) and state.folded_weight.data_ptr() == address
+    assert torch.equal(state.folded_weight, eagle3_ops.fold_norm_weights(fc.weight, state.chunk_norm_weight))
+    # an update whose weights cannot be folded is reported as failed, never as "Success"
+    before = state.folded_weight.clone()
+    huge = newer.clone()
+    huge[0, 0] = torch.finfo(dtype).max
+    gains = [n.weight.detach().clone() for n in draft.model.fc_norm]
+    gains[0][0] = 4.0
+    ok, message = updater.update_weights_from_tensor([("model.fc.weight", huge), ("model.fc_norm.0.weight", gains[0])],
+                                                     load_format="direct")
+    assert not ok and "could not be folded" in message and "not finite" in message
+    assert torch.equal(state.folded_weight, before)  # refused: the copy is left as it was (and logged)
 
 
 def test_target_norm_stays_sglangs_where_nothing_wins(sglang_cpu, qualifying, caplog):

@@ -110,25 +110,50 @@ def test_tp2_sharded_draft_fc(sglang_cpu, tmp_path):
             for name in OUTPUTS:
                 h.assert_plugin_matches_stock(q[name], replicated[name], dtype, f"{key} rank{r} {name} qualified",
                                               reference=res["reference_only"])
-            # rank 0's own qualification would fuse, rank 1's keeps stock: both run stock (no lone all-gather)
-            one = res[(key, "qualified-stock-on-one-rank")]
+            # rank 0 decides (rank 1 would have kept stock, but found rank 0's pick correct): both fuse
+            dec = res[(key, "qualified-rank0-decides")]
+            assert dec["partial_sharding"] == plans[0] and dec["fc_class"] == "Linear"
+            assert dec["site_plan"] == ranks[0][(key, "qualified-rank0-decides")]["site_plan"]
+            assert dec["site_plan"] and all(c[1] == "triton" and c[2] == "skinny" for c in dec["site_plan"])
+            assert dec["stats"] == {"fused_calls": 1, "stock_calls": 1}
+            assert dec["extend_gathers"] == stock["extend_gathers"] + 1  # bucket 16 sharded, fused on both
+            for name in OUTPUTS:
+                torch.testing.assert_close(dec[name], replicated[name], **tol, msg=f"{key} rank{r} {name} rank 0 decides")
+            # rank 1 rejected rank 0's pick: stock for every bucket on both ranks (no lone all-gather)
+            one = res[(key, "qualified-rank1-rejects")]
             assert one["partial_sharding"] == plans[0] and one["fc_class"] == "Linear"
-            assert one["site_plan"] and all(backend is None for _, backend in one["site_plan"]), one["site_plan"]
+            assert one["site_plan"] and all(c[1] is None for c in one["site_plan"]), one["site_plan"]
             assert one["stats"] == {"fused_calls": 0, "stock_calls": 2}
             assert one["extend_gathers"] == stock["extend_gathers"] and one["decode_gathers"] == stock["decode_gathers"]
             for name in OUTPUTS:
                 assert torch.equal(one[name], stock[name]), f"{key} rank{r} {name}: stock on every rank"
-            # a failure on rank 1 before the collectives: both ranks return (no hang) and shard everywhere
-            failed = res[(key, "qualified-fails-on-rank-1")]
-            assert failed["partial_sharding"] is None and failed["fc_class"] == "ColumnShardedFc"
-            assert failed["extend_gathers"] == stock["extend_gathers"] + 1
+            # a failure on rank 1 before the collectives (timing, or building the timer): both ranks
+            # return (no hang) and shard everywhere
+            for variant in ("qualified-fails-on-rank-1", "qualified-timer-fails-on-rank-1"):
+                failed = res[(key, variant)]
+                assert failed["partial_sharding"] is None and failed["fc_class"] == "ColumnShardedFc", variant
+                assert failed["extend_gathers"] == stock["extend_gathers"] + 1
+                for name in OUTPUTS:
+                    h.assert_plugin_matches_stock(failed[name], res[(key, "sharded")][name], dtype,
+                                                  f"{key} rank{r} {name} {variant}", reference=res["reference_only"])
+            # the site's qualification fails on rank 1 after partial sharding: it votes stock, all run stock
+            site = res[(key, "qualified-site-fails-on-rank-1")]
+            assert site["partial_sharding"] == plans[0] and site["fc_class"] == "Linear"
+            assert site["site_plan"] and all(c[1] is None for c in site["site_plan"]), site["site_plan"]
+            assert site["stats"] == {"fused_calls": 0, "stock_calls": 2}
+            assert site["extend_gathers"] == stock["extend_gathers"]
+            # no backend on rank 1: the ranks agree before any collective; the fc stays stock on both
+            nob = res[(key, "backend-fails-on-rank-1")]
+            assert not nob["installed"] and nob["fc_class"] == "Linear" and nob["sharding"] is None
+            assert nob["extend_gathers"] == stock["extend_gathers"]
             for name in OUTPUTS:
-                h.assert_plugin_matches_stock(failed[name], res[(key, "sharded")][name], dtype,
-                                              f"{key} rank{r} {name} failed", reference=res["reference_only"])
+                assert torch.equal(nob[name], stock[name]), f"{key} rank{r} {name}: stock on every rank"
     joined = "\n".join(logs)
     assert "fc sharded over 2 TP ranks" in joined and "was released" in joined
     assert "stays replicated on each of the 2 TP ranks (EAGLE3_OPS_SGLANG_SHARD_FC=0)" in joined
     assert "fc at TP=2: sharded for some buckets: the replicated weight stays" in joined
-    assert "rows run stock on every TP rank (another rank's qualification kept stock there" in logs[0]
+    assert "rows serve stock on every TP rank (a rank could not take rank 0's choice)" in logs[0]
     assert "timing the sharded and replicated fc failed on this rank" in logs[1]
+    assert "fc stays stock on every TP rank: another TP rank cannot run it fused" in logs[0]
+    assert "qualification failed on this rank" in logs[1]
     assert all("the sharding could not be qualified on every rank; sharded for every bucket" in lg for lg in logs)

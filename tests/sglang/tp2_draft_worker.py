@@ -18,9 +18,16 @@ as stock SGLang does) three times per dtype:
   replicated and the 12-row extend (bucket 16) takes this rank's rows of it + one all-gather;
 * ``qualified-fails-on-rank-1``: timing fails on rank 1 before any collective; both ranks give up
   together (no rank is left waiting in an all-gather) and shard for every bucket (the default);
-* ``qualified-stock-on-one-rank``: the same sharding plan, and the site's own qualification runs with
-  a timer under which rank 0's candidates beat stock and rank 1's do not: the ranks agree on stock
-  for every bucket (else rank 0 would all-gather alone), so the extend runs SGLang's stock fc.
+  ``qualified-timer-fails-on-rank-1``: the same when building the timer fails;
+* ``qualified-site-fails-on-rank-1``: partial sharding as in ``qualified``, then the site's own
+  qualification raises on rank 1: it votes stock, so both ranks run stock for every bucket;
+* ``backend-fails-on-rank-1``: no backend can serve the fused fc on rank 1 (its self-check failed):
+  the ranks agree before any sharding collective; both stay replicated, rank 0 fused, rank 1 stock.
+* ``qualified-rank0-decides``: the same sharding plan, and the site's own qualification runs with a
+  timer under which rank 0's candidates beat stock and rank 1's do not: every rank serves rank 0's
+  choice (rank 1 found it correct too), so both fuse and the extend all-gathers on both;
+* ``qualified-rank1-rejects``: the same, and rank 1's qualification rejected rank 0's candidate:
+  stock for every bucket on both ranks (else rank 0 would all-gather alone).
 
 Each runs one draft EXTEND (on the target's aux states) and one DECODE step, counting every
 all-gather SGLang's TP group performs, and saves outputs, counts and what the rank holds."""
@@ -64,8 +71,10 @@ class ScriptedTimer:
 
     BUCKETS = 4
 
-    def __init__(self, rank: int, fail_rank: int = -1):
-        self.rank, self.calls, self.fail_rank = rank, 0, fail_rank
+    def __init__(self, rank: int, fail_rank: int = -1, fail_init: bool = False):
+        if fail_init and rank == fail_rank:
+            raise RuntimeError("CUDA out of memory (simulated, allocating the L2 flush buffer)")
+        self.rank, self.calls, self.fail_rank = rank, 0, (-1 if fail_init else fail_rank)
 
     def __call__(self, fn):
         if self.rank == self.fail_rank:
@@ -128,7 +137,9 @@ def main(rank: int, port: int, outdir: str) -> None:
     for dtype in (torch.float32, torch.bfloat16):
         aux = aux32.to(dtype)
         for variant in ("stock", "sharded", "replicated", "sharded-stepped-aside", "qualified",
-                        "qualified-stock-on-one-rank", "qualified-fails-on-rank-1"):
+                        "qualified-rank0-decides", "qualified-rank1-rejects", "qualified-fails-on-rank-1",
+                        "qualified-timer-fails-on-rank-1", "qualified-site-fails-on-rank-1",
+                        "backend-fails-on-rank-1"):
             draft = _build(dcfg, dtype, inputs_path)
             rec = {}
             if variant != "stock":
@@ -140,34 +151,55 @@ def main(rank: int, port: int, outdir: str) -> None:
 
                 from eagle3_ops.sglang import capture_hooks
 
-                saved = draft_fc_hooks._qualify_site, qualify.Timer, capture_hooks._default_max_tokens
+                saved = (draft_fc_hooks._qualify_site, qualify.Timer, capture_hooks._default_max_tokens,
+                         draft_fc_hooks.serving_backends)
                 if variant.startswith("qualified"):
                     os.environ["EAGLE3_OPS_QUALIFY"] = "on"
                     os.environ["XDG_CACHE_HOME"] = os.path.join(outdir, f"cache-{rank}-{variant}-{dtype}")
-                    fail_rank = 1 if variant == "qualified-fails-on-rank-1" else -1
-                    draft_fc_hooks.SHARDING_TIMER = lambda device: ScriptedTimer(rank, fail_rank)
+                    fail_rank = 1 if variant in ("qualified-fails-on-rank-1", "qualified-timer-fails-on-rank-1") else -1
+                    fail_init = variant == "qualified-timer-fails-on-rank-1"
+                    draft_fc_hooks.SHARDING_TIMER = lambda device: ScriptedTimer(rank, fail_rank, fail_init)
                     capture_hooks._default_max_tokens = lambda: 64  # buckets 1, 4, 16, 64 (the interpreter is slow)
-                if variant in ("qualified", "qualified-fails-on-rank-1"):
+                if variant in ("qualified", "qualified-fails-on-rank-1", "qualified-timer-fails-on-rank-1"):
                     draft_fc_hooks._qualify_site = lambda *a: None  # these: the sharding decision only
-                elif variant == "qualified-stock-on-one-rank":
+                elif variant in ("qualified-rank0-decides", "qualified-rank1-rejects"):
                     site_timer = SiteTimer(rank)
                     qualify.Timer = lambda device, reps=10: site_timer
+                    if variant == "qualified-rank1-rejects" and rank == 1:
+                        saved_qualify = qualify.qualify
+
+                        def rejecting(*a, **k):  # rank 1 found rank 0's pick (triton/skinny) wrong
+                            plan = saved_qualify(*a, **k)
+                            plan.rejected += [qualify.Rejection("draft_fc", c.rows, "triton", "skinny", "simulated")
+                                              for c in plan.choices]
+                            return plan
+                        qualify.qualify = rejecting
+                elif variant == "qualified-site-fails-on-rank-1" and rank == 1:
+                    def failing_site(*a):
+                        raise RuntimeError("CUDA out of memory (simulated, in the site's qualification)")
+                    draft_fc_hooks._qualify_site = failing_site
+                elif variant == "backend-fails-on-rank-1" and rank == 1:
+                    draft_fc_hooks.serving_backends = lambda *a, **k: None  # its self-check failed on this GPU
                 try:
                     h.configure_capture(draft, None, eagle=False)
                 finally:
                     for var in ("EAGLE3_OPS_SGLANG_SHARD_FC", "EAGLE3_OPS_QUALIFY", "XDG_CACHE_HOME"):
                         os.environ.pop(var, None)
                     draft_fc_hooks.SHARDING_TIMER = None
-                    draft_fc_hooks._qualify_site, qualify.Timer, capture_hooks._default_max_tokens = saved
+                    (draft_fc_hooks._qualify_site, qualify.Timer, capture_hooks._default_max_tokens,
+                     draft_fc_hooks.serving_backends) = saved
+                    if variant == "qualified-rank1-rejects" and rank == 1:
+                        qualify.qualify = saved_qualify
                 state = draft_fc_state(draft)
-                assert state is not None, variant
+                rec["installed"] = state is not None
+                assert state is not None or variant == "backend-fails-on-rank-1", variant
                 if variant == "sharded-stepped-aside":
                     state.enabled = False  # SGLang's own fc block runs: its fc call is ColumnShardedFc.forward
-                rec["sharding"] = state.sharding
-                partial = state.partial_sharding
+                rec["sharding"] = state.sharding if state else None
+                partial = state.partial_sharding if state else None
                 rec["partial_sharding"] = (partial.rows, partial.sharded, partial.timings) if partial else None
-                rec["site_plan"] = ([(c.rows, c.backend) for c in state.plan.choices] if state.plan is not None
-                                    else None)
+                rec["site_plan"] = ([(c.rows, c.backend, c.path, c.folded) for c in state.plan.choices]
+                                    if state is not None and state.plan is not None else None)
                 fc = draft.model.fc
                 rec["fc_class"] = type(fc).__name__
                 rec["fc_weight_shape"] = tuple(fc.weight.shape)
@@ -204,7 +236,7 @@ def main(rank: int, port: int, outdir: str) -> None:
                        fc_out=fc_out, extend_logits=ext.next_token_logits.clone(),
                        extend_hidden=ext.hidden_states.clone(), decode_logits=dec.next_token_logits.clone(),
                        decode_hidden=dec.hidden_states.clone())
-            if variant != "stock":
+            if variant != "stock" and draft_fc_state(draft) is not None:
                 rec["stats"] = dict(draft_fc_state(draft).stats)
             results[(str(dtype), variant)] = rec
             del draft
