@@ -249,7 +249,7 @@ def _qualify_fc(shape: Shape, rows: int, device, timer: Timer, plan: Plan, margi
 
     p = _fc_problem(shape, rows, device, tensors)
     if tensors is None:
-        folded_weight = _fold(p)
+        folded_weight = _fold(p.weight, p.chunk_norm_weight, p.input_norm_weight)
     truth = p.truth()
     stock_fn, stock_label = _fc_stock(p)
     stock_us = timer(stock_fn)
@@ -423,7 +423,8 @@ def qualify(shape: Shape, device=None, buckets: Sequence[int] = DEFAULT_BUCKETS,
     timer = timer or Timer(device, reps)
     t0 = time.perf_counter()
     with torch.no_grad():
-        folded_weight = _fold(_fc_problem(shape, 1, device, tensors)) if tensors is not None else None
+        folded_weight = (_fold(tensors["weight"], tensors.get("chunk_norm_weight"), tensors.get("input_norm_weight"))
+                         if tensors is not None else None)
         for rows in buckets:
             if shape.op == "draft_fc":
                 _qualify_fc(shape, rows, device, timer, plan, margin, run_candidate, tensors, folded_weight)
@@ -437,15 +438,15 @@ def qualify(shape: Shape, device=None, buckets: Sequence[int] = DEFAULT_BUCKETS,
     return plan
 
 
-def _fold(p: testing.FcProblem) -> Optional[torch.Tensor]:
-    """The problem's weight with its norm weights folded in (the folded candidates' weight), or None
-    without norms or when it cannot be folded (an fp16 overflow: those candidates are not run)."""
-    if p.chunk_norm_weight is None and p.input_norm_weight is None:
+def _fold(weight, chunk_norm_weight, input_norm_weight) -> Optional[torch.Tensor]:
+    """The weight with its norm weights folded in (the folded candidates' weight), or None without
+    norms or when it cannot be folded (an fp16 overflow: those candidates are not run)."""
+    if chunk_norm_weight is None and input_norm_weight is None:
         return None
     from . import ops
 
     try:
-        return ops.fold_norm_weights(p.weight, p.chunk_norm_weight, p.input_norm_weight)
+        return ops.fold_norm_weights(weight, chunk_norm_weight, input_norm_weight)
     except ValueError as e:
         log.info("eagle3_ops: qualification runs no folded candidate: %s", e)
         return None

@@ -130,11 +130,15 @@ class DraftFcState:
         if fc_norm is not None:
             self._share_chunk_norm_storage()
 
+    @property
+    def input_norm_weight(self) -> Optional[torch.Tensor]:
+        return self.input_norm.weight if self.input_norm is not None else None
+
     def refold(self) -> None:
         """(Re)compute the folded weight from the current fc and norm weights, in place."""
         if self.folded_weight is None:
             return
-        input_norm_weight = self.input_norm.weight if self.input_norm is not None else None
+        input_norm_weight = self.input_norm_weight
         ops.fold_norm_weights(self.fc.weight, self.chunk_weight(), input_norm_weight, out=self.folded_weight)
 
     def _share_chunk_norm_storage(self) -> None:
@@ -150,7 +154,7 @@ class DraftFcState:
         here (when the draft is installed, before SGLang sizes its KV cache and outside any CUDA-graph
         pool) instead of growing inside a graph capture. Returns its bytes."""
         weight = self.fc.weight
-        input_norm_weight = self.input_norm.weight if self.input_norm is not None else None
+        input_norm_weight = self.input_norm_weight
         # the weights calls are made with: the fc's, and this rank's rows of it under partial sharding
         # (fewer rows can plan more splits, so more partials)
         weights = [(weight, self.fc.bias)]
@@ -247,7 +251,7 @@ def _run_draft_forward(state: DraftFcState, original, inner, args, kwargs):
     if choice is not None and choice.backend is None:  # qualification: stock is faster for this many rows
         state.stats["stock_calls"] += 1
         return original(inner, *args, **kwargs)
-    input_norm_weight = state.input_norm.weight if state.input_norm is not None else None
+    input_norm_weight = state.input_norm_weight
     chunk = state.chunk_weight()
     from .. import dispatch, plans
 
@@ -315,6 +319,7 @@ def install_draft_fc(model) -> Optional[DraftFcState]:
     # here on a rank may fail alone (a backend's self-check on its GPU, memory), so when collectives
     # follow (sharding) the ranks first agree that all of them can go on.
     shard = _shard_plan(inner, fc, name)
+    tp = _tp_size()
     backend, state = None, None
     try:
         backend = serving_backends(("draft_fc",), fc.weight.device, fc.weight.dtype, f"draft {name} fc")
@@ -324,7 +329,7 @@ def install_draft_fc(model) -> Optional[DraftFcState]:
         log.exception("eagle3_ops: draft %s fc: could not prepare the fused fc on this rank", name)
     # All TP ranks run the fused fc or none does (ranks with different fc kernels would hold
     # differently rounded copies of what TP treats as one activation; with sharding, collectives).
-    if _tp_size() > 1 and not _all_ranks_agree(state is not None):
+    if tp > 1 and not _all_ranks_agree(state is not None):
         log.warning("eagle3_ops: draft %s fc stays stock on every TP rank: %s", name,
                     "this rank cannot run it fused" if state is None else "another TP rank cannot run it fused")
         return None
@@ -359,13 +364,13 @@ def install_draft_fc(model) -> Optional[DraftFcState]:
     try:
         _qualify_site(state, name, max_tokens)
     except Exception:
-        if _tp_size() <= 1:
+        if tp <= 1:
             raise
         log.exception("eagle3_ops: draft %s fc: qualification failed on this rank", name)
         failed = True
     from .. import qualify
 
-    if _tp_size() > 1 and qualify.enabled(state.fc.weight.device):  # every rank gets here (collectives)
+    if tp > 1 and qualify.enabled(state.fc.weight.device):  # every rank gets here (collectives)
         _agree_with_rank0(state, name, qualify.buckets_up_to(max_tokens), failed)
     _keep_folded_weight(model, state, name)
     return state
@@ -386,7 +391,7 @@ def _keep_folded_weight(model, state: DraftFcState, name: str) -> None:
     plan = state.plan
     if plan is None or not any(c.folded for c in plan.choices):
         return
-    input_norm_weight = state.input_norm.weight if state.input_norm is not None else None
+    input_norm_weight = state.input_norm_weight
     try:
         state.folded_weight = ops.fold_norm_weights(state.fc.weight, state.chunk_weight(), input_norm_weight)
     except (ValueError, RuntimeError) as e:  # cannot fold / out of memory: those buckets take the unfolded weight
@@ -446,7 +451,7 @@ def _qualify_site(state: DraftFcState, name: str, max_tokens: int) -> None:
     weight = state.fc.weight
     if not qualify.enabled(weight.device):
         return
-    input_norm_weight = state.input_norm.weight if state.input_norm is not None else None
+    input_norm_weight = state.input_norm_weight
     tensors = {"weight": weight, "bias": state.fc.bias, "chunk_norm_weight": state.chunk_norm_weight,
                "input_norm_weight": input_norm_weight, "eps": state.eps}
     plan = qualify.qualify(_site_shape(state), weight.device, qualify.buckets_up_to(max_tokens), tensors=tensors)
@@ -527,7 +532,7 @@ def _qualify_sharding(state: DraftFcState, name: str, tp_rank: int, tp_size: int
     rows_w = weight.narrow(0, tp_rank * n, n)
     rows_b = bias.narrow(0, tp_rank * n, n) if bias is not None else None
     chunk = state.chunk_norm_weight
-    input_norm_weight = state.input_norm.weight if state.input_norm is not None else None
+    input_norm_weight = state.input_norm_weight
     buckets = qualify.buckets_up_to(max_tokens)
     # Every rank must reach every collective below: first the local work (which may fail, e.g. out
     # of memory), then one all-reduce of "done" so that all ranks go on or all give up together.

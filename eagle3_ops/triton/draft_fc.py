@@ -438,14 +438,25 @@ def plan(x, weight, bias, rows, chunk_norm_weight, input_norm_weight, split_len:
                 prepared_bytes=aligned(p.M * p.KH * x.element_size()) if prepared else 0)
 
 
+def _scales_for(x, rows, chunk_norm_weight, input_norm_weight, eps, carver: Carver, pl: Plan):
+    """The fp32 row scales [M, NC] carved from the workspace (None without norms)."""
+    p = pl.problem
+    if not p.has_scale:
+        return None
+    return _row_scales(x, rows, chunk_norm_weight, input_norm_weight, eps, p, carver.take(p.M * p.NC, torch.float32))
+
+
+def _gain_flags(chunk_norm_weight, input_norm_weight, folded: bool) -> dict:
+    """Which norm weights the fc kernels multiply into x: none when the weight carries them."""
+    return dict(HAS_IN_NORM=input_norm_weight is not None and not folded,
+                HAS_CHUNK_NORM=chunk_norm_weight is not None and not folded)
+
+
 def _skinny(x, weight, bias, rows, chunk_norm_weight, input_norm_weight, eps, out, carver: Carver, pl: Plan,
             folded: bool = False) -> None:
     p = pl.problem
     device = x.device
-    scales = None
-    if p.has_scale:
-        scales = _row_scales(x, rows, chunk_norm_weight, input_norm_weight, eps, p,
-                             carver.take(p.M * p.NC, torch.float32))
+    scales = _scales_for(x, rows, chunk_norm_weight, input_norm_weight, eps, carver, pl)
     cfg = pl.cfg
     tiles_m, tiles_n = triton.cdiv(p.M, cfg["BLOCK_M"]), triton.cdiv(p.N, cfg["BLOCK_N"])
     S = pl.S
@@ -454,9 +465,8 @@ def _skinny(x, weight, bias, rows, chunk_norm_weight, input_norm_weight, eps, ou
         x, x.stride(0), weight, weight.stride(0), _dummy(rows, x), _dummy(input_norm_weight, x),
         _dummy(chunk_norm_weight, x), _dummy(scales, x), _dummy(bias, x), out, out.stride(0), _dummy(ws, x),
         p.M, p.N, p.R, p.CH, p.NC, pl.splits_per_chunk, pl.split_len,
-        HAS_ROWS=rows is not None, HAS_IN_NORM=input_norm_weight is not None and not folded,
-        HAS_CHUNK_NORM=chunk_norm_weight is not None and not folded, HAS_SCALE=p.has_scale, HAS_BIAS=bias is not None,
-        WRITE_PARTIAL=S > 1, INTERPRETER_BF16=interpreter_bf16(_skinny_kernel, x.dtype),
+        HAS_ROWS=rows is not None, HAS_SCALE=p.has_scale, HAS_BIAS=bias is not None,
+        **_gain_flags(chunk_norm_weight, input_norm_weight, folded), WRITE_PARTIAL=S > 1, INTERPRETER_BF16=interpreter_bf16(_skinny_kernel, x.dtype),
         INPUT_PRECISION=_input_precision(x.dtype), **cfg)
     if S > 1:
         block = 1024 if device.type == "cuda" else 256
@@ -469,18 +479,15 @@ def _skinny(x, weight, bias, rows, chunk_norm_weight, input_norm_weight, eps, ou
 def _tiled(x, weight, bias, rows, chunk_norm_weight, input_norm_weight, eps, out, carver: Carver, pl: Plan,
            folded: bool = False) -> None:
     p = pl.problem
-    scales = None
-    if p.has_scale:
-        scales = _row_scales(x, rows, chunk_norm_weight, input_norm_weight, eps, p,
-                             carver.take(p.M * p.NC, torch.float32))
+    scales = _scales_for(x, rows, chunk_norm_weight, input_norm_weight, eps, carver, pl)
     cfg = pl.cfg
     grid = (triton.cdiv(p.M, cfg["BLOCK_M"]) * triton.cdiv(p.N, cfg["BLOCK_N"]),)
     _tiled_kernel[grid](
         x, x.stride(0), weight, weight.stride(0), _dummy(rows, x), _dummy(input_norm_weight, x),
         _dummy(chunk_norm_weight, x), _dummy(scales, x), _dummy(bias, x), out, out.stride(0),
         p.M, p.N, p.R, p.CH, p.NC,
-        HAS_ROWS=rows is not None, HAS_IN_NORM=input_norm_weight is not None and not folded,
-        HAS_CHUNK_NORM=chunk_norm_weight is not None and not folded, HAS_SCALE=p.has_scale, HAS_BIAS=bias is not None,
+        HAS_ROWS=rows is not None, HAS_SCALE=p.has_scale, HAS_BIAS=bias is not None,
+        **_gain_flags(chunk_norm_weight, input_norm_weight, folded),
         INTERPRETER_BF16=interpreter_bf16(_tiled_kernel, x.dtype), INPUT_PRECISION=_input_precision(x.dtype), **cfg)
 
 
