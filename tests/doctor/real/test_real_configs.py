@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from doctor_fixtures import codes, finding, run_doctor
+from eagle3_ops.doctor.configs import parse_target
 
 HERE = Path(__file__).resolve().parent
 
@@ -94,8 +95,7 @@ def make_pair(tmp_path, case: str, *, ids=None, shards: int = 1, bin_format: boo
         cfg["eagle_config"]["eagle_aux_hidden_state_layer_ids"] = ids
         raw = json.dumps(cfg, indent=2)
     (draft / "config.json").write_text(raw)
-    tcfg = json.loads((target / "config.json").read_text())
-    t_hidden = (tcfg.get("text_config") or tcfg)["hidden_size"]
+    t_hidden = parse_target(target).hidden_size  # as transformers reads it (llava-hf's text_config omits it)
     shapes = draft_shapes(cfg, t_hidden)
     data = vocab_maps(shapes["d2t"][0][0], shapes["t2d"][0][0])
     if bin_format:  # the original EAGLE-3 format: torch.save of a state dict (zero-stride: no data)
@@ -167,7 +167,7 @@ def test_kimi_k25_classic_mistake_is_an_error_without_a_guessed_fix(tmp_path):
     rc, rep = doctor(d, t)
     assert rc == 1
     err = finding(rep, "E_ID_OUT_OF_RANGE")["message"]
-    assert "deepseek_v2" in err and "boundary -1 does not exist" in err
+    assert "DeepseekV2ForCausalLM.set_eagle3_layers_to_capture" in err and "boundary -1 does not exist" in err
     assert [s["captured"] for s in rep["slots"]] == [False, True, True]
     errors = " ".join(f["message"] for f in rep["findings"] if f["severity"] == "error")
     assert "[0, 3, 31]" not in errors
@@ -217,13 +217,20 @@ def test_gpt_oss_specforge_and_boundary_numbered_ids(tmp_path):
 # ---------------------------------------------------------------------- original EAGLE-3 .bin, sharded
 def test_original_eagle3_bin_draft_without_ids(tmp_path):
     """The EAGLE authors' EAGLE-3 training config (LlamaForCausalLM architecture, no ids) as pytorch_model.bin on
-    Llama-3.1-8B: every engine's default [2, 16, 29]; no ids is a warning (the doctor assumes the default)."""
+    Llama-3.1-8B: every engine's default [2, 16, 29]; no ids is a warning (the doctor assumes the default).
+    SGLang resolves a draft's class from its architectures like any model's: LlamaForCausalLM is its plain Llama,
+    not an EAGLE-3 head, so SGLang cannot serve this config as written (E_DRAFT_CLASS); vLLM renames it
+    Eagle3LlamaForCausalLM (EAGLEConfig), its EAGLE-3 head."""
     d, t = make_pair(tmp_path, "llama-3.1-8b_eagle-official-train", bin_format=True)
     assert (d / "pytorch_model.bin").stat().st_size < 2_000_000
     for engine in ("sglang", "vllm", "trtllm"):
         rc, rep = doctor(d, t, "--engine", engine)
-        assert rc == 0 and slots(rep) == [2, 16, 29], (engine, codes(rep))
+        assert slots(rep) == [2, 16, 29], (engine, codes(rep))
         assert "--replay" in finding(rep, "W_NO_TRAINING_IDS")["message"]
+        assert codes(rep, "error") == (["E_DRAFT_CLASS"] if engine == "sglang" else []), (engine, codes(rep))
+    rc, rep = doctor(d, t)
+    msg = finding(rep, "E_DRAFT_CLASS")["message"]
+    assert rc == 1 and "LlamaForCausalLM" in msg and "LlamaForCausalLMEagle3" in msg
 
 
 def test_sharded_llama_70b_draft_without_ids(tmp_path):
