@@ -263,11 +263,11 @@ def format_report(report) -> str:
         for n, r in enumerate(report.training.readings):
             state = "" if r.plausible else f"  [ruled out: {r.why_not}]"
             out.append(_wrap(f"reading {chr(ord('A') + n)}: {r.boundaries} if {r.label}{state}", "    "))
-    out.append("")
-    out.append(_wrap(f"How to read the table: layers count from 0 to {L - 1}. Boundary i is the residual stream "
-                     f"entering layer i, which is the output of layer i-1 (Hugging Face output_hidden_states[i]); "
-                     f"boundary 0 is the token embeddings, boundary {L} the output of the last layer.", "  "))
     if report.slots:
+        out.append("")
+        out.append(_wrap(f"How to read the table: layers count from 0 to {L - 1}. Boundary i is the residual stream "
+                         f"entering layer i, which is the output of layer i-1 (Hugging Face output_hidden_states[i]); "
+                         f"boundary 0 is the token embeddings, boundary {L} the output of the last layer.", "  "))
         rows = []
         for s in report.slots:
             cid = "default" if s["config_id"] is None and s["capture_index"] is not None else \

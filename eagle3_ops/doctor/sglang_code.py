@@ -348,7 +348,7 @@ class StandIn:
             return attr.fget(self)
         if inspect.isfunction(attr):
             if attr.__name__.startswith("set_eagle3"):
-                d["trace"].append(attr.__qualname__)
+                d["trace"].append((attr.__module__, attr.__qualname__))
             return types.MethodType(attr, self)
         return attr
 
@@ -395,7 +395,7 @@ def probe(cls: type, config, ids: Optional[List[int]], num_layers: int, last_ran
     top = StandIn(cls, config, num_layers, last_rank)
     err = None
     fn = inspect.getattr_static(cls, "set_eagle3_layers_to_capture", None)
-    top.info["trace"].append(fn.__qualname__)
+    top.info["trace"].append((fn.__module__, fn.__qualname__))
     with (contextlib.nullcontext() if _entered else _probing(last_rank)):
         try:
             fn(top, None if ids is None else list(ids))
@@ -410,7 +410,8 @@ def probe(cls: type, config, ids: Optional[List[int]], num_layers: int, last_ran
         flags = [i for i, lay in enumerate(holder.info["layers"]) if getattr(lay, "_is_layer_to_capture", False)]
     return {"layers_to_capture": ltc, "flags": flags, "capturing": holder, "error": err,
             "capture_aux": bool(top.info["set"].get("capture_aux_hidden_states")),
-            "ran": " -> ".join(dict.fromkeys(top.info["trace"]))}
+            "ran": " -> ".join(dict.fromkeys(q for _, q in top.info["trace"])),
+            "ran_modules": list(dict.fromkeys(m for m, _ in top.info["trace"]))}
 
 
 # ------------------------------------------------------------------------------ rule classification
@@ -499,6 +500,7 @@ def classify(cls: type) -> dict:
         "holder_class": _qualname(holder.info["cls"]) if holder is not None and holder.info["cls"] else None,
         "uses_layer_flags": bool(r32["flags"]),
         "ran": r32["ran"],
+        "ran_modules": r32["ran_modules"],
         "probe_errors": sorted({e.split(":")[0] for _, _, e in errors}),
     }
     # ids naming boundary L: models that flag self.layers[b] raise IndexError at start-up
