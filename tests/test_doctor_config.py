@@ -385,3 +385,22 @@ def test_doctor_agrees_with_sglang_execution(tmp_path):
         torch.testing.assert_close(aux[:, k * H:(k + 1) * H], hs[b][0], rtol=1e-4, atol=1e-4)
     rc, rep, _ = doctor(d, t)
     assert rc == 1 and "E_LAST_LAYER_NOT_CAPTURED" in codes(rep, "error")
+
+
+def test_run_checks_from_in_memory_configs(tmp_path):
+    """The API the live check uses in-process (issue 19): configs as dicts or as the server's config objects, no
+    config.json on disk; the same findings as the CLI on the same files."""
+    import transformers
+
+    from eagle3_ops.doctor.checks import Options, run_checks
+    from eagle3_ops.doctor.configs import draft_from_config, read_weight_headers, target_from_config
+
+    t = write_target(tmp_path / "t", num_layers=L)
+    d = write_draft(tmp_path / "d", ids=[1, 15, 31])  # id 31 names boundary 32, never captured by SGLang's llama
+    t_cfg, d_cfg = json.loads((t / "config.json").read_text()), json.loads((d / "config.json").read_text())
+    weights = read_weight_headers(d)
+    by_cli = doctor(d, t)[1]
+    for target in (target_from_config(t_cfg), target_from_config(transformers.LlamaConfig.from_dict(t_cfg))):
+        rep = run_checks(target, draft_from_config(d_cfg), weights, Options(engine="sglang"))
+        assert not rep.ok and [f.code for f in rep.findings if f.severity == "error"] == codes(by_cli, "error")
+        assert [s["capture_index"] for s in rep.slots] == [s["capture_index"] for s in by_cli["slots"]]

@@ -39,6 +39,7 @@ from .configs import (CONVENTION_TEXT, DoctorInputError, DraftInfo, TargetInfo,
                       TensorInfo, convention_to_index, load_tensors)
 from .engines import (ENGINE_NAMES, IDS_LOCATION, EngineWiring, default_boundaries, describe_boundary,
                       ids_for_boundaries, map_ids, resolve_wiring, short_boundary)
+from . import tables
 from .rules import TargetRules, draft_class, target_rules
 
 SEVERITIES = ("error", "warning", "info")
@@ -290,8 +291,9 @@ def run_checks(target: TargetInfo, draft: DraftInfo, weights: Dict[str, TensorIn
         return rep
     if rules.supported is None:
         rep.add("warning", "W_TARGET_SUPPORT_UNVERIFIED",
-                f"The doctor cannot tell whether {eng} serves EAGLE-3 for this target: {rules.refusal or 'the ' + eng + ' table has no entry for its class'}"
-                f". The slot table below assumes it does and that {eng}'s engine-wide rules apply.")
+                f"The doctor cannot tell whether {eng} serves EAGLE-3 for this target: "
+                f"{rules.refusal or 'the ' + eng + ' table has no entry for its class'}. The slot table below assumes "
+                f"it does and that {eng}'s engine-wide rules apply.")
 
     wiring = resolve_wiring(opts.engine, target, draft, pp=opts.pp, pp_partition=opts.pp_partition,
                             vllm_runner=opts.vllm_runner, trtllm_layers=opts.trtllm_layers, rules=rules)
@@ -712,8 +714,8 @@ def _check_tp(rep: Report, wiring: EngineWiring, opts: Options) -> None:
     elif wiring.capture_point == "after-allreduce":
         rep.add("info", "I_TP_CAPTURE_OK",
                 f"--tp {opts.tp}: {wiring.capture_point_evidence}. Checked: the stock capture path of {eng} for "
-                f"{wiring.rules.arch}. Not checked: patched engines or custom capture hooks; if you use one, rerun with "
-                f"--capture-point before-allreduce|after-allreduce.")
+                f"{wiring.rules.arch}. Not checked: patched engines or custom capture hooks; if you use one, rerun "
+                f"with --capture-point before-allreduce|after-allreduce.")
     else:
         rep.add("warning", "W_TP_CAPTURE_UNVERIFIED",
                 f"--tp {opts.tp}: {wiring.capture_point_evidence}. If captures are taken before the all-reduce, each "
@@ -801,12 +803,12 @@ def _check_tied(rep: Report, target: TargetInfo, draft: DraftInfo, weights: Dict
             rep.add("info", "I_TIED_DRAFT",
                     f"The draft sets tie_word_embeddings{src}; vLLM's {head['class']} ignores it (its lm_head has "
                     f"draft_vocab_size rows) and loads the checkpoint's lm_head.weight ({dv} rows).")
-        elif smaller:
+        elif smaller and (tables.load("vllm") or {}).get("shares_target_lm_head_without_own"):
             rep.add("error", "E_TIED_DRAFT_VOCAB",
-                    f"The draft sets tie_word_embeddings{src} and has no lm_head.weight; vLLM's {head['class']} ignores "
-                    f"the flag and, finding no lm_head in the checkpoint, shares the target's lm_head ({V} rows; "
-                    f"load_eagle_model, has_own_lm_head) while its logits cover {dv} draft tokens mapped by d2t: garbage "
-                    f"proposals. Export the draft with its trained lm_head.")
+                    f"The draft sets tie_word_embeddings{src} and has no lm_head.weight; vLLM's {head['class']} "
+                    f"ignores the flag and, finding no lm_head in the checkpoint, shares the target's lm_head ({V} "
+                    f"rows; spec_decode/eagle/utils.load_eagle_model, has_own_lm_head) while its logits cover {dv} "
+                    f"draft tokens mapped by d2t: garbage proposals. Export the draft with its trained lm_head.")
     elif opts.engine == "trtllm":
         rep.add("warning", "W_TIED_DRAFT",
                 f"The draft sets tie_word_embeddings{src} (draft vocabulary {dv}, target {V}); the doctor has not "
@@ -823,7 +825,8 @@ def _check_embed_scale(rep: Report, rules: TargetRules, opts: Options) -> None:
     holder = rules.evidence.get("holder_class", "").rsplit(".", 1)[-1] or rules.arch
     rep.add("warning", "W_EMBED_SCALE",
             f"The target scales its token embeddings ({holder}: `{rules.scaled_embedding}`), and its boundary-0 "
-            f"capture is the scaled embedding; {rules.name}'s draft head {dc.arch or 'class'} embeds the draft's tokens "
+            f"capture is the scaled embedding; {rules.name}'s draft head {dc.arch or 'class'} embeds the draft's "
+            f"tokens "
             f"with the target's embedding weights (set_embed) and applies no scale, so its embedding input is "
             f"1/sqrt(hidden_size) of the target's. Right only if the draft was trained with the same unscaled "
             f"embeddings; a draft trained on scaled embeddings reads inputs sqrt(hidden_size) times too small.")

@@ -42,7 +42,7 @@ class TargetRules:
     rule_key: Optional[str] = None
     rule_text: str = "unknown"
     default: Optional[List[str]] = None      # default boundaries as formulas of L
-    entry: Optional[str] = None    # value captured at the entry of layer i (layer-boundary | hidden+residual | hidden-only)
+    entry: Optional[str] = None    # captured at layer i's entry: layer-boundary | hidden+residual | hidden-only
     entry_code: Optional[str] = None
     final: Optional[str] = None    # boundary L: final-norm | after-loop | end (vLLM) | None (never)
     final_value: Optional[str] = None
@@ -87,7 +87,8 @@ def _table_map(r: TargetRules, ids, L) -> Mapped:
 
     if ids is None:
         if r.default is None:
-            return Mapped([], None, "engine default", unknown=f"{r.name}'s default ids for {r.arch} are not in its table")
+            return Mapped([], None, "engine default",
+                          unknown=f"{r.name}'s default ids for {r.arch} are not in its table")
         return Mapped(eval_formulas(r.default, L), None, "engine default")
     if r.engine == "vllm":
         return Mapped(list(ids), None, "id")

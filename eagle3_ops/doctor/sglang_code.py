@@ -567,7 +567,8 @@ def describe_class(arch: str, cls: Optional[type]) -> dict:
             return row
         row.update(supported=False, reason=(f"{cls.__name__} has no set_eagle3_layers_to_capture: SGLang raises "
                                             f"'Model {cls.__name__} does not implement set_eagle3_layers_to_capture' "
-                                            f"at start-up (attention_backend_setup.configure_aux_hidden_state_capture)"))
+                                            f"at start-up (attention_backend_setup."
+                                            f"configure_aux_hidden_state_capture)"))
         return row
     row["supported"] = True
     row["ids_method"] = fn.__qualname__

@@ -48,7 +48,8 @@ def _is_capture_test(node: ast.AST, attr: str) -> Optional[str]:
                 and right.value.id == "self":
             return ast.unparse(node.left)
     if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "getattr" and \
-            len(node.args) >= 2 and isinstance(node.args[1], ast.Constant) and node.args[1].value == "_is_layer_to_capture":
+            len(node.args) >= 2 and isinstance(node.args[1], ast.Constant) and \
+            node.args[1].value == "_is_layer_to_capture":
         return "flag"
     if isinstance(node, ast.Attribute) and node.attr == "_is_layer_to_capture" and isinstance(node.ctx, ast.Load):
         return "flag"

@@ -433,8 +433,8 @@ def table(path) -> dict:
         if "eagle3" in mod:
             src = tree.read(_module_path(mod)) or ""
             heads[arch] = {"class": f"{mod}.{name}", "reads_tie_word_embeddings": "tie_word_embeddings" in src,
-                           "lm_head_rows": "draft_vocab_size" if "ParallelLMHead(\n            self.config.draft_vocab_size"
-                           in src or "ParallelLMHead(self.config.draft_vocab_size" in src else None}
+                           "lm_head_rows": "draft_vocab_size"
+                           if re.search(r"ParallelLMHead\(\s*self\.config\.draft_vocab_size", src) else None}
     iface = tree.read(MODELS + "interfaces.py") or ""
     m = re.search(r"def _set_aux_hidden_state_layers\(.*?\n(.*?)\n\n", iface, re.S)
     return {"engine": "vllm", "version": tree.version(), "source": Path(path).name, "targets": targets,

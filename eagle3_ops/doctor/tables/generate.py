@@ -1,7 +1,7 @@
 """Regenerate the pinned engine tables from the engines' own code (never edit the JSON by hand).
 
     python -m eagle3_ops.doctor.tables.generate sglang              # from the installed SGLang
-    python -m eagle3_ops.doctor.tables.generate vllm --wheel /work/wheels/vllm-0.33.0-cp38-abi3-manylinux_2_28_x86_64.whl
+    python -m eagle3_ops.doctor.tables.generate vllm --wheel vllm-0.33.0-cp38-abi3-manylinux_2_28_x86_64.whl
     python -m eagle3_ops.doctor.tables.generate trtllm --src TensorRT-LLM/ --commit SHA
 
 Each table records what produced it (``generated_from``). SGLang: the installed package, its

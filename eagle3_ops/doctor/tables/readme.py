@@ -69,7 +69,8 @@ def _vllm(t: dict) -> list:
         "",
         f"vLLM EAGLE-3 draft heads: {', '.join(f'`{a}`' for a in sorted(t['draft_heads']))}; a draft's architecture "
         f"`X` is looked up as `{t['draft_rename']['code'].split(' for ')[0]}` (EAGLEConfig); speculators-format "
-        f"drafts by layer type: {', '.join(f'{k} -> `{v}`' for k, v in sorted(t['speculators_eagle3_arch_map'].items()))}.",
+        "drafts by layer type: "
+        + ", ".join(f"{k} -> `{v}`" for k, v in sorted(t["speculators_eagle3_arch_map"].items())) + ".",
         "",
         f"Targets served: {', '.join(sup)}.",
     ]

@@ -339,7 +339,8 @@ def test_qwen3_vl_dense_and_moe(tmp_path):
         finding(rep, "E_WIRING_MISMATCH")["message"]
     d, t = make_pair(tmp_path / "30b", "qwen3-vl-30b-a3b_specforge")
     rc, rep = doctor(d, t)  # Qwen3VLMoe: its Qwen2MoeModel flags self.layers[b]
-    assert rc == 0 and slots(rep) == [4, 24, 46] and rep["engine"]["class"].endswith("Qwen3VLMoeForConditionalGeneration")
+    assert rc == 0 and slots(rep) == [4, 24, 46]
+    assert rep["engine"]["class"].endswith("Qwen3VLMoeForConditionalGeneration")
 
 
 def test_qwen3_5_moe_reads_the_text_config(tmp_path):
