@@ -16,8 +16,12 @@ Dialects of EAGLE-3 draft configs in use:
 - ``eagle-original``: no ids at all (SafeAILab EAGLE-3 checkpoints). Trained on Hugging Face
   boundaries ``(2, L//2, L-3)``, which is also every engine's default.
 
-Targets: a plain config, or a multimodal wrapper with the language model under ``text_config``
-(Kimi-K2.5), ``language_config`` or ``llm_config``.
+Targets are read by the library that defines their model type (:func:`library_config`): SGLang's own
+config parser when the pinned SGLang is installed, else transformers' config class for ``model_type``
+(``attribute_map`` aliases, defaults, the nested ``text_config`` of multimodal wrappers such as
+Kimi-K2.5 or LLaVA); the doctor's own parsing (``num_hidden_layers`` at the top level or under
+``text_config`` / ``language_config`` / ``llm_config``) only for a model type neither knows, which the
+report flags (``W_CONFIG_ASSUMED``).
 
 Weights: only safetensors headers are read (``safe_open``: names, shapes, dtypes). ``d2t``/``t2d``
 (tiny) are loaded for value checks; nothing else is loaded except by ``--replay``.

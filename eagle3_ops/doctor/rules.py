@@ -175,8 +175,6 @@ def _sglang_live(target, arch: str, cls) -> TargetRules:
     def live(ids, L):
         from .sglang_code import ID_RULES
 
-        if ids is None and r.default is None:
-            pass
         res = sglang_code.probe(cls, config, ids, L)
         ltc = res["layers_to_capture"]
         if res["error"] is not None:

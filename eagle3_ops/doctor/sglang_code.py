@@ -189,7 +189,8 @@ def init_facts(cls: type) -> Dict[str, Any]:
     """What ``cls.__init__`` (through its bases, following what each ``super().__init__`` call passes, positional
     arguments too) assigns to ``self.model`` / ``self.language_model`` / ``self.llm`` (the sub-model's class and the
     config expression it is built from) and to ``self.config`` (an expression of the ``config`` argument), read
-    from the source. Assignments under an ``if`` are taken only when the test can be decided from names alone."""
+    from the source. Under an ``if`` whose test compares names only, just the branch that runs counts; under any
+    other test both branches count and, for ``self.config``, the last assignment in source order wins."""
     out: Dict[str, Any] = {}
     bindings: Dict[str, Any] = {}   # parameter name -> value, as the derived class's super().__init__ passes it
     pending_args: Optional[Tuple[list, list]] = None
@@ -222,7 +223,6 @@ def init_facts(cls: type) -> Dict[str, Any]:
 
         parents = {c: p for p in ast.walk(tree) for c in ast.iter_child_nodes(p)}
         calls = [n for n in ast.walk(tree) if _is_init_call(n)]
-        super_line = calls[0].lineno if calls else 0
         decided = set(out)
         for node in sorted((n for n in ast.walk(tree) if isinstance(n, ast.Assign)), key=lambda n: n.lineno):
             t = node.targets[0] if len(node.targets) == 1 else None
@@ -248,10 +248,6 @@ def init_facts(cls: type) -> Dict[str, Any]:
                                node.value.args[0] if node.value.args else None)
                     out[t.attr] = (v, ast.unparse(cfg) if cfg is not None else None)
                     decided.add(t.attr)
-            if node.lineno > super_line and t.attr == "config":
-                pass
-        if "config" in out and "config" not in decided:
-            decided.add("config")
         if calls:
             c = calls[0]
             args = [resolve(a) for a in c.args if not (isinstance(a, ast.Name) and a.id == "self")]
