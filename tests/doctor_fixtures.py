@@ -23,12 +23,19 @@ from safetensors.torch import save_file
 from eagle3_ops.doctor import cli
 
 
+# the architecture each model type's published configs name (what engines resolve the class from)
+_ARCH = {"llama": ["LlamaForCausalLM"], "deepseek_v3": ["DeepseekV3ForCausalLM"], "gpt_oss": ["GptOssForCausalLM"],
+         "qwen3": ["Qwen3ForCausalLM"]}
+
+
 def write_target(path, *, model_type: str = "llama", num_layers: int = 32, hidden: int = 16, vocab: int = 128,
                  nested_outer: Optional[str] = None, architectures: Optional[List[str]] = None) -> Path:
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
-    cfg = {"model_type": model_type, "architectures": architectures or [], "num_hidden_layers": num_layers,
-           "hidden_size": hidden, "vocab_size": vocab}
+    # a config transformers' class accepts (heads divide the hidden size), read the way engines read it
+    cfg = {"model_type": model_type, "architectures": architectures or _ARCH.get(model_type, []),
+           "num_hidden_layers": num_layers, "hidden_size": hidden, "vocab_size": vocab,
+           "num_attention_heads": 2, "num_key_value_heads": 2, "intermediate_size": 2 * hidden}
     if nested_outer:  # Kimi-K2.5 style: the language model lives under text_config
         cfg = {"model_type": nested_outer, "architectures": ["KimiK25ForConditionalGeneration"], "text_config": cfg}
     (path / "config.json").write_text(json.dumps(cfg))

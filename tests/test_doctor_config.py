@@ -12,6 +12,9 @@ from eagle3_ops.doctor import engines
 from eagle3_ops.doctor.configs import parse_draft, parse_target
 
 L = 32
+# what a speculators-format draft converted for SGLang names as its class (SGLang 0.5.23 cannot load the speculators
+# format: "Eagle3Speculator" is not one of its model classes, see test_speculators_format_is_not_an_sglang_draft)
+SGL_HEAD = {"architectures": ["LlamaForCausalLMEagle3"]}
 
 
 @pytest.fixture
@@ -31,27 +34,27 @@ def assert_clean(rc, rep):
 
 
 # ----------------------------------------------------------------------------- the engine rules
-def test_sglang_rules_from_source():
-    """The id -> boundary rules the doctor applies, per SGLang 0.5.23 model family."""
-    m = engines.map_ids
-    assert m("sglang", engines.PLUS_ONE, [1, 15, 28], 32)[0] == [2, 16, 29]
-    assert m("sglang", engines.PLUS_ONE, None, 32)[0] == [2, 16, 29]          # default [2, L//2, L-3]
-    assert m("sglang", engines.DEEPSEEK, [1, 29, 57], 61)[0] == [2, 30, 58]   # first id is 1: +1
-    assert m("sglang", engines.DEEPSEEK, [2, 30, 58], 61)[0] == [2, 30, 58]   # otherwise as is
-    assert m("sglang", engines.GPT_OSS, [1, 17, 36], 36)[0] == [1, 17, 36]    # max id == L: as is
-    assert m("sglang", engines.GPT_OSS, [1, 17, 33], 36)[0] == [2, 18, 34]
-    assert m("vllm", engines.PLUS_ONE, [2, 16, 29], 32)[0] == [2, 16, 29]
-    # TensorRT-LLM: id k = output of layer k; -1 = the final state after the last norm (not the embeddings)
-    assert m("trtllm", engines.PLUS_ONE, [-1, 1, 15], 32)[0] == [engines.POST_NORM(32), 2, 16]
+def _table_rules(arch, num_layers=32):
+    """SGLang's rules for a target of class ``arch`` as the pinned table states them (no SGLang import)."""
+    from eagle3_ops.doctor.configs import target_from_config
+    from eagle3_ops.doctor.rules import target_rules
+
+    t = target_from_config({"model_type": "llama", "architectures": [arch], "num_hidden_layers": num_layers,
+                            "hidden_size": 16, "num_attention_heads": 2, "vocab_size": 128})
+    return target_rules("sglang", t, "table")
+
+
+def test_pipeline_stage_ranges():
     assert engines.pp_stage_ranges(32, 2) == [(0, 16), (16, 32)]
     assert engines.pp_stage_ranges(10, 3) == [(0, 3), (3, 6), (6, 10)]  # extra layers go to the last stages
 
 
-def test_sglang_rules_match_installed_sglang():
-    """Cross-check against the installed SGLang's (0.5.23, a test dependency) set_eagle3_layers_to_capture."""
+def test_table_rules_match_the_installed_sglang_classes():
+    """The pinned table's rule for each class gives what that class's own set_eagle3_layers_to_capture sets, run
+    here on a plain SimpleNamespace (not the doctor's stand-in): the table is not a copy that can drift unseen."""
     import types
 
-    from sglang.srt.models.deepseek_v2 import DeepseekV2ForCausalLM
+    from sglang.srt.models.deepseek_v2 import DeepseekV3ForCausalLM
     from sglang.srt.models.gpt_oss import GptOssForCausalLM
     from sglang.srt.models.llama import LlamaForCausalLM
     from sglang.srt.models.qwen3 import Qwen3ForCausalLM
@@ -64,13 +67,14 @@ def test_sglang_rules_match_installed_sglang():
         cls.set_eagle3_layers_to_capture(holder, ids)
         return list(holder.model.layers_to_capture)
 
-    for cls in (LlamaForCausalLM, Qwen3ForCausalLM):
-        for ids in ([1, 15, 28], [0, 5, 9], [-1, 3, 31], None):
-            assert run(cls, ids, 32) == engines.map_ids("sglang", engines.PLUS_ONE, ids, 32)[0]
-    for ids in ([1, 29, 57], [2, 30, 58], None):
-        assert run(DeepseekV2ForCausalLM, ids, 61) == engines.map_ids("sglang", engines.DEEPSEEK, ids, 61)[0]
-    for ids in ([1, 17, 36], [1, 17, 33], None):
-        assert run(GptOssForCausalLM, ids, 36) == engines.map_ids("sglang", engines.GPT_OSS, ids, 36)[0]
+    cases = [(LlamaForCausalLM, 32, ([1, 15, 28], [0, 5, 9], [-1, 3, 31], None)),
+             (Qwen3ForCausalLM, 32, ([1, 15, 28], [3, 10, 20], None)),
+             (DeepseekV3ForCausalLM, 61, ([1, 29, 57], [2, 30, 58], [-1, 2, 30], None)),
+             (GptOssForCausalLM, 36, ([1, 17, 36], [1, 17, 33], [24, 30, 36], None))]
+    for cls, n, idss in cases:
+        rules = _table_rules(cls.__name__, n)
+        for ids in idss:
+            assert rules.map_ids(ids, n).config_order == run(cls, ids, n), (cls.__name__, ids)
 
 
 # ----------------------------------------------------------------------------- correct configs
@@ -102,12 +106,28 @@ def test_speculators_dialect_parsed(tmp_path, llama):
     assert_clean(rc, rep)
 
 
+def test_speculators_format_is_not_an_sglang_draft(tmp_path, llama):
+    """SGLang 0.5.23 resolves a draft's class like any model's (ModelRegistry); "Eagle3Speculator" is not one of its
+    classes, so it falls back to the Transformers backend, which is no EAGLE-3 head: an error, not a wiring verdict
+    on a draft SGLang cannot load. vLLM (which reads the speculators format) is fine with the same draft."""
+    d = write_draft(tmp_path / "d", dialect="speculators", ids=[2, 16, 29], top_ids=[1, 15, 28])
+    rc, rep = doctor(d, llama, "--engine", "sglang")[:2]
+    assert rc == 1
+    msg = finding(rep, "E_DRAFT_CLASS")["message"]
+    assert "Eagle3Speculator" in msg and "LlamaForCausalLMEagle3" in msg
+
+
 def test_nested_text_config_target(tmp_path):
-    """Kimi-K2.5 style target: language model under text_config (deepseek_v3 rules in SGLang)."""
+    """Kimi-K2.5 style target: language model under text_config; SGLang serves it with
+    KimiK25ForConditionalGeneration, which hands the ids to its DeepseekV3ForCausalLM language model."""
+    from eagle3_ops.doctor.rules import target_rules
+
     t = write_target(tmp_path / "kimi", model_type="deepseek_v3", num_layers=61, nested_outer="kimi_k25")
     info = parse_target(t)
     assert info.nested_key == "text_config" and info.num_layers == 61 and info.hidden_size == 16
-    assert engines.detect_family(info)[0] == engines.DEEPSEEK
+    rules = target_rules("sglang", info, "table")
+    assert rules.arch == "KimiK25ForConditionalGeneration" and rules.rule_key == "id+1-if-first-is-1"
+    assert rules.evidence["holder"] == "self.language_model.model"
     rc, rep = doctor(write_draft(tmp_path / "d", ids=[1, 29, 57]), t)[:2]
     assert_clean(rc, rep)
     assert [s["capture_index"] for s in rep["slots"]] == [2, 30, 58]
@@ -150,13 +170,14 @@ def test_layer_output_ids_read_as_layer_input_by_vllm(tmp_path, llama):
 
 
 def test_layer_input_ids_read_as_layer_output_by_sglang(tmp_path, llama):
-    # speculators draft (vLLM convention, ids = boundaries) whose ids were copied into eagle_config for SGLang.
-    bad = write_draft(tmp_path / "bad", dialect="speculators", ids=[2, 16, 29], top_ids=[2, 16, 29])
+    # speculators draft (vLLM convention, ids = boundaries) converted for SGLang (its architectures set to SGLang's
+    # head: SGLang 0.5.23 has no speculators support) with its ids copied unchanged into eagle_config.
+    bad = write_draft(tmp_path / "bad", dialect="speculators", ids=[2, 16, 29], top_ids=[2, 16, 29], extra=SGL_HEAD)
     rc, rep = doctor(bad, llama, "--engine", "sglang")[:2]
     assert rc == 1
     msg = finding(rep, "E_CONVENTION_MISMATCH")["message"]
     assert "one layer later" in msg and "[1, 15, 28]" in msg
-    good = write_draft(tmp_path / "good", dialect="speculators", ids=[2, 16, 29], top_ids=[1, 15, 28])
+    good = write_draft(tmp_path / "good", dialect="speculators", ids=[2, 16, 29], top_ids=[1, 15, 28], extra=SGL_HEAD)
     assert_clean(*doctor(good, llama, "--engine", "sglang")[:2])
 
 
@@ -188,11 +209,11 @@ def test_deepseek_first_id_rule(tmp_path):
 
 def test_sglang_ignores_top_level_ids(tmp_path, llama):
     # Only top-level ids: SGLang reads eagle_config only and falls back to its default [2, 16, 29].
-    d = write_draft(tmp_path / "d", dialect="speculators", ids=[3, 10, 20])
+    d = write_draft(tmp_path / "d", dialect="speculators", ids=[3, 10, 20], extra=SGL_HEAD)
     rc, rep = doctor(d, llama, "--engine", "sglang")[:2]
     assert rc == 1
     assert "does not read top-level eagle_aux_hidden_state_layer_ids" in finding(rep, "E_WIRING_MISMATCH")["message"]
-    same = write_draft(tmp_path / "same", dialect="speculators", ids=[2, 16, 29])
+    same = write_draft(tmp_path / "same", dialect="speculators", ids=[2, 16, 29], extra=SGL_HEAD)
     rc, rep = doctor(same, llama, "--engine", "sglang")[:2]
     assert rc == 0 and "W_IDS_IGNORED" in codes(rep, "warning")
 
@@ -244,11 +265,13 @@ def test_tp_partial_sums(tmp_path, llama):
     rc, rep = doctor(d, llama, "--tp", "4")[:2]  # stock SGLang llama path: verified post-all-reduce
     assert_clean(rc, rep)
     assert "stream.complete" in finding(rep, "I_TP_CAPTURE_OK")["message"]
+    # TensorRT-LLM: the capture stores hidden + residual (eagle3.py), but which layers call it, and where relative to
+    # their all-reduce, is per model file, and no per-class TensorRT-LLM table exists here: not verified, said so.
     rc, rep = doctor(d, llama, "--tp", "4", "--engine", "trtllm")[:2]
-    assert rc == 0 and "maybe_capture_hidden_states" in finding(rep, "I_TP_CAPTURE_OK")["message"]
-    other = write_target(tmp_path / "other", model_type="mamba_x", num_layers=32)
-    rc, rep = doctor(d, other, "--tp", "4", "--engine", "trtllm")[:2]
-    assert "W_TP_CAPTURE_UNVERIFIED" in codes(rep, "warning")
+    assert rc == 0 and "maybe_capture_hidden_states" in finding(rep, "W_TP_CAPTURE_UNVERIFIED")["message"]
+    # vLLM 0.33.0's llama decoder captures hidden_states + residual between layers (its table): after the all-reduce
+    rc, rep = doctor(d, llama, "--tp", "4", "--engine", "vllm", "--trained-convention", "layer-output")[:2]
+    assert "LlamaModel" in finding(rep, "I_TP_CAPTURE_OK")["message"]
 
 
 # ------------------------------------------------------------------------------- fault: fc width
@@ -296,7 +319,7 @@ def test_vocab_maps(tmp_path, llama):
 
 def test_norm_before_residual_warns_on_sglang(tmp_path, llama):
     d = write_draft(tmp_path / "d", dialect="speculators", ids=[2, 16, 29], top_ids=[1, 15, 28],
-                    extra={"norm_before_residual": True})
+                    extra={"norm_before_residual": True, **SGL_HEAD})
     rc, rep = doctor(d, llama, "--engine", "sglang")[:2]
     assert rc == 0 and "W_NORM_BEFORE_RESIDUAL" in codes(rep, "warning")
 
@@ -362,3 +385,22 @@ def test_doctor_agrees_with_sglang_execution(tmp_path):
         torch.testing.assert_close(aux[:, k * H:(k + 1) * H], hs[b][0], rtol=1e-4, atol=1e-4)
     rc, rep, _ = doctor(d, t)
     assert rc == 1 and "E_LAST_LAYER_NOT_CAPTURED" in codes(rep, "error")
+
+
+def test_run_checks_from_in_memory_configs(tmp_path):
+    """The API the live check uses in-process (issue 19): configs as dicts or as the server's config objects, no
+    config.json on disk; the same findings as the CLI on the same files."""
+    import transformers
+
+    from eagle3_ops.doctor.checks import Options, run_checks
+    from eagle3_ops.doctor.configs import draft_from_config, read_weight_headers, target_from_config
+
+    t = write_target(tmp_path / "t", num_layers=L)
+    d = write_draft(tmp_path / "d", ids=[1, 15, 31])  # id 31 names boundary 32, never captured by SGLang's llama
+    t_cfg, d_cfg = json.loads((t / "config.json").read_text()), json.loads((d / "config.json").read_text())
+    weights = read_weight_headers(d)
+    by_cli = doctor(d, t)[1]
+    for target in (target_from_config(t_cfg), target_from_config(transformers.LlamaConfig.from_dict(t_cfg))):
+        rep = run_checks(target, draft_from_config(d_cfg), weights, Options(engine="sglang"))
+        assert not rep.ok and [f.code for f in rep.findings if f.severity == "error"] == codes(by_cli, "error")
+        assert [s["capture_index"] for s in rep.slots] == [s["capture_index"] for s in by_cli["slots"]]

@@ -4,6 +4,10 @@ Every finding has a severity (``error`` | ``warning`` | ``info``), a stable code
 that says what to change. Codes:
 
 errors
+  E_TARGET_UNSUPPORTED       the engine refuses to start EAGLE-3 for the target's class (no capture code for it)
+  E_ENGINE_RAISES            the engine raises at start-up when it configures these ids (its own code says so)
+  E_DRAFT_CLASS              the draft's architectures do not resolve to one of the engine's EAGLE-3 heads
+  E_TIED_DRAFT_VOCAB         a tied draft (tie_word_embeddings) with a smaller vocabulary than the target's
   E_EMBEDDING_CAPTURE        a slot gets the token embeddings but the draft was trained on a layer output
                              (or the config lists an embedding capture the fc weight has no columns for)
   E_CONVENTION_MISMATCH      every mismatched slot is off by the same one layer: the ids were written in
@@ -19,10 +23,12 @@ errors
   E_VOCAB_MAP                d2t / t2d / lm_head / embedding do not match the target vocabulary
   E_REPLAY_BETTER_WIRING     (--replay) another wiring predicts the target's next token clearly better
 warnings
-  W_SLOT_ORDER, W_IDS_IGNORED, W_TP_CAPTURE_UNVERIFIED, W_PP_UNVERIFIED, W_UNKNOWN_MODEL_FAMILY,
-  W_NORM_BEFORE_RESIDUAL, W_REPLAY_LOW_ACCURACY, W_REPLAY_FEW_TOKENS
+  W_TRAINING_AMBIGUOUS, W_NO_TRAINING_IDS, W_VLLM_RUNNER, W_SLOT_ORDER, W_IDS_IGNORED, W_TP_CAPTURE_UNVERIFIED,
+  W_PP_UNVERIFIED, W_RULE_UNKNOWN, W_TARGET_SUPPORT_UNVERIFIED, W_DRAFT_CLASS_UNVERIFIED, W_CAPTURE_VALUE,
+  W_EMBED_SCALE, W_TIED_DRAFT, W_CONFIG_ASSUMED, W_NORM_BEFORE_RESIDUAL, W_REPLAY_LOW_ACCURACY,
+  W_REPLAY_FEW_TOKENS
 info
-  I_CONFIG, I_ENGINE_DEFAULT, I_TP_CAPTURE_OK, I_REPLAY_CONFIGURED_BEST, I_NO_AUX
+  I_CONFIG, I_ENGINE_CODE, I_ENGINE_DEFAULT, I_TP_CAPTURE_OK, I_TIED_DRAFT, I_REPLAY_CONFIGURED_BEST, I_NO_AUX
 """
 from __future__ import annotations
 
@@ -31,9 +37,10 @@ from typing import Dict, List, Optional
 
 from .configs import (CONVENTION_TEXT, DoctorInputError, DraftInfo, TargetInfo,
                       TensorInfo, convention_to_index, load_tensors)
-from .engines import (DEEPSEEK, ENGINE_NAMES, IDS_LOCATION, UNKNOWN, EngineWiring,
-                      default_boundaries, describe_boundary, ids_for_boundaries, map_ids, resolve_wiring,
-                      short_boundary)
+from .engines import (ENGINE_NAMES, IDS_LOCATION, EngineWiring, default_boundaries, describe_boundary,
+                      ids_for_boundaries, map_ids, resolve_wiring, short_boundary)
+from . import tables
+from .rules import TargetRules, draft_class, target_rules
 
 SEVERITIES = ("error", "warning", "info")
 
@@ -99,6 +106,7 @@ class Options:
     capture_point: str = "auto"        # auto | after-allreduce | before-allreduce
     vllm_runner: str = "v2"            # v2 (vLLM 0.33.0's default) | v1 (VLLM_USE_V2_MODEL_RUNNER=0, P-EAGLE)
     trtllm_layers: Optional[List[int]] = None  # eagle3_layers_to_capture passed to TensorRT-LLM (None: default)
+    engine_code: str = "auto"          # auto | installed | table: where SGLang's rules come from
 
 
 @dataclasses.dataclass
@@ -112,6 +120,7 @@ class Report:
     findings: List[Finding]
     fc_slots: Optional[int] = None
     replay: Optional[dict] = None
+    rules: Optional[TargetRules] = None
 
     @property
     def ok(self) -> bool:
@@ -132,6 +141,10 @@ class Report:
                       "fc_slots": self.fc_slots},
             "engine": {"name": self.options.engine, "tp": self.options.tp, "pp": self.options.pp,
                        "family": self.wiring.family if self.wiring else None,
+                       "class": self.rules.class_name if self.rules else None,
+                       "architecture": self.rules.arch if self.rules else None,
+                       "supported": self.rules.supported if self.rules else None,
+                       "rules_from": self.rules.source if self.rules else None,
                        "rule": self.wiring.rule if self.wiring else None,
                        "ids": self.wiring.ids if self.wiring else None,
                        "ids_source": self.wiring.ids_source if self.wiring else None},
@@ -144,7 +157,7 @@ class Report:
 
 # ------------------------------------------------------------------------------------ training
 SGLANG_TRAINER = ("trained through SGLang's set_eagle3_layers_to_capture with the ids as written (SpecForge 0.2.0: "
-                  "its only backend, offline and online; rule of SGLang 0.5.23 for this family: {rule})")
+                  "its only backend, offline and online; rule of SGLang {version}'s {arch}: {rule})")
 OUTPUT_OF_LAYER = ("id k = the output of layer k, -1 = the embeddings (Hugging Face output_hidden_states[k + 1]: "
                    "SpecForge's HF backend before its SGLang-only cutover, the EAGLE-3 reference training code)")
 ENTERING_LAYER = "id k = the residual stream entering layer k, 0 = the embeddings (vLLM's capture point)"
@@ -152,20 +165,27 @@ SPECULATORS = ("speculators 0.9.0 (hidden states from vLLM's extract_hidden_stat
                "entering layer k, 0 = the embeddings)")
 
 
-def training_readings(dialect: str, ids: List[int], target: TargetInfo) -> List[Reading]:
+def training_readings(dialect: str, ids: List[int], target: TargetInfo, engine_code: str = "auto") -> List[Reading]:
     """Every plausible reading of ``ids`` for a draft config of ``dialect`` (merged where they agree)."""
-    from .engines import detect_family, map_ids, rule_text, uncapturable_reason
+    from .engines import uncapturable_reason
 
     L = target.num_layers
-    family = detect_family(target)[0]
     out: List[Reading] = []
     if dialect == "specforge":
-        b, _ = map_ids("sglang", family, ids, L)
-        bad = [x for x in b if uncapturable_reason("sglang", family, x, L)]
-        out.append(Reading("sglang-capture", SGLANG_TRAINER.format(rule=rule_text("sglang", family)), b,
-                           not bad and len(set(b)) == len(b),
-                           f"SGLang never captures boundary {bad[0]}" if bad else
-                           ("SGLang captures a repeated boundary once" if len(set(b)) != len(b) else "")))
+        sg = target_rules("sglang", target, engine_code)
+        label = SGLANG_TRAINER.format(version=sg.version, arch=sg.arch or "class", rule=sg.rule_text)
+        if not sg.supported:
+            out.append(Reading("sglang-capture", label, [i + 1 for i in ids], False,
+                               f"SGLang {sg.version} cannot capture for this target ({sg.refusal}): the draft was "
+                               f"trained with another SGLang, whose rule the doctor cannot read"))
+        else:
+            m = sg.map_ids(ids, L)
+            b = m.config_order
+            bad = [x for x in b if uncapturable_reason(sg, x, L)]
+            why = (f"SGLang {sg.version} raises for these ids ({m.error})" if m.error else
+                   f"SGLang never captures boundary {bad[0]}" if bad else
+                   ("SGLang captures a repeated boundary once" if len(set(b)) != len(b) else ""))
+            out.append(Reading("sglang-capture", label, b, not why, why))
         out.append(_bounded(Reading("output-of-layer", OUTPUT_OF_LAYER, [i + 1 for i in ids]), L))
     elif dialect == "speculators":
         out.append(_bounded(Reading("entering-layer", SPECULATORS, list(ids)), L))
@@ -200,7 +220,7 @@ def resolve_training(draft: DraftInfo, target: TargetInfo, opts: Options) -> Tra
                                  [convention_to_index(conv, i) for i in ids]), L)
             return Training(ids, f"--trained-ids {ids} (--trained-convention {conv})", [r])
         return Training(ids, f"--trained-ids {ids}, read as the draft config's dialect ({draft.dialect})",
-                        training_readings(draft.dialect, ids, target))
+                        training_readings(draft.dialect, ids, target, opts.engine_code))
     ids = draft.training_ids
     if ids is None:
         d = default_boundaries(L)
@@ -216,7 +236,7 @@ def resolve_training(draft: DraftInfo, target: TargetInfo, opts: Options) -> Tra
                              [convention_to_index(conv, i) for i in ids]), L)
         return Training(list(ids), f"{where} = {ids}", [r])
     return Training(list(ids), f"{where} = {ids} ({draft.dialect} config)",
-                    training_readings(draft.dialect, ids, target))
+                    training_readings(draft.dialect, ids, target, opts.engine_code))
 
 
 # -------------------------------------------------------------------------------------- checks
@@ -237,7 +257,22 @@ def run_checks(target: TargetInfo, draft: DraftInfo, weights: Dict[str, TensorIn
     fc_slots = fc_in // H if fc_in % H == 0 else None
     rep.fc_slots = fc_slots
 
-    rep.add("info", "I_CONFIG", f"Draft config: {draft.describe()}. Target: {target.describe()}.")
+    rep.add("info", "I_CONFIG", f"Draft config: {draft.describe()}. Target: {target.describe()}"
+            + (f", read by {target.lib.reader}" if target.lib is not None and target.lib.obj is not None else "")
+            + ".")
+    if target.lib is not None and target.lib.assumed:
+        rep.add("warning", "W_CONFIG_ASSUMED",
+                f"The target config was read by the doctor's own parsing ({target.lib.reader}): it assumes "
+                f"num_hidden_layers / hidden_size / vocab_size mean what they mean for Llama, with no defaults or "
+                f"aliases applied. Check them against the model's own config class.")
+
+    rules = target_rules(opts.engine, target, opts.engine_code)
+    rep.rules = rules
+    rep.add("info", "I_ENGINE_CODE",
+            f"{eng} rules from {rules.source}: architectures {target.architectures or '[]'} -> "
+            f"{rules.class_name or rules.arch or 'no class'}.")
+    _check_draft_class(rep, draft, opts)
+    _check_tied(rep, target, draft, weights, opts)
 
     if not draft.use_aux_hidden_state:
         rep.add("info", "I_NO_AUX", "eagle_config.use_aux_hidden_state is false: engines feed this draft the "
@@ -245,20 +280,64 @@ def run_checks(target: TargetInfo, draft: DraftInfo, weights: Dict[str, TensorIn
         _check_vocab(rep, target, draft, weights)
         return rep
 
+    if rules.supported is False:
+        # The engine refuses the model: no slot table and no layer verdict, only the refusal.
+        rep.add("error", "E_TARGET_UNSUPPORTED",
+                f"{eng} {rules.version} will refuse to start EAGLE-3 with this target: {rules.refusal}. No wiring "
+                f"can fix that; serve the draft with an engine that captures for "
+                f"{rules.class_name.rsplit('.', 1)[-1] or 'this class'}" + _supported_elsewhere(target, opts.engine)
+                + ".")
+        _check_vocab(rep, target, draft, weights)
+        return rep
+    if rules.supported is None:
+        rep.add("warning", "W_TARGET_SUPPORT_UNVERIFIED",
+                f"The doctor cannot tell whether {eng} serves EAGLE-3 for this target: "
+                f"{rules.refusal or 'the ' + eng + ' table has no entry for its class'}. The slot table below assumes "
+                f"it does and that {eng}'s engine-wide rules apply.")
+
     wiring = resolve_wiring(opts.engine, target, draft, pp=opts.pp, pp_partition=opts.pp_partition,
-                            vllm_runner=opts.vllm_runner, trtllm_layers=opts.trtllm_layers)
+                            vllm_runner=opts.vllm_runner, trtllm_layers=opts.trtllm_layers, rules=rules)
     training = resolve_training(draft, target, opts)
     rep.wiring, rep.training = wiring, training
 
-    if wiring.family == UNKNOWN and opts.engine == "sglang":
-        rep.add("warning", "W_UNKNOWN_MODEL_FAMILY",
-                f"The doctor does not know SGLang's id rule for this target ({wiring.family_evidence}); it assumes "
-                f"the common rule 'boundary = id + 1'. Check set_eagle3_layers_to_capture in the target's SGLang "
-                f"model file.")
+    if wiring.unknown:
+        rep.add("warning", "W_RULE_UNKNOWN",
+                f"The doctor cannot say which hidden states {eng} feeds this draft: {wiring.unknown}. No slot verdict "
+                f"is given." + (" Run it where the pinned engine is installed (--engine-code installed)."
+                                if opts.engine == "sglang" else ""))
+        rep.wiring = None
+        _check_vocab(rep, target, draft, weights)
+        return rep
+    if wiring.error:
+        rep.add("error", "E_ENGINE_RAISES",
+                f"{eng} raises when it configures these ids for {rules.arch}: {wiring.error}. The server does not "
+                f"start; no slot is fed. Write ids {eng} accepts for a {L}-layer target.")
+        _check_vocab(rep, target, draft, weights)
+        return rep
+    if rules.engine == "sglang" and rules.rule_key is None:
+        rep.add("warning", "W_RULE_UNKNOWN",
+                f"SGLang's id rule for {rules.arch} could not be named from its code"
+                + (" (the doctor ran it on the real config for this report)" if rules._live else
+                   "; the table cannot map these ids") + ".")
+    if not rules.capture_known:
+        rep.add("warning", "W_CAPTURE_UNVERIFIED",
+                f"The doctor did not locate {eng}'s capture code for {rules.arch} "
+                f"({rules.evidence.get('decoder_how') or 'no capture site found'}); which boundaries it can capture "
+                f"is assumed from {eng}'s engine-wide behaviour.")
+    if rules.entry == "hidden-only" or rules.final_value == "hidden-only":
+        holder = rules.evidence.get("holder_class", "").rsplit(".", 1)[-1]
+        rep.add("warning", "W_CAPTURE_VALUE",
+                f"{eng} {rules.version}'s {holder} captures hidden_states without the residual "
+                f"({rules.entry_code or rules.final_code}; its layer loop carries the residual separately: "
+                f"`hidden_states, residual = layer(...)`): each slot holds the previous layer's last branch output "
+                f"(the post-feedforward-norm MLP output), not the residual stream Hugging Face's "
+                f"output_hidden_states holds. A draft trained through SGLang (SpecForge) saw the same values; one "
+                f"trained on Hugging Face hidden states was not. Check with --replay on states dumped from SGLang.")
+    _check_embed_scale(rep, rules, opts)
     if wiring.ids is None:
         rep.add("info", "I_ENGINE_DEFAULT",
-                f"{eng} uses its default boundaries {default_boundaries(L)} = "
-                f"{', '.join(short_boundary(b, L) for b in default_boundaries(L))}, since "
+                f"{eng} uses its default boundaries {wiring.config_order} = "
+                f"{', '.join(short_boundary(b, L) for b in wiring.config_order)}, since "
                 f"{wiring.ids_source.split('(', 1)[1].rstrip(')')}.")
 
     # ---- the config's own consistency with the fc weight (K)
@@ -305,7 +384,7 @@ def run_checks(target: TargetInfo, draft: DraftInfo, weights: Dict[str, TensorIn
             continue
         idtxt = f"id {s.config_id}" if s.config_id is not None else "the default"
         if s.boundary == L:
-            fix = _suggest_last_layer_fix(opts.engine, wiring.family, L)
+            fix = _suggest_last_layer_fix(wiring.rules, L)
             rep.add("error", "E_LAST_LAYER_NOT_CAPTURED",
                     f"Slot {s.slot}: {idtxt} makes {eng} capture boundary {L} = {describe_boundary(L, L)}. "
                     f"{s.why_not}: this slot stays empty, the draft gets {len(wiring.captured_boundaries)} of "
@@ -391,11 +470,11 @@ def _sglang_declared_k(draft: DraftInfo) -> Optional[int]:
     return 3
 
 
-def _suggest_last_layer_fix(engine: str, family: str, L: int) -> str:
-    prev = ids_for_boundaries(engine, family, [L - 1], L)
+def _suggest_last_layer_fix(rules: TargetRules, L: int) -> str:
+    prev = ids_for_boundaries(rules, [L - 1], L)
     hint = f"The closest capturable state is boundary {L - 1} ({describe_boundary(L - 1, L)})"
     if prev is not None:
-        hint += f", id {prev[0]} for {ENGINE_NAMES[engine]}"
+        hint += f", id {prev[0]} for {rules.name}"
     return hint + (", but a draft trained on the last layer's output must be retrained (or served by an engine "
                    "that captures it, e.g. TensorRT-LLM) to get its accuracy back.")
 
@@ -411,14 +490,14 @@ def replay_command(rep: "Report") -> str:
             f"{rep.draft.path} --target {rep.target.path}{engine} --replay states.safetensors`")
 
 
-def _fix_candidates(engine: str, family: str, boundaries: List[int], L: int) -> List[List[int]]:
-    """Id lists that make ``engine`` capture exactly ``boundaries`` in this order."""
+def _fix_candidates(rules: TargetRules, boundaries: List[int], L: int) -> List[List[int]]:
+    """Id lists that make the engine capture exactly ``boundaries`` in this order."""
     from .engines import POST_NORM
 
     out = []
     for ids in ([(-1 if b == POST_NORM(L) else b - 1) for b in boundaries], list(boundaries)):
-        if ids not in out and ids_for_boundaries(engine, family, boundaries, L) is not None \
-                and map_ids(engine, family, ids, L)[0] == list(boundaries):
+        if ids not in out and ids_for_boundaries(rules, boundaries, L) is not None \
+                and map_ids(rules, ids, L)[0] == list(boundaries):
             out.append(ids)
     return out
 
@@ -431,8 +510,7 @@ def verified_fix(rep: "Report", boundaries: List[int], check_readings: bool = Tr
     from .engines import resolve_wiring
 
     o, t, d = rep.options, rep.target, rep.draft
-    family = rep.wiring.family
-    for ids in _fix_candidates(o.engine, family, boundaries, t.num_layers):
+    for ids in _fix_candidates(rep.wiring.rules, boundaries, t.num_layers):
         if o.engine == "sglang":
             nd, layers = dataclasses.replace(d, nested_ids=ids), o.trtllm_layers
         elif o.engine == "vllm":
@@ -440,7 +518,7 @@ def verified_fix(rep: "Report", boundaries: List[int], check_readings: bool = Tr
         else:
             nd, layers = d, ids
         w = resolve_wiring(o.engine, t, nd, pp=o.pp, pp_partition=o.pp_partition, vllm_runner=o.vllm_runner,
-                           trtllm_layers=layers)
+                           trtllm_layers=layers, rules=rep.wiring.rules)
         if w.duplicates or w.reordered or not all(s.captured for s in w.slots) or \
                 w.captured_boundaries != list(boundaries) or \
                 (rep.fc_slots is not None and len(w.slots) != rep.fc_slots):
@@ -466,7 +544,7 @@ def _readings_text(rep: "Report", training: Training, L: int) -> str:
         if fed:
             todo = "what it feeds now: keep the ids"
         else:
-            cands = _fix_candidates(rep.options.engine, rep.wiring.family, r.boundaries, L)
+            cands = _fix_candidates(rep.wiring.rules, r.boundaries, L)
             todo = (f"set {IDS_LOCATION[rep.options.engine]} to {cands[0]}" if cands else
                     f"{eng} cannot capture these boundaries in this order")
         parts.append(f"({tag}) {r.label}: trained on {r.boundaries} = "
@@ -561,9 +639,9 @@ def _compare_slots(rep: Report, wiring: EngineWiring, training: Training, opts: 
     if agreed is not None:
         fix_ids = verified_fix(rep, agreed)
         if fix_ids is not None:
-            fix_rule = map_ids(opts.engine, wiring.family, fix_ids, L)[1]
+            fix_rule = map_ids(wiring.rules, fix_ids, L)[1]
             fix = f"Set {IDS_LOCATION[opts.engine]} to {fix_ids} ({eng}: boundary = {fix_rule})."
-            if opts.engine == "sglang" and wiring.family == DEEPSEEK:
+            if opts.engine == "sglang" and wiring.rules.rule_key == "id+1-if-first-is-1":
                 fix = (f"Set {IDS_LOCATION[opts.engine]} to {fix_ids} (SGLang's deepseek rule adds 1 only when the "
                        f"first id is 1).")
         else:
@@ -598,7 +676,8 @@ def _check_other_vllm_runner(rep: Report, target: TargetInfo, draft: DraftInfo, 
     from .engines import resolve_wiring
 
     other = "v1" if opts.vllm_runner == "v2" else "v2"
-    w = resolve_wiring("vllm", target, draft, pp=opts.pp, pp_partition=opts.pp_partition, vllm_runner=other)
+    w = resolve_wiring("vllm", target, draft, pp=opts.pp, pp_partition=opts.pp_partition, vllm_runner=other,
+                       rules=wiring.rules)
     if w.captured_boundaries == wiring.captured_boundaries:
         return
     how = {"v1": "the V1 runner (VLLM_USE_V2_MODEL_RUNNER=0, and what vLLM falls back to for P-EAGLE parallel "
@@ -634,13 +713,123 @@ def _check_tp(rep: Report, wiring: EngineWiring, opts: Options) -> None:
                 f"cannot see custom hooks; this relies on that declaration.")
     elif wiring.capture_point == "after-allreduce":
         rep.add("info", "I_TP_CAPTURE_OK",
-                f"--tp {opts.tp}: {wiring.capture_point_evidence}. Checked: the stock capture path of {eng} for this "
-                f"model family. Not checked: patched engines or custom capture hooks; if you use one, rerun with "
-                f"--capture-point before-allreduce|after-allreduce.")
+                f"--tp {opts.tp}: {wiring.capture_point_evidence}. Checked: the stock capture path of {eng} for "
+                f"{wiring.rules.arch}. Not checked: patched engines or custom capture hooks; if you use one, rerun "
+                f"with --capture-point before-allreduce|after-allreduce.")
     else:
         rep.add("warning", "W_TP_CAPTURE_UNVERIFIED",
                 f"--tp {opts.tp}: {wiring.capture_point_evidence}. If captures are taken before the all-reduce, each "
                 f"rank feeds its draft a partial sum. Verify, then rerun with --capture-point.")
+
+
+def _supported_elsewhere(target: TargetInfo, engine: str) -> str:
+    """What the other engines' code says about this target (tables only: no engine is imported for this)."""
+    parts = []
+    for other in ("sglang", "vllm"):
+        if other == engine:
+            continue
+        r = target_rules(other, target, "table")
+        if r.supported:
+            parts.append(f"{r.name} {r.version} serves it ({r.class_name})")
+        elif r.supported is False:
+            parts.append(f"{r.name} {r.version} refuses it too")
+    return f" ({'; '.join(parts)})" if parts else ""
+
+
+def _check_draft_class(rep: Report, draft: DraftInfo, opts: Options) -> None:
+    """The draft's ``architectures`` must resolve to one of the engine's EAGLE-3 heads."""
+    eng = ENGINE_NAMES[opts.engine]
+    dc = draft_class(opts.engine, draft, opts.engine_code)
+    archs = draft.architectures or []
+    if not dc.known:
+        rep.add("info", "I_DRAFT_CLASS", f"Draft class not checked for {eng}: {dc.message}.")
+        return
+    if dc.head is not None:
+        return
+    if opts.engine == "sglang":
+        how = (f"SGLang resolves the draft's architectures {archs} to {dc.arch} (ModelRegistry, as for any model), "
+               f"which is not one of its EAGLE-3 heads ({', '.join(dc.heads)}: the classes that read the target's "
+               f"captures through an fc sized by num_aux_hidden_states): it would load the checkpoint as a plain "
+               f"{dc.arch}, and the draft's fc is never applied")
+    elif dc.message:
+        how = dc.message
+    else:
+        how = (f"vLLM renames the draft's architectures {archs} to {dc.arch} (EAGLEConfig, method eagle3) and has no "
+               f"EAGLE-3 head by that name ({', '.join(dc.heads)})")
+    rep.add("error", "E_DRAFT_CLASS",
+            f"{how}. Set \"architectures\" in the draft's config.json to the {eng} head that matches its layers "
+            f"(e.g. {dc.heads[0] if dc.heads else 'an EAGLE-3 head'}).")
+
+
+def _check_tied(rep: Report, target: TargetInfo, draft: DraftInfo, weights: Dict[str, TensorInfo],
+                opts: Options) -> None:
+    """tie_word_embeddings on a draft: what each engine does with its lm_head."""
+    if not draft.tie_word_embeddings:
+        return
+    eng = ENGINE_NAMES[opts.engine]
+    V = target.vocab_size
+    lm = weights.get("lm_head.weight")
+    dv = lm.shape[0] if lm is not None and len(lm.shape) == 2 else (draft.draft_vocab_size or draft.vocab_size)
+    smaller = V is not None and dv is not None and dv < V
+    src = f" ({draft.tie_source})" if draft.tie_source and draft.tie_source != "config.json" else ""
+    has_lm = "present" if lm is not None else "absent"
+    dc = draft_class(opts.engine, draft, opts.engine_code)
+    head = dc.head or {}
+    if opts.engine == "sglang" and head.get("tied_lm_head"):
+        cls = head["class"].rsplit(".", 1)[-1]
+        what = (f"SGLang's {cls} ties its lm_head to its embedding (`if self.config.tie_word_embeddings: "
+                f"{head['tied_lm_head']}`) and {head.get('set_embed') or 'set_embed'} replaces that embedding with the "
+                f"target's: the checkpoint's lm_head.weight is never loaded")
+        if smaller:
+            fix = ("Set tie_word_embeddings to false in the draft's config.json: SGLang then builds a "
+                   f"{dv}-row lm_head and loads the trained lm_head.weight." if lm is not None else
+                   "The checkpoint has no lm_head.weight to load untied: re-export the draft with its trained lm_head "
+                   "(or retrain untied), then set tie_word_embeddings to false.")
+            rep.add("error", "E_TIED_DRAFT_VOCAB",
+                    f"The draft sets tie_word_embeddings{src} and predicts {dv} draft tokens, fewer than the target's "
+                    f"{V}. {what}; the draft scores target tokens 0..{dv - 1} with the target's embedding rows and d2t "
+                    f"maps those scores to other tokens: its proposals are garbage (no error, acceptance near zero). "
+                    f"{fix} (vLLM 0.33.0 ignores tie_word_embeddings and loads lm_head.weight, {has_lm} here.)")
+        else:
+            rep.add("info", "I_TIED_DRAFT",
+                    f"The draft sets tie_word_embeddings{src}: {what}; the draft's lm_head is the target's embedding "
+                    f"matrix ({V} rows, the same vocabulary). Right only if the draft was trained tied to the target's "
+                    f"embedding.")
+    elif opts.engine == "vllm" and head:
+        if head.get("reads_tie_word_embeddings"):
+            rep.add("warning", "W_TIED_DRAFT", f"vLLM's {head['class']} reads tie_word_embeddings; the doctor has not "
+                                               f"verified what it does with it.")
+        elif lm is not None:
+            rep.add("info", "I_TIED_DRAFT",
+                    f"The draft sets tie_word_embeddings{src}; vLLM's {head['class']} ignores it (its lm_head has "
+                    f"draft_vocab_size rows) and loads the checkpoint's lm_head.weight ({dv} rows).")
+        elif smaller and (tables.load("vllm") or {}).get("shares_target_lm_head_without_own"):
+            rep.add("error", "E_TIED_DRAFT_VOCAB",
+                    f"The draft sets tie_word_embeddings{src} and has no lm_head.weight; vLLM's {head['class']} "
+                    f"ignores the flag and, finding no lm_head in the checkpoint, shares the target's lm_head ({V} "
+                    f"rows; spec_decode/eagle/utils.load_eagle_model, has_own_lm_head) while its logits cover {dv} "
+                    f"draft tokens mapped by d2t: garbage proposals. Export the draft with its trained lm_head.")
+    elif opts.engine == "trtllm":
+        rep.add("warning", "W_TIED_DRAFT",
+                f"The draft sets tie_word_embeddings{src} (draft vocabulary {dv}, target {V}); the doctor has not "
+                f"read how TensorRT-LLM's EAGLE-3 draft treats a tied lm_head. SGLang drops the trained lm_head of a "
+                f"tied draft; check that {eng} loads lm_head.weight ({has_lm} in the checkpoint).")
+
+
+def _check_embed_scale(rep: Report, rules: TargetRules, opts: Options) -> None:
+    if not rules.scaled_embedding:
+        return
+    dc = draft_class(opts.engine, rep.draft, opts.engine_code)
+    if dc.head is not None and dc.head.get("scaled_embedding"):
+        return
+    holder = rules.evidence.get("holder_class", "").rsplit(".", 1)[-1] or rules.arch
+    rep.add("warning", "W_EMBED_SCALE",
+            f"The target scales its token embeddings ({holder}: `{rules.scaled_embedding}`), and its boundary-0 "
+            f"capture is the scaled embedding; {rules.name}'s draft head {dc.arch or 'class'} embeds the draft's "
+            f"tokens "
+            f"with the target's embedding weights (set_embed) and applies no scale, so its embedding input is "
+            f"1/sqrt(hidden_size) of the target's. Right only if the draft was trained with the same unscaled "
+            f"embeddings; a draft trained on scaled embeddings reads inputs sqrt(hidden_size) times too small.")
 
 
 def _check_vocab(rep: Report, target: TargetInfo, draft: DraftInfo, weights: Dict[str, TensorInfo]) -> None:

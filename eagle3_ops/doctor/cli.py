@@ -16,6 +16,7 @@ import textwrap
 from typing import List, Optional
 
 from .configs import CONVENTIONS, DoctorInputError
+from .rules import ENGINE_CODE_CHOICES
 
 DOCTOR_DESCRIPTION = """\
 Check which hidden states an inference engine feeds an EAGLE-3 draft, and whether they are the
@@ -100,6 +101,10 @@ def _doctor_parser() -> argparse.ArgumentParser:
     p.add_argument("--trtllm-layers", type=_ids, default=None, metavar="N,N,..",
                    help="with --engine trtllm: the eagle3_layers_to_capture you pass to TensorRT-LLM (it never reads "
                         "the draft config's ids); default: none passed, TensorRT-LLM's default (1, L//2-1, L-4)")
+    p.add_argument("--engine-code", choices=ENGINE_CODE_CHOICES, default="auto",
+                   help="where SGLang's rules come from: auto (default) = the installed SGLang when it is the pinned "
+                        "version, else the pinned table; installed = the installed SGLang whatever its version; "
+                        "table = the pinned table (fast: imports no SGLang)")
     p.add_argument("--capture-point", choices=("auto", "after-allreduce", "before-allreduce"), default="auto",
                    help="where captures are taken relative to the TP all-reduce (for custom capture hooks); "
                         "auto: the engine's stock path")
@@ -180,9 +185,12 @@ def build_report(args):
     from .checks import Options, run_checks
     from .configs import parse_draft, parse_target, read_weight_headers
 
+    from .rules import sglang_mode
+
     _check_numbers(args)
-    target = parse_target(args.target)
-    draft = parse_draft(args.draft)
+    use_sglang = sglang_mode(args.engine_code)[0]
+    target = parse_target(args.target, use_sglang=use_sglang)
+    draft = parse_draft(args.draft, use_sglang=use_sglang)
     if args.pp > target.num_layers:
         raise _UsageError(f"--pp {args.pp} exceeds the target's {target.num_layers} layers")
     if args.pp_partition is not None:
@@ -194,7 +202,7 @@ def build_report(args):
     opts = Options(engine=args.engine, tp=args.tp, pp=args.pp, pp_partition=args.pp_partition,
                    trained_convention=args.trained_convention, trained_ids=args.trained_ids,
                    vllm_runner=args.vllm_runner, trtllm_layers=args.trtllm_layers,
-                   capture_point=args.capture_point)
+                   capture_point=args.capture_point, engine_code=args.engine_code)
     report = run_checks(target, draft, weights, opts)
     if args.replay:
         from .replay import run_replay
@@ -232,29 +240,34 @@ def _wrap(text: str, indent: str) -> str:
 
 
 def format_report(report) -> str:
-    from .engines import ENGINE_NAMES, rule_text
+    from .engines import ENGINE_NAMES
 
     t, d, o = report.target, report.draft, report.options
     eng = ENGINE_NAMES[o.engine]
     L = t.num_layers
     out = ["EAGLE-3 wiring doctor", _wrap(f"target : {t.path}  ({t.describe()})", "  "),
            _wrap(f"draft  : {d.path}  ({d.describe()})", "  ")]
+    r = report.rules
+    if r is not None:
+        cls = r.class_name.rsplit(".", 1)[-1] or r.arch or "no class"
+        state = {True: "serves EAGLE-3", False: "REFUSES EAGLE-3", None: "EAGLE-3 support unknown"}[r.supported]
+        out.append(_wrap(f"class  : {eng} {r.version} -> {cls} ({state}); rules from {r.source}", "  "))
     if report.wiring is not None:
         w = report.wiring
-        rule = rule_text(o.engine, w.family) + (f" ({w.family_evidence})" if o.engine == "sglang" else "")
         ids = f"ids {w.ids} from {w.ids_source}" if w.ids is not None else \
             f"no ids: {w.ids_source} = boundaries {w.config_order}"
-        out.append(_wrap(f"engine : {eng}, tp={o.tp}, pp={o.pp}; {eng} rule: boundary = {rule}; {ids}", "  "))
+        out.append(_wrap(f"engine : {eng}, tp={o.tp}, pp={o.pp}; {eng} rule: boundary = {w.rules.rule_text}; {ids}",
+                         "  "))
     if report.training is not None:
         out.append(_wrap(f"trained: {report.training.source}", "  "))
         for n, r in enumerate(report.training.readings):
             state = "" if r.plausible else f"  [ruled out: {r.why_not}]"
             out.append(_wrap(f"reading {chr(ord('A') + n)}: {r.boundaries} if {r.label}{state}", "    "))
-    out.append("")
-    out.append(_wrap(f"How to read the table: layers count from 0 to {L - 1}. Boundary i is the residual stream "
-                     f"entering layer i, which is the output of layer i-1 (Hugging Face output_hidden_states[i]); "
-                     f"boundary 0 is the token embeddings, boundary {L} the output of the last layer.", "  "))
     if report.slots:
+        out.append("")
+        out.append(_wrap(f"How to read the table: layers count from 0 to {L - 1}. Boundary i is the residual stream "
+                         f"entering layer i, which is the output of layer i-1 (Hugging Face output_hidden_states[i]); "
+                         f"boundary 0 is the token embeddings, boundary {L} the output of the last layer.", "  "))
         rows = []
         for s in report.slots:
             cid = "default" if s["config_id"] is None and s["capture_index"] is not None else \

@@ -16,8 +16,12 @@ Dialects of EAGLE-3 draft configs in use:
 - ``eagle-original``: no ids at all (SafeAILab EAGLE-3 checkpoints). Trained on Hugging Face
   boundaries ``(2, L//2, L-3)``, which is also every engine's default.
 
-Targets: a plain config, or a multimodal wrapper with the language model under ``text_config``
-(Kimi-K2.5), ``language_config`` or ``llm_config``.
+Targets are read by the library that defines their model type (:func:`library_config`): SGLang's own
+config parser when the pinned SGLang is installed, else transformers' config class for ``model_type``
+(``attribute_map`` aliases, defaults, the nested ``text_config`` of multimodal wrappers such as
+Kimi-K2.5 or LLaVA); the doctor's own parsing (``num_hidden_layers`` at the top level or under
+``text_config`` / ``language_config`` / ``llm_config``) only for a model type neither knows, which the
+report flags (``W_CONFIG_ASSUMED``).
 
 Weights: only safetensors headers are read (``safe_open``: names, shapes, dtypes). ``d2t``/``t2d``
 (tiny) are loaded for value checks; nothing else is loaded except by ``--replay``.
@@ -25,6 +29,7 @@ Weights: only safetensors headers are read (``safe_open``: names, shapes, dtypes
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import glob
 import json
@@ -139,6 +144,102 @@ def _ids_field(value, where: str, what: str) -> Optional[List[int]]:
     return [int(x) for x in value] if value else None
 
 
+# ------------------------------------------------------------------------------ library config reading
+@dataclasses.dataclass
+class LibraryConfig:
+    """A config.json as the library that defines its model type reads it."""
+    obj: object                 # the config object (transformers / SGLang class), or None: the doctor's own parsing
+    text: object                # the decoder-stack config (the same object unless nested), or None
+    reader: str                 # who read it, in words
+    assumed: bool               # True: neither transformers nor SGLang knows the model type
+
+
+def _sglang_parse(cfg: dict, model_dir: Optional[Path]):
+    """SGLang's own reading (``HfModelConfigParser.parse``: AutoConfig, its own config classes, the text-config
+    attributes it copies to the top level), on the directory or a copy of the dict."""
+    import tempfile
+
+    from .sglang_code import _quiet
+
+    with _quiet():
+        from sglang.srt.utils.hf_transformers.config import HfModelConfigParser
+        from sglang.srt.utils.hf_transformers.common import get_hf_text_config
+
+        with tempfile.TemporaryDirectory() as tmp:
+            d = Path(tmp)
+            (d / "config.json").write_text(json.dumps(cfg))
+            obj = HfModelConfigParser().parse(str(d), trust_remote_code=False)
+        return obj, get_hf_text_config(obj)
+
+
+@contextlib.contextmanager
+def _transformers_quiet():
+    """transformers logs its own validation notes while it reads a config; the report says what matters."""
+    try:
+        from transformers.utils import logging as tlog
+    except ImportError:  # pragma: no cover
+        yield
+        return
+    old = tlog.get_verbosity()
+    tlog.set_verbosity_error()
+    try:
+        yield
+    finally:
+        tlog.set_verbosity(old)
+
+
+def library_config(cfg, model_dir: Optional[Path] = None, use_sglang: bool = False) -> LibraryConfig:
+    """Read ``cfg`` (a config.json dict, or an already built config object) with the library that defines its
+    model type: SGLang's own parser when ``use_sglang`` (the installed, pinned SGLang), else transformers'
+    config class for ``model_type`` (``attribute_map`` aliases, defaults, nested sub-configs); neither: None."""
+    if not isinstance(cfg, dict):  # a config object from a running engine
+        text = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
+        return LibraryConfig(cfg, text, f"the caller's {type(cfg).__name__} object", False)
+    mt = cfg.get("model_type")
+    if use_sglang:
+        try:
+            obj, text = _sglang_parse(cfg, model_dir)
+            return LibraryConfig(obj, text, f"SGLang's config parser ({type(obj).__module__}.{type(obj).__name__})",
+                                 False)
+        except Exception as e:  # noqa: BLE001 - fall back to transformers, saying why
+            sglang_err = f"SGLang's config parser failed ({type(e).__name__}: {str(e)[:200]})"
+    else:
+        sglang_err = None
+    try:
+        from transformers import CONFIG_MAPPING
+    except ImportError:
+        CONFIG_MAPPING = {}
+    if isinstance(mt, str) and mt in CONFIG_MAPPING:
+        cls = CONFIG_MAPPING[mt]
+        try:
+            with _transformers_quiet():
+                obj = cls.from_dict(dict(cfg))
+        except Exception as e:  # noqa: BLE001
+            raise DoctorInputError(f"{cls.__name__} (transformers) cannot read this config: {type(e).__name__}: {e}") \
+                from None
+        try:
+            text = obj.get_text_config(decoder=True)
+        except (TypeError, ValueError):
+            text = obj
+        import transformers
+
+        reader = f"transformers {transformers.__version__} {cls.__name__}"
+        return LibraryConfig(obj, text, reader + (f"; {sglang_err}" if sglang_err else ""), False)
+    why = f"neither transformers nor SGLang defines model_type {mt!r}" if mt else "config.json has no model_type"
+    return LibraryConfig(None, None, (sglang_err + "; " if sglang_err else "") + why, True)
+
+
+def _lib_int(obj, key: str, where: str, required: bool = True) -> Optional[int]:
+    v = getattr(obj, key, None)
+    if v is None:
+        if required:
+            raise DoctorInputError(f"{where}: the config has no {key}")
+        return None
+    if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
+        raise DoctorInputError(f"{where}: {key} must be a positive integer, found {v!r}")
+    return v
+
+
 # --------------------------------------------------------------------------------------- target
 @dataclasses.dataclass
 class TargetInfo:
@@ -152,33 +253,55 @@ class TargetInfo:
     num_layers: int
     hidden_size: int
     vocab_size: Optional[int]
+    lib: Optional[LibraryConfig] = None
 
     def describe(self) -> str:
-        mt = self.model_type if self.model_type == self.text_model_type else \
+        mt = self.model_type if self.model_type == self.text_model_type or not self.nested_key else \
             f"{self.model_type}, language model {self.text_model_type} under '{self.nested_key}'"
         vocab = f", vocab {self.vocab_size}" if self.vocab_size else ""
         return f"{mt}, {self.num_layers} layers (0..{self.num_layers - 1}), hidden {self.hidden_size}{vocab}"
 
 
-def parse_target(path) -> TargetInfo:
+def parse_target(path, use_sglang: bool = False) -> TargetInfo:
+    model_dir, cfg = read_config(path, "target")
+    return target_from_config(cfg, model_dir, use_sglang=use_sglang)
+
+
+def target_from_config(cfg, path=None, use_sglang: bool = False) -> TargetInfo:
+    """A target from its config (a config.json dict or a config object), read by the library that defines it
+    (:func:`library_config`); the doctor's own parsing (``num_hidden_layers`` of the top level or of
+    ``text_config`` / ``language_config`` / ``llm_config``) only where no library knows the model type."""
     what = "target"
-    model_dir, cfg = read_config(path, what)
-    text, key = cfg, None
-    if "num_hidden_layers" not in cfg:
-        for k in NESTED_TEXT_KEYS:
-            if isinstance(cfg.get(k), dict):
-                text, key = cfg[k], k
-                break
-    where = f"{what} ({key})" if key else what
-    num_layers = _int_field(text, "num_hidden_layers", where)
-    hidden = _int_field(text, "hidden_size", where)
-    vocab = _int_field(text, "vocab_size", where, required=False) or _int_field(cfg, "vocab_size", what,
-                                                                               required=False)
-    archs = cfg.get("architectures") or text.get("architectures") or []
-    return TargetInfo(path=model_dir, config=cfg, text_config=text, nested_key=key,
-                      model_type=str(cfg.get("model_type", "")), text_model_type=str(text.get("model_type", "")),
+    model_dir = Path(path) if path is not None else Path("<config>")
+    lib = library_config(cfg, model_dir if path is not None else None, use_sglang)
+    raw = cfg if isinstance(cfg, dict) else (cfg.to_dict() if hasattr(cfg, "to_dict") else dict(vars(cfg)))
+    text, key = raw, None
+    for k in NESTED_TEXT_KEYS:
+        if isinstance(raw.get(k), dict) and "num_hidden_layers" not in raw:
+            text, key = raw[k], k
+            break
+    if lib.obj is not None:
+        t = lib.text
+        where = f"{what} ({lib.reader})"
+        num_layers = _lib_int(t, "num_hidden_layers", where)
+        hidden = _lib_int(t, "hidden_size", where)
+        vocab = _lib_int(t, "vocab_size", where, required=False) or _lib_int(lib.obj, "vocab_size", where,
+                                                                             required=False)
+        text_mt = str(getattr(t, "model_type", "") or text.get("model_type", ""))
+        if t is not lib.obj and key is None:
+            key = next((k for k in NESTED_TEXT_KEYS if getattr(lib.obj, k, None) is t), "text_config")
+    else:
+        where = f"{what} ({key})" if key else what
+        num_layers = _int_field(text, "num_hidden_layers", where)
+        hidden = _int_field(text, "hidden_size", where)
+        vocab = _int_field(text, "vocab_size", where, required=False) or _int_field(raw, "vocab_size", what,
+                                                                                   required=False)
+        text_mt = str(text.get("model_type", ""))
+    archs = raw.get("architectures") or text.get("architectures") or []
+    return TargetInfo(path=model_dir, config=raw, text_config=text, nested_key=key,
+                      model_type=str(raw.get("model_type", "")), text_model_type=text_mt,
                       architectures=[str(a) for a in archs] if isinstance(archs, list) else [str(archs)],
-                      num_layers=num_layers, hidden_size=hidden, vocab_size=vocab)
+                      num_layers=num_layers, hidden_size=hidden, vocab_size=vocab, lib=lib)
 
 
 # ---------------------------------------------------------------------------------------- draft
@@ -201,6 +324,7 @@ class DraftInfo:
     norm_before_residual: bool
     tie_word_embeddings: bool
     architectures: List[str]
+    tie_source: Optional[str] = None  # where tie_word_embeddings came from (config.json, a class default)
 
     @property
     def training_ids(self) -> Optional[List[int]]:
@@ -234,9 +358,16 @@ class DraftInfo:
         return "EAGLE-3 config without layer ids (original EAGLE format): engines use their defaults"
 
 
-def parse_draft(path) -> DraftInfo:
+def parse_draft(path, use_sglang: bool = False) -> DraftInfo:
+    model_dir, cfg = read_config(path, "draft")
+    return draft_from_config(cfg, model_dir, use_sglang=use_sglang)
+
+
+def draft_from_config(cfg: dict, path=None, use_sglang: bool = False) -> DraftInfo:
+    """A draft from its config.json dict. ``tie_word_embeddings`` is read through the config class of the
+    draft's model type where one exists (its default applies when the key is absent, as in the engine)."""
     what = "draft"
-    model_dir, cfg = read_config(path, what)
+    model_dir = Path(path) if path is not None else Path("<config>")
     eagle_cfg = cfg.get("eagle_config")
     if eagle_cfg is not None and not isinstance(eagle_cfg, dict):
         raise DoctorInputError(f"{what}: 'eagle_config' must be a JSON object, found {eagle_cfg!r}")
@@ -265,6 +396,16 @@ def parse_draft(path) -> DraftInfo:
     if num_aux is not None and (isinstance(num_aux, bool) or not isinstance(num_aux, int) or num_aux <= 0):
         raise DoctorInputError(f"{what}: 'num_aux_hidden_states' must be a positive integer, found {num_aux!r}")
     archs = cfg.get("architectures") or layer_cfg.get("architectures") or []
+    tie = layer_cfg.get("tie_word_embeddings", cfg.get("tie_word_embeddings"))
+    tie_source = "config.json" if tie is not None else None
+    if tie is None:  # the config class's default, as the engine builds it
+        try:
+            lib = library_config(layer_cfg, None, use_sglang)
+        except DoctorInputError:
+            lib = None
+        if lib is not None and lib.obj is not None:
+            tie = getattr(lib.obj, "tie_word_embeddings", False)
+            tie_source = f"the default of {lib.reader}"
     nbr_default = is_speculators  # vLLM's speculators conversion defaults norm_before_residual to True
     return DraftInfo(
         path=model_dir, config=cfg, dialect=dialect, nested_ids=nested, top_ids=top,
@@ -279,7 +420,8 @@ def parse_draft(path) -> DraftInfo:
         norm_before_fc=bool(pick("norm_before_fc", False)),
         fc_norm=bool(pick("fc_norm", False) or pick("use_aux_norm", False)),
         norm_before_residual=bool(pick("norm_before_residual", nbr_default)),
-        tie_word_embeddings=bool(layer_cfg.get("tie_word_embeddings", cfg.get("tie_word_embeddings", False))),
+        tie_word_embeddings=bool(tie),
+        tie_source=tie_source,
         architectures=[str(a) for a in archs] if isinstance(archs, list) else [str(archs)],
     )
 

@@ -6,40 +6,22 @@ from 0) = the output of layer ``i-1``. Boundary 0 is the token embeddings; bound
 output of the last layer (engines capture it before the final norm; Hugging Face's
 ``output_hidden_states[L]`` is after the final norm).
 
-Rules (read from the engines' source; SGLang pinned at 0.5.23):
+Where the rules come from: nothing here knows a model family. ``rules.target_rules`` resolves the
+target's class the way the engine does and reads what that class's code does (SGLang: the installed,
+pinned package runs its own ``set_eagle3_layers_to_capture`` on a stand-in; otherwise, and for vLLM and
+TensorRT-LLM, the pinned tables in ``tables/`` generated from the engines' code). This module turns
+those rules and the draft's ids into slots: which boundary each slot gets, in which order, and why a
+slot stays empty.
 
-SGLang (``srt/model_executor/model_runner_components/spec_aux_hidden_state.py`` reads
-``eagle_config.eagle_aux_hidden_state_layer_ids`` only; ``<model>.set_eagle3_layers_to_capture``):
-- llama, mistral, qwen2/qwen3 (dense and MoE), glm4_moe, gemma3, minimax_m2, ...: boundary = id + 1.
-- deepseek_v2/v3 (and Kimi-K2/K2.5, glm4_moe_lite): boundary = id + 1 only if the *first* id is 1,
-  otherwise boundary = id.
-- gpt_oss: boundary = id, if the largest id equals L (the ids already name boundaries);
-  otherwise boundary = id + 1.
-- no ids: boundaries ``[2, L//2, L-3]`` (the default is already in boundary numbering).
-- capture happens in the decoder loop ``for i in range(start_layer, end_layer): ... capture if i in
-  layers_to_capture`` at the entry of layer ``i``, so boundaries ``0..L-1`` can be captured and
-  boundary ``L`` never is (gpt_oss alone also captures ``L``, at the final norm). Captures come out
-  in layer order, duplicates once. Only the last pipeline stage captures
-  (``set_eagle3_layers_to_capture`` returns early on other ranks), so with ``--pp > 1`` boundaries
-  before the last stage's first layer are never captured.
-- the captured value is taken after the layer boundary completes the deferred tensor-parallel
-  all-reduce (``srt/layers/layer_boundary/stage.py::_prepare_attention``: ``stream.complete``).
-
-vLLM 0.33.0 (read from its wheel): the V2 model runner (the default;
-``v1/worker/gpu/spec_decode/eagle/eagle3_utils.get_eagle3_aux_layers_from_config``) reads the
-*top-level* ``eagle_aux_hidden_state_layer_ids`` only; the V1 runner (``VLLM_USE_V2_MODEL_RUNNER=0``,
-and P-EAGLE parallel drafting; ``gpu_model_runner._get_eagle3_aux_layers_from_config``) falls back to
-``eagle_config``'s ids, as given. Boundary = id, captured as ``hidden_states + residual`` at the entry
-of layer ``id`` (``0`` = embeddings) or after the last layer (``id == L``); ids are sorted and
-de-duplicated (``EagleModelMixin._set_aux_hidden_state_layers``); ids outside 0..L are skipped
-silently; deepseek_v2 raises on id 0 (``residual`` is still None). Default ``(2, L//2, L-3)``. With
-``--pp > 1`` the V2 runner relays earlier stages' captures for llama/qwen2 only.
-
-TensorRT-LLM (its sources around 1.2.1; ``EagleDecodingConfig.eagle3_layers_to_capture``): it never
-reads the draft config's ids; id k is captured *after* layer k (boundary k + 1) by
-``maybe_capture_hidden_states``, after the layer's all-reduce; ``-1`` is the final state after the
-model's last norm (``POST_NORM``); ids are a set, concatenated in ascending id order (``-1`` first);
-default ``(1, L//2 - 1, L - 4)`` = boundaries ``(2, L//2, L-3)``.
+Engine-wide facts used below (each read from the engine's code): captures come out in layer order and a
+repeated boundary is captured once (SGLang tests ``i in layers_to_capture`` in its layer loop; vLLM keeps
+``tuple(sorted(set(layers)))``, ``interfaces.EagleModelMixin``; TensorRT-LLM ``sorted(list(...))`` in
+``Eagle3OneModelSpecMetadata.__post_init__``, id -1 first); only the last pipeline stage's captures reach
+the draft (SGLang; vLLM's V2 runner relays earlier stages' captures for decoders with
+``supports_aux_hidden_states_over_pp``); TensorRT-LLM never reads the draft config's ids
+(``EagleDecodingConfig.eagle3_layers_to_capture``), default ``(1, L//2 - 1, L - 4)`` captured after each
+layer = boundaries ``(2, L//2, L-3)``, -1 = the final state after the last norm. TensorRT-LLM was read
+from its GitHub sources (its 1.2.1 wheel cannot be downloaded here; see tables/README).
 """
 from __future__ import annotations
 
@@ -47,36 +29,9 @@ import dataclasses
 from typing import List, Optional, Tuple
 
 from .configs import DraftInfo, TargetInfo
+from .rules import ENGINE_NAMES, TargetRules, target_rules
 
 ENGINES = ("sglang", "vllm", "trtllm")
-ENGINE_NAMES = {"sglang": "SGLang", "vllm": "vLLM", "trtllm": "TensorRT-LLM"}
-
-# model families (SGLang id rules)
-PLUS_ONE = "plus-one"
-DEEPSEEK = "deepseek"
-GPT_OSS = "gpt-oss"
-UNKNOWN = "unknown"
-
-_DEEPSEEK_TYPES = {"deepseek_v2", "deepseek_v3", "deepseek_v32", "kimi_k2", "kimi_k25", "glm4_moe_lite",
-                   "kimi_vl"}
-_GPT_OSS_TYPES = {"gpt_oss"}
-_PLUS_ONE_TYPES = {"llama", "llama4_text", "mistral", "qwen2", "qwen3", "qwen2_moe", "qwen3_moe", "qwen3_next",
-                   "qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text", "qwen2_5_vl", "qwen3_vl",
-                   "qwen3_vl_moe", "glm4_moe", "minimax_m2", "minimax_m3", "gemma3", "gemma3_text", "gemma4",
-                   "gemma4_text", "bailing_moe", "exaone_moe", "apertus", "longcat_flash", "phi3", "internlm3",
-                   "glm5_next"}
-
-ENGINE_RULE = {
-    "vllm": "id (0 = embeddings)",
-    "trtllm": "id + 1 (captured after layer id; -1 = the final state after the last norm)",
-}
-
-FAMILY_RULE = {
-    PLUS_ONE: "id + 1",
-    DEEPSEEK: "id + 1 if the first id is 1, else id",
-    GPT_OSS: "id if the largest id is L, else id + 1",
-    UNKNOWN: "id + 1 (assumed)",
-}
 
 # Where each engine takes the draft's ids from (for messages).
 IDS_LOCATION = {
@@ -86,24 +41,10 @@ IDS_LOCATION = {
 }
 
 
-def detect_family(target: TargetInfo) -> Tuple[str, str]:
-    """(family, evidence) of the target's model code in SGLang."""
-    types = [t for t in (target.text_model_type, target.model_type) if t]
-    for t in types:
-        if t in _DEEPSEEK_TYPES:
-            return DEEPSEEK, f"model_type '{t}'"
-        if t in _GPT_OSS_TYPES:
-            return GPT_OSS, f"model_type '{t}'"
-        if t in _PLUS_ONE_TYPES:
-            return PLUS_ONE, f"model_type '{t}'"
-    for a in target.architectures:
-        if a.startswith(("DeepseekV2", "DeepseekV3", "KimiK2")):
-            return DEEPSEEK, f"architecture '{a}'"
-        if a.startswith("GptOss"):
-            return GPT_OSS, f"architecture '{a}'"
-        if a.startswith(("Llama", "Mistral", "Qwen", "Gemma", "Glm4Moe", "MiniMax", "Phi3")):
-            return PLUS_ONE, f"architecture '{a}'"
-    return UNKNOWN, f"model_type '{types[0] if types else '?'}'"
+# The TensorRT-LLM code the engine-wide rules were read from (GitHub; the 1.2.1 wheel cannot be downloaded here and
+# the store holds no commit known to be v1.2.1, whose submodule pin is 2fdb9e66302b15db9a9b5e71d3ac45d5921ea45d).
+TRTLLM_SOURCE = ("NVIDIA/TensorRT-LLM tensorrt_llm/_torch/speculative/eagle3.py at commit "
+                 "001e67005b4f64b69b0045456870be48ab7b2cf0")
 
 
 def POST_NORM(num_layers: int) -> int:  # noqa: N802 - a numbering constant that depends on L
@@ -171,8 +112,7 @@ class SlotCapture:
 @dataclasses.dataclass
 class EngineWiring:
     engine: str
-    family: str
-    family_evidence: str
+    rules: TargetRules
     ids: Optional[List[int]]       # the ids the engine uses (None = its default)
     ids_source: str                # human text: where they came from
     ignored_ids: Optional[Tuple[str, List[int]]]  # ids present in the config that this engine does not read
@@ -184,10 +124,17 @@ class EngineWiring:
     pp_last_stage: Optional[Tuple[int, int]]
     capture_point: str             # after-allreduce | unknown
     capture_point_evidence: str
+    error: Optional[str] = None    # what the engine raises when it configures these ids (start-up)
+    unknown: Optional[str] = None  # the rules cannot say what the engine does with these ids (why)
 
     @property
     def name(self) -> str:
         return ENGINE_NAMES[self.engine]
+
+    @property
+    def family(self) -> str:
+        """The id rule's name (for the JSON report)."""
+        return self.rules.rule_key or "unknown"
 
     @property
     def captured_boundaries(self) -> List[int]:
@@ -195,7 +142,21 @@ class EngineWiring:
 
 
 VLLM_RUNNERS = ("v2", "v1")
-VLLM_PP_RELAY_TYPES = {"llama", "qwen2"}  # vLLM 0.33.0 models with supports_aux_hidden_states_over_pp = True
+
+
+def _vllm_reads(runner: str) -> List[str]:
+    """The draft-config keys vLLM's ``runner`` reads the ids from, in order (from its table)."""
+    from . import tables
+
+    t = tables.load("vllm") or {}
+    return list(((t.get("ids") or {}).get(runner) or {}).get("reads") or ["eagle_aux_hidden_state_layer_ids"])
+
+
+def _lookup(cfg: dict, key: str):
+    v = cfg
+    for part in key.split("."):
+        v = v.get(part) if isinstance(v, dict) else None
+    return v if isinstance(v, list) and v and all(isinstance(x, int) and not isinstance(x, bool) for x in v) else None
 
 
 def _engine_ids(engine: str, draft: DraftInfo, vllm_runner: str = "v2", trtllm_layers: Optional[List[int]] = None
@@ -209,15 +170,20 @@ def _engine_ids(engine: str, draft: DraftInfo, vllm_runner: str = "v2", trtllm_l
         return None, "SGLang's default (the draft config has no eagle_config.eagle_aux_hidden_state_layer_ids)", \
             ((top_loc, draft.top_ids) if draft.top_ids is not None else None)
     if engine == "vllm":
-        # V2 runner (default in 0.33.0): eagle3_utils.get_eagle3_aux_layers_from_config reads the top level only;
-        # V1 runner: gpu_model_runner._get_eagle3_aux_layers_from_config falls back to eagle_config, as given.
-        if draft.top_ids is not None:
-            return draft.top_ids, top_loc, None
-        if vllm_runner == "v1" and draft.nested_ids is not None:
-            return draft.nested_ids, f"{nested_loc} (vLLM's V1 runner falls back to it)", None
-        return None, (f"vLLM's default (the draft config has no top-level eagle_aux_hidden_state_layer_ids"
-                      f"{'' if vllm_runner == 'v1' else ', the only place the V2 runner reads'})"), \
-            ((nested_loc, draft.nested_ids) if draft.nested_ids is not None else None)
+        # the keys the runner's function reads, in order (V2: eagle3_utils.get_eagle3_aux_layers_from_config;
+        # V1: gpu_model_runner._get_eagle3_aux_layers_from_config), as the table recorded them from the wheel
+        reads = [k for k in _vllm_reads(vllm_runner) if "eagle" in k and ("layer_ids" in k)]
+        for k in reads:
+            ids = draft.top_ids if k == "eagle_aux_hidden_state_layer_ids" else \
+                draft.nested_ids if k == "eagle_config.eagle_aux_hidden_state_layer_ids" else _lookup(draft.config, k)
+            if ids is not None:
+                where = top_loc if k == "eagle_aux_hidden_state_layer_ids" else \
+                    f"{k} (vLLM's {vllm_runner.upper()} runner reads it, as given)"
+                return list(ids), where, None
+        read_txt = " or ".join(reads)
+        present = (nested_loc, draft.nested_ids) if draft.nested_ids is not None and nested_loc not in reads else None
+        return None, (f"vLLM's default (the draft config has no {read_txt}, the only place"
+                      f"{'s' if len(reads) > 1 else ''} the {vllm_runner.upper()} runner reads)"), present
     # trtllm (llm_args.EagleDecodingConfig.eagle3_layers_to_capture): only what the user passes; it never reads
     # the draft's config.json ids
     if trtllm_layers is not None:
@@ -228,75 +194,55 @@ def _engine_ids(engine: str, draft: DraftInfo, vllm_runner: str = "v2", trtllm_l
                   "never reads the draft config's ids)"), present
 
 
-def map_ids(engine: str, family: str, ids: Optional[List[int]], num_layers: int) -> Tuple[List[int], str]:
-    """Boundaries (in the order ids are written) that ``engine`` derives from ``ids``, and the rule text."""
+def map_ids(rules: TargetRules, ids: Optional[List[int]], num_layers: int) -> Tuple[List[int], str]:
+    """Boundaries (in the order ids are written) that the engine derives from ``ids``, and the rule text."""
+    m = rules.map_ids(ids, num_layers)
+    return m.config_order, m.rule
+
+
+def uncapturable_reason(rules: TargetRules, b: int, num_layers: int) -> str:
+    """Why the engine never fills a slot for boundary ``b`` ("" when it does)."""
     L = num_layers
-    if ids is None:
-        return default_boundaries(L), "engine default"
-    if engine == "vllm":
-        return list(ids), "id"
-    if engine == "trtllm":
-        return [POST_NORM(L) if i == -1 else i + 1 for i in ids], "id + 1 (-1 = the final state after the last norm)"
-    if family == DEEPSEEK:
-        if ids and ids[0] == 1:
-            return [i + 1 for i in ids], "id + 1 (first id is 1)"
-        return list(ids), "id (first id is not 1)"
-    if family == GPT_OSS:
-        if ids and max(ids) == L:
-            return list(ids), f"id (largest id is {L})"
-        return [i + 1 for i in ids], "id + 1"
-    return [i + 1 for i in ids], "id + 1"
-
-
-def last_capturable(engine: str, family: str, num_layers: int) -> int:
-    """The highest boundary ``engine`` can capture: SGLang captures at each layer's entry (boundary L only
-    for gpt_oss, at its final norm); vLLM 0.33.0 also after the last layer (``idx + 1`` / ``end_layer``
-    checks); TensorRT-LLM after each layer."""
-    if engine == "sglang" and family != GPT_OSS:
-        return num_layers - 1
-    return num_layers
-
-
-def uncapturable_reason(engine: str, family: str, b: int, num_layers: int) -> str:
-    """Why ``engine`` never fills a slot for boundary ``b`` ("" when it does)."""
-    L = num_layers
-    if engine == "trtllm" and b == POST_NORM(L):
+    eng = rules.name
+    if rules.engine == "trtllm" and b == POST_NORM(L):
         return ""
     if b < 0 or b > L:
-        if engine == "vllm":
+        if rules.engine == "vllm":
             return (f"boundary {b} does not exist (boundaries are 0..{L}); vLLM's layer loop never matches it and "
                     f"skips it silently")
-        if engine == "sglang" and family == DEEPSEEK:
-            return (f"boundary {b} does not exist (boundaries are 0..{L}): SGLang's deepseek_v2 uses ids as given "
-                    f"when the first id is not 1, and no layer has index {b}")
+        if rules.engine == "sglang" and rules.rule_key == "id+1-if-first-is-1":
+            return (f"boundary {b} does not exist (boundaries are 0..{L}): SGLang's {rules.arch} uses ids as given "
+                    f"when the first id is not 1 ({rules.evidence.get('ids_method', '')}), and no layer has index {b}")
         return f"boundary {b} does not exist (boundaries are 0..{L})"
-    if b > last_capturable(engine, family, L):
-        return (f"{ENGINE_NAMES[engine]} captures at the entry of each layer, so boundary {L} (the output of the "
-                f"last layer) is never captured")
-    if engine == "vllm" and family == DEEPSEEK and b == 0:
-        return ("vLLM 0.33.0's DeepseekV2Model.forward captures id 0 as hidden_states + residual while residual is "
-                "still None: the forward raises a TypeError")
+    if not rules.capturable(b, L):
+        holder = rules.evidence.get("holder_class", "").rsplit(".", 1)[-1] or rules.arch
+        return (f"{eng} captures at the entry of each layer ({holder}'s layer loop), so boundary {L} (the output of "
+                f"the last layer) is never captured")
+    if rules.raises_at_zero and b == 0:
+        return rules.raises_at_zero
     return ""
 
 
 def resolve_wiring(engine: str, target: TargetInfo, draft: DraftInfo, *, pp: int = 1,
                    pp_partition: Optional[List[int]] = None, vllm_runner: str = "v2",
-                   trtllm_layers: Optional[List[int]] = None) -> EngineWiring:
-    family, evidence = detect_family(target)
+                   trtllm_layers: Optional[List[int]] = None, engine_code: str = "auto",
+                   rules: Optional[TargetRules] = None) -> EngineWiring:
+    rules = rules or target_rules(engine, target, engine_code)
     L = target.num_layers
     ids, source, ignored = _engine_ids(engine, draft, vllm_runner, trtllm_layers)
-    config_order, rule = map_ids(engine, family, ids, L)
+    mapped = rules.map_ids(ids, L)
+    config_order, rule = mapped.config_order, mapped.rule
 
     stage = None
     first_cap = 0
-    # vLLM 0.33.0's V2 runner relays earlier stages' captures (pp_utils.relay_aux_hidden_states) for models with
-    # supports_aux_hidden_states_over_pp (llama, qwen2, ...); other models raise, and V1 relays nothing.
-    relayed = engine == "vllm" and vllm_runner == "v2" and target.text_model_type in VLLM_PP_RELAY_TYPES
+    # vLLM 0.33.0's V2 runner relays earlier stages' captures (pp_utils.relay_aux_hidden_states) for decoders with
+    # supports_aux_hidden_states_over_pp; other models raise, and V1 relays nothing.
+    relayed = engine == "vllm" and vllm_runner == "v2" and rules.pp_relay
     if pp > 1 and not relayed:
         stage = pp_stage_ranges(L, pp, pp_partition)[-1]
         first_cap = stage[0]
 
-    # Concatenation order: layer order; TRT-LLM sorts ids and moves -1 (embeddings) to the end.
+    # Concatenation order: layer order; TRT-LLM sorts ids (id -1, the post-norm state, first).
     seen, duplicates, order = set(), [], []
     for pos, b in enumerate(config_order):
         if b in seen:
@@ -313,60 +259,63 @@ def resolve_wiring(engine: str, target: TargetInfo, draft: DraftInfo, *, pp: int
     slots = []
     for k, (pos, b) in enumerate(order):
         cid = ids[pos] if ids is not None else None
-        why = uncapturable_reason(engine, family, b, L)
+        why = uncapturable_reason(rules, b, L)
         if not why and b < first_cap:
             why = (f"only the last pipeline stage captures, and it runs layers {stage[0]}..{stage[1] - 1}: "
                    f"boundary {b} is computed on an earlier stage")
         slots.append(SlotCapture(k, cid, b, not why, why))
 
-    cp, cp_ev = capture_point(engine, family)
-    return EngineWiring(engine=engine, family=family, family_evidence=evidence, ids=ids, ids_source=source,
+    cp, cp_ev = capture_point(rules)
+    return EngineWiring(engine=engine, rules=rules, ids=ids, ids_source=source,
                         ignored_ids=ignored, rule=rule if ids is not None else "engine default",
                         slots=slots, config_order=config_order, duplicates=duplicates, reordered=reordered,
-                        pp_last_stage=stage, capture_point=cp, capture_point_evidence=cp_ev)
+                        pp_last_stage=stage, capture_point=cp, capture_point_evidence=cp_ev, error=mapped.error,
+                        unknown=mapped.unknown)
 
 
-def capture_point(engine: str, family: str) -> Tuple[str, str]:
+def capture_point(rules: TargetRules) -> Tuple[str, str]:
     """Where the engine takes the capture relative to the tensor-parallel all-reduce."""
-    if engine == "sglang" and family in (PLUS_ONE, DEEPSEEK, GPT_OSS):
+    if rules.engine == "sglang" and rules.entry == "layer-boundary":
         return ("after-allreduce",
-                "SGLang 0.5.23 completes the deferred all-reduce at the layer boundary before it captures "
-                "(layer_boundary/stage.py: stream.complete before capture; deepseek_v2/qwen MoE capture the "
-                "gathered residual after the fused all-reduce+add+norm)")
-    if engine == "vllm" and family in (PLUS_ONE, DEEPSEEK, GPT_OSS):
+                f"SGLang {rules.version}'s {rules.evidence.get('holder_class', '').rsplit('.', 1)[-1] or rules.arch} "
+                f"passes its capture to the layer boundary ({rules.entry_code}), which completes the deferred "
+                f"all-reduce before it captures (layer_boundary/stage.py: stream.complete before capture; the fused "
+                f"all-reduce+add+norm path captures the gathered residual)")
+    if rules.engine == "vllm" and rules.supported and rules.capture_known:
         return ("after-allreduce",
-                "vLLM captures hidden_states + residual between layers, after each layer's row-parallel "
-                "all-reduce")
-    if engine == "trtllm" and family in (PLUS_ONE, DEEPSEEK, GPT_OSS):
-        return ("after-allreduce",
-                "TensorRT-LLM's maybe_capture_hidden_states stores hidden_states + residual after the layer's "
-                "all-reduce (for capture layers the fused all-reduce+norm is switched off and a plain all-reduce "
-                "runs; read from its GitHub sources around 1.2.1, not the 1.2.1 wheel)")
-    return ("unknown", f"the doctor has no source-verified capture point for {ENGINE_NAMES[engine]} with this "
-                       f"model family")
+                f"vLLM captures hidden_states + residual between layers ({rules.evidence.get('decoder')}), after "
+                f"each layer's row-parallel all-reduce")
+    if rules.engine == "trtllm":
+        return ("after-allreduce" if rules.supported else "unknown",
+                f"TensorRT-LLM's Eagle3 spec metadata stores hidden_states + residual where a model's decoder layer "
+                f"calls maybe_capture_hidden_states ({TRTLLM_SOURCE}); whether this model's layers call it after "
+                f"their all-reduce is " + ("in its table" if rules.supported else
+                                           "not verified (no per-class TensorRT-LLM table: its 1.2.1 sources are "
+                                           "not available here)"))
+    what = f"captures {rules.entry} ({rules.entry_code})" if rules.entry else "has no capture code the doctor located"
+    return ("unknown", f"{rules.name}'s {rules.arch or 'class'} {what}: the doctor cannot tell from its code whether "
+                       f"that is before or after the tensor-parallel all-reduce")
 
 
-def ids_for_boundaries(engine: str, family: str, boundaries: List[int], num_layers: int) -> Optional[List[int]]:
-    """Ids to write so that ``engine`` captures exactly ``boundaries`` in this order (None if impossible)."""
+def ids_for_boundaries(rules: TargetRules, boundaries: List[int], num_layers: int) -> Optional[List[int]]:
+    """Ids to write so that the engine captures exactly ``boundaries`` in this order (None if impossible)."""
     if not boundaries:
         return None
     for ids in ([b - 1 for b in boundaries], list(boundaries)):
-        mapped, _ = map_ids(engine, family, ids, num_layers)
-        if mapped != list(boundaries):
+        m = rules.map_ids(ids, num_layers)
+        if m.error or m.config_order != list(boundaries):
             continue
-        if engine == "trtllm":
+        if rules.engine == "trtllm":
             order = sorted(range(len(ids)), key=lambda p: ids[p])
         else:
-            order = sorted(range(len(ids)), key=lambda p: mapped[p])
-        if order != list(range(len(ids))) or len(set(mapped)) != len(mapped):
+            order = sorted(range(len(ids)), key=lambda p: m.config_order[p])
+        if order != list(range(len(ids))) or len(set(m.config_order)) != len(m.config_order):
             continue  # the engine would reorder or merge them
-        if not any(uncapturable_reason(engine, family, b, num_layers) for b in mapped):
+        if not any(uncapturable_reason(rules, b, num_layers) for b in m.config_order):
             return ids
     return None
 
 
-def rule_text(engine: str, family: str) -> str:
-    """The id -> boundary rule of ``engine`` for this model family, in words."""
-    if engine == "sglang":
-        return FAMILY_RULE[family]
-    return ENGINE_RULE[engine]
+def rule_text(rules: TargetRules) -> str:
+    """The id -> boundary rule of the engine for this target, in words."""
+    return rules.rule_text

@@ -221,7 +221,9 @@ def candidate_wirings(configured: Optional[List[int]], trained: List[int], L: in
 def run_replay(report: Report, weights: Dict[str, TensorInfo], states_path, *, margin: float = 0.02,
                max_tokens: int = 4096, device: str = "cpu", sweep: bool = False) -> None:
     if report.wiring is None or report.training is None:
-        report.add("info", "I_REPLAY_SKIPPED", "Replay skipped: the draft uses no aux hidden states.")
+        why = ("the engine refuses this target or these ids (see the errors above)" if report.draft.use_aux_hidden_state
+               else "the draft uses no aux hidden states")
+        report.add("info", "I_REPLAY_SKIPPED", f"Replay skipped: {why}.")
         return
     states = load_states(states_path, report.target)
     model = build_draft(report, weights).to(device)

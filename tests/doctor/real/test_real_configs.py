@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from doctor_fixtures import codes, finding, run_doctor
+from eagle3_ops.doctor.configs import parse_target
 
 HERE = Path(__file__).resolve().parent
 
@@ -81,8 +82,10 @@ def write_sparse_safetensors(path: Path, shapes: dict, data: dict) -> None:
         f.truncate(start + offset)
 
 
-def make_pair(tmp_path, case: str, *, ids=None, shards: int = 1, bin_format: bool = False):
-    """(draft_dir, target_dir) for a case folder; ``ids`` replaces eagle_config's ids (a derived case)."""
+def make_pair(tmp_path, case: str, *, ids=None, shards: int = 1, bin_format: bool = False, edit=None,
+              drop=()):
+    """(draft_dir, target_dir) for a case folder. A derived case (the edit is here, the file stays as is): ``ids``
+    replaces eagle_config's ids, ``edit`` updates top-level keys of the draft config, ``drop`` leaves tensors out."""
     src = HERE / case
     target = tmp_path / "target"
     shutil.copytree(src / "target", target)
@@ -91,12 +94,16 @@ def make_pair(tmp_path, case: str, *, ids=None, shards: int = 1, bin_format: boo
     raw = (src / "draft" / "config.json").read_text()
     cfg = json.loads(raw)
     if ids is not None:
-        cfg["eagle_config"]["eagle_aux_hidden_state_layer_ids"] = ids
+        cfg.setdefault("eagle_config", {})["eagle_aux_hidden_state_layer_ids"] = ids
+    if edit:
+        cfg.update(edit)
+    if ids is not None or edit:
         raw = json.dumps(cfg, indent=2)
     (draft / "config.json").write_text(raw)
-    tcfg = json.loads((target / "config.json").read_text())
-    t_hidden = (tcfg.get("text_config") or tcfg)["hidden_size"]
+    t_hidden = parse_target(target).hidden_size  # as transformers reads it (llava-hf's text_config omits it)
     shapes = draft_shapes(cfg, t_hidden)
+    for name in drop:
+        shapes.pop(name)
     data = vocab_maps(shapes["d2t"][0][0], shapes["t2d"][0][0])
     if bin_format:  # the original EAGLE-3 format: torch.save of a state dict (zero-stride: no data)
         sd = {n: (data[n] if n in data else torch.zeros((), dtype=dt).expand(*shape)) for n, (shape, dt) in
@@ -167,7 +174,7 @@ def test_kimi_k25_classic_mistake_is_an_error_without_a_guessed_fix(tmp_path):
     rc, rep = doctor(d, t)
     assert rc == 1
     err = finding(rep, "E_ID_OUT_OF_RANGE")["message"]
-    assert "deepseek_v2" in err and "boundary -1 does not exist" in err
+    assert "DeepseekV2ForCausalLM.set_eagle3_layers_to_capture" in err and "boundary -1 does not exist" in err
     assert [s["captured"] for s in rep["slots"]] == [False, True, True]
     errors = " ".join(f["message"] for f in rep["findings"] if f["severity"] == "error")
     assert "[0, 3, 31]" not in errors
@@ -217,13 +224,20 @@ def test_gpt_oss_specforge_and_boundary_numbered_ids(tmp_path):
 # ---------------------------------------------------------------------- original EAGLE-3 .bin, sharded
 def test_original_eagle3_bin_draft_without_ids(tmp_path):
     """The EAGLE authors' EAGLE-3 training config (LlamaForCausalLM architecture, no ids) as pytorch_model.bin on
-    Llama-3.1-8B: every engine's default [2, 16, 29]; no ids is a warning (the doctor assumes the default)."""
+    Llama-3.1-8B: every engine's default [2, 16, 29]; no ids is a warning (the doctor assumes the default).
+    SGLang resolves a draft's class from its architectures like any model's: LlamaForCausalLM is its plain Llama,
+    not an EAGLE-3 head, so SGLang cannot serve this config as written (E_DRAFT_CLASS); vLLM renames it
+    Eagle3LlamaForCausalLM (EAGLEConfig), its EAGLE-3 head."""
     d, t = make_pair(tmp_path, "llama-3.1-8b_eagle-official-train", bin_format=True)
     assert (d / "pytorch_model.bin").stat().st_size < 2_000_000
     for engine in ("sglang", "vllm", "trtllm"):
         rc, rep = doctor(d, t, "--engine", engine)
-        assert rc == 0 and slots(rep) == [2, 16, 29], (engine, codes(rep))
+        assert slots(rep) == [2, 16, 29], (engine, codes(rep))
         assert "--replay" in finding(rep, "W_NO_TRAINING_IDS")["message"]
+        assert codes(rep, "error") == (["E_DRAFT_CLASS"] if engine == "sglang" else []), (engine, codes(rep))
+    rc, rep = doctor(d, t)
+    msg = finding(rep, "E_DRAFT_CLASS")["message"]
+    assert rc == 1 and "LlamaForCausalLM" in msg and "LlamaForCausalLMEagle3" in msg
 
 
 def test_sharded_llama_70b_draft_without_ids(tmp_path):
@@ -271,3 +285,165 @@ def test_every_printed_fix_passes_the_doctor(tmp_path, case):
             checked.append((case, engine))
     if case == "deepseek-v3_specforge":  # vLLM V1 reads [1, 29, 57] as given: an error with a printed fix
         assert ("deepseek-v3_specforge", "vllm") in checked
+
+# ------------------------------------------------------------------- every family SGLang 0.5.23 serves
+def test_qwen3_8b_dense(tmp_path):
+    """SpecForge's Qwen3-8B config (no ids) on Qwen3-8B (Qwen3ForCausalLM: id + 1; default [2, 18, 33])."""
+    d, t = make_pair(tmp_path, "qwen3-8b_specforge")
+    for engine in ("sglang", "vllm", "trtllm"):
+        rc, rep = doctor(d, t, "--engine", engine)
+        assert rc == 0 and slots(rep) == [2, 18, 33] and "W_NO_TRAINING_IDS" in codes(rep, "warning"), engine
+    assert "W_TARGET_SUPPORT_UNVERIFIED" in codes(rep)  # no per-class TensorRT-LLM table: said, not assumed
+    # an id naming boundary L: Qwen3Model captures at each layer's entry only
+    d, t = make_pair(tmp_path / "last", "qwen3-8b_specforge", ids=[1, 17, 35])
+    rc, rep = doctor(d, t)
+    assert rc == 1 and "E_LAST_LAYER_NOT_CAPTURED" in codes(rep, "error")
+
+
+def test_tied_draft_with_a_smaller_vocabulary(tmp_path):
+    """AngelSlim's Qwen3-1.7B EAGLE-3 config: tie_word_embeddings true, draft_vocab_size 32000 < 151936.
+    As published it names vLLM's head (Eagle3LlamaForCausalLM), which SGLang cannot load (E_DRAFT_CLASS, no
+    tied verdict on a class SGLang does not run). vLLM's Eagle3LlamaForCausalLM ignores the flag and loads
+    lm_head.weight; without that tensor vLLM shares the target's lm_head (load_eagle_model): an error.
+    Exported for SGLang (architectures LlamaForCausalLMEagle3), llama_eagle3.py ties lm_head to embed_tokens,
+    which set_embed replaces with the target's: the trained head is dropped, an error; untied, it is fine."""
+    d, t = make_pair(tmp_path / "a", "qwen3-1.7b_angelslim-tied")
+    rc, rep = doctor(d, t)
+    assert rc == 1 and codes(rep, "error") == ["E_DRAFT_CLASS"], codes(rep)
+    rc, rep = doctor(d, t, "--engine", "vllm")
+    assert rc == 0 and "ignores it" in finding(rep, "I_TIED_DRAFT")["message"]
+    d2, t2 = make_pair(tmp_path / "b", "qwen3-1.7b_angelslim-tied", drop=("lm_head.weight",))
+    rc, rep = doctor(d2, t2, "--engine", "vllm")
+    assert rc == 1 and "shares the target's lm_head" in finding(rep, "E_TIED_DRAFT_VOCAB")["message"]
+    d3, t3 = make_pair(tmp_path / "c", "qwen3-1.7b_angelslim-tied", edit={"architectures": ["LlamaForCausalLMEagle3"]})
+    rc, rep = doctor(d3, t3)
+    msg = finding(rep, "E_TIED_DRAFT_VOCAB")["message"]
+    assert rc == 1 and "self.lm_head = self.model.embed_tokens" in msg and "Set tie_word_embeddings to false" in msg
+    assert slots(rep) == [2, 14, 25]  # the wiring itself is fine: the error is the head
+    d4, t4 = make_pair(tmp_path / "d", "qwen3-1.7b_angelslim-tied",
+                       edit={"architectures": ["LlamaForCausalLMEagle3"], "tie_word_embeddings": False})
+    rc, rep = doctor(d4, t4)
+    assert rc == 0, codes(rep)
+
+
+def test_qwen3_vl_dense_and_moe(tmp_path):
+    """SpecForge's Qwen3-VL configs (PR 431) on Qwen3-VL-8B / 30B-A3B. SGLang: Qwen3VLForConditionalGeneration's
+    own set_eagle3_layers_to_capture adds 1 ([3, 17, 32] -> [4, 18, 33]); every reading agrees. vLLM's V2 runner
+    reads only top-level ids (get_eagle3_aux_layers_from_config), so it feeds its default: an error with the fix."""
+    d, t = make_pair(tmp_path / "8b", "qwen3-vl-8b_specforge")
+    rc, rep = doctor(d, t)
+    assert rc == 0 and slots(rep) == [4, 18, 33] and codes(rep, "warning") == [], codes(rep)
+    rc, rep = doctor(d, t, "--engine", "vllm")
+    assert rc == 1 and slots(rep) == [2, 18, 33]
+    assert "top-level eagle_aux_hidden_state_layer_ids in the draft's config.json to [4, 18, 33]" in \
+        finding(rep, "E_WIRING_MISMATCH")["message"]
+    d, t = make_pair(tmp_path / "30b", "qwen3-vl-30b-a3b_specforge")
+    rc, rep = doctor(d, t)  # Qwen3VLMoe: its Qwen2MoeModel flags self.layers[b]
+    assert rc == 0 and slots(rep) == [4, 24, 46]
+    assert rep["engine"]["class"].endswith("Qwen3VLMoeForConditionalGeneration")
+
+
+def test_qwen3_5_moe_reads_the_text_config(tmp_path):
+    """SpecForge's Qwen3.5-35B-A3B config (no ids) on Qwen3.5-35B-A3B. SGLang's Qwen3VLForConditionalGeneration
+    sets self.config = config.text_config for this language model class (its __init__), so the default reads the
+    text config's 40 layers: [2, 20, 37]. An id naming boundary 40: its model flags self.layers[40], an IndexError
+    when SGLang starts (E_ENGINE_RAISES, not a layer verdict)."""
+    d, t = make_pair(tmp_path / "a", "qwen3.5-35b-a3b_specforge")
+    rc, rep = doctor(d, t)
+    assert rc == 0 and slots(rep) == [2, 20, 37] and rep["target"]["num_layers"] == 40
+    d, t = make_pair(tmp_path / "b", "qwen3.5-35b-a3b_specforge", ids=[1, 19, 39])
+    rc, rep = doctor(d, t)
+    msg = finding(rep, "E_ENGINE_RAISES")["message"]
+    assert rc == 1 and "IndexError" in msg and rep["slots"] == []
+    assert not [c for c in codes(rep, "error") if c != "E_ENGINE_RAISES"]
+
+
+def test_moe_draft_class_is_no_eagle3_head(tmp_path):
+    """SpecForge's MoE draft (branch exp/add-moe-draft-head) declares Qwen3MoEForCausalLMEagle3: not an SGLang
+    class (Transformers fallback, no fc over the captures), and not a vLLM head (Eagle3-suffixed names are looked
+    up as they are)."""
+    d, t = make_pair(tmp_path, "qwen3-30b-a3b_specforge-moe-draft")
+    for engine in ("sglang", "vllm"):
+        rc, rep = doctor(d, t, "--engine", engine)
+        assert rc == 1 and "Qwen3MoEForCausalLMEagle3" in finding(rep, "E_DRAFT_CLASS")["message"], engine
+
+
+def test_gemma4_captures_boundary_L_and_scales_embeddings(tmp_path):
+    """SpecForge's Gemma-4-26B-A4B config ids [5, 17, 29] on the 30-layer target: id 29 names boundary 30 = L,
+    which Gemma4TextModel captures after its last layer (`if num_layers in self.layers_to_capture`), so SGLang feeds
+    all three. Its embeddings are scaled (embed_scale = hidden_size**0.5) and the draft head applies no scale:
+    W_EMBED_SCALE. vLLM 0.33.0's V2 runner reads no nested ids: an error."""
+    d, t = make_pair(tmp_path, "gemma-4-26b-a4b_specforge")
+    rc, rep = doctor(d, t)
+    assert rc == 0 and slots(rep) == [6, 18, 30] and all(s["captured"] for s in rep["slots"])
+    assert "embed_scale" in finding(rep, "W_EMBED_SCALE")["message"]
+    rc, rep = doctor(d, t, "--engine", "vllm")
+    assert rc == 1 and "E_WIRING_MISMATCH" in codes(rep, "error")
+
+
+def test_llama4_scout_wrapper(tmp_path):
+    """SpecForge's Llama-4-Scout config on Llama-4-Scout: SGLang's Llama4ForConditionalGeneration hands the ids
+    to its language model (Llama4ForCausalLM, LlamaForCausalLM's rule: id + 1)."""
+    d, t = make_pair(tmp_path, "llama-4-scout_specforge")
+    rc, rep = doctor(d, t)
+    assert rc == 0 and slots(rep) == [2, 24, 45] and rep["engine"]["class"].endswith("Llama4ForConditionalGeneration")
+    rc, rep = doctor(d, t, "--engine", "vllm")
+    assert rc == 0 and slots(rep) == [2, 24, 45]
+
+
+def test_minimax_m2_5_and_kimi_mla_head(tmp_path):
+    """TorchSpec's MiniMax-M2.5 draft on MiniMax-M2.5 (MiniMaxM2ForCausalLM, id + 1), and TorchSpec's MLA draft
+    for Kimi-K2.5 (Eagle3DeepseekV2ForCausalLM, SGLang's second EAGLE-3 head; ids [1, 29, 57], first id 1: +1)."""
+    d, t = make_pair(tmp_path / "m", "minimax-m2.5_torchspec")
+    rc, rep = doctor(d, t)
+    assert rc == 0 and slots(rep) == [2, 31, 59]
+    d, t = make_pair(tmp_path / "k", "kimi-k25_torchspec-mla")
+    rc, rep = doctor(d, t)
+    assert rc == 0 and slots(rep) == [2, 30, 58] and "E_DRAFT_CLASS" not in codes(rep)
+
+
+def test_llava_is_refused_by_sglang_and_served_by_vllm(tmp_path):
+    """llava-hf's LLaVA-1.5-7B config (text_config without num_hidden_layers: LlamaConfig's default 32 applies)
+    with SpecForge's LLaVA draft config. SGLang's LlavaForConditionalGeneration has no set_eagle3_layers_to_capture
+    (attention_backend_setup raises at start-up): E_TARGET_UNSUPPORTED and no layer verdict at all. vLLM's
+    LlavaForConditionalGeneration implements SupportsEagle3: served."""
+    d, t = make_pair(tmp_path, "llava-1.5-7b_specforge")
+    rc, rep = doctor(d, t)
+    assert rc == 1 and codes(rep, "error") == ["E_TARGET_UNSUPPORTED"] and rep["slots"] == []
+    assert rep["target"]["num_layers"] == 32 and rep["engine"]["supported"] is False
+    assert "vLLM 0.33.0 serves it" in finding(rep, "E_TARGET_UNSUPPORTED")["message"]
+    rc, rep = doctor(d, t, "--engine", "vllm")
+    assert rc == 0 and slots(rep) == [2, 16, 29]
+
+
+def test_phi4(tmp_path):
+    """SpecForge's Phi-4 config (its draft layer typed phi3) on phi-4 (Phi3ForCausalLM: SGLang's llama code)."""
+    d, t = make_pair(tmp_path, "phi-4_specforge")
+    rc, rep = doctor(d, t)
+    assert rc == 0 and slots(rep) == [2, 20, 37] and rep["engine"]["class"].endswith("Phi3ForCausalLM")
+
+
+def test_every_sglang_eagle3_family_has_a_case_or_is_named_missing():
+    """Each SGLang 0.5.23 model file with set_eagle3_layers_to_capture has a case here (its class or the model
+    that captures for it), or README.md names it among the families no real config was found for."""
+    import re
+
+    import sglang
+
+    from eagle3_ops.doctor import tables
+
+    models = Path(sglang.__file__).parent / "srt" / "models"
+    files = {p.stem for p in models.glob("*.py") if "def set_eagle3_layers_to_capture" in p.read_text()}
+    rows = tables.load("sglang")["targets"]
+    covered = set()
+    for case in sorted(p.name for p in HERE.iterdir() if (p / "target" / "config.json").is_file()):
+        cfg = json.loads((HERE / case / "target" / "config.json").read_text())
+        arch = next((a for a in cfg.get("architectures", []) if a in rows), None)
+        if arch is None:
+            continue
+        for key in ("class", "holder_class"):  # the class, the model that captures for it, and the code that ran
+            if rows[arch].get(key):
+                covered.add(rows[arch][key].split(".")[3])
+        covered.update(m.split(".")[3] for m in rows[arch].get("ran_modules", []))
+    named = set(re.findall(r"`(\w+)\.py`", (HERE / "README.md").read_text().split("## No real config found")[1]))
+    assert files - covered == named, (sorted(files - covered), sorted(named))

@@ -1,0 +1,343 @@
+"""What an engine does with one target: resolved from the installed engine or from its pinned table.
+
+``target_rules(engine, target)`` returns a :class:`TargetRules` that says which class the engine serves
+the target with, whether it can serve EAGLE-3 for it at all (and the error it raises if not), how it turns
+the draft's ids into boundaries, which boundaries it can capture and where, and what it captures there.
+
+SGLang: the installed package when it is the pinned version (its own ``set_eagle3_layers_to_capture`` runs
+on a stand-in with the target's real config, see :mod:`.sglang_code`), else ``tables/sglang-<pinned>.json``,
+and the source is said. vLLM 0.33.0: ``tables/vllm-0.33.0.json`` (generated from the wheel; vLLM is never
+imported). TensorRT-LLM: ``tables/trtllm-1.2.1.json`` where present; its engine-wide rules below.
+"""
+from __future__ import annotations
+
+import dataclasses
+import re
+from typing import Callable, Dict, List, Optional, Tuple
+
+from . import tables
+
+ENGINE_NAMES = {"sglang": "SGLang", "vllm": "vLLM", "trtllm": "TensorRT-LLM"}
+ENGINE_CODE_CHOICES = ("auto", "installed", "table")
+
+
+@dataclasses.dataclass
+class Mapped:
+    """What an engine does with a list of ids (or None: its default) for a target with L layers."""
+    config_order: List[int]        # the boundary each id names, in the order the ids are written
+    error: Optional[str] = None    # what the engine raises at start-up, if anything
+    rule: str = ""                 # in words
+    unknown: Optional[str] = None  # the source cannot say what the engine does (why)
+
+
+@dataclasses.dataclass
+class TargetRules:
+    engine: str
+    version: str
+    source: str                    # where these rules come from, in words
+    arch: str                      # the architecture the engine resolved
+    class_name: str                # qualified class name
+    supported: Optional[bool]      # None: the source cannot tell
+    refusal: str = ""              # what the engine says when it refuses
+    rule_key: Optional[str] = None
+    rule_text: str = "unknown"
+    default: Optional[List[str]] = None      # default boundaries as formulas of L
+    entry: Optional[str] = None    # captured at layer i's entry: layer-boundary | hidden+residual | hidden-only
+    entry_code: Optional[str] = None
+    final: Optional[str] = None    # boundary L: final-norm | after-loop | end (vLLM) | None (never)
+    final_value: Optional[str] = None
+    final_code: Optional[str] = None
+    pp_last_rank_only: bool = True
+    pp_relay: bool = False
+    flags: bool = False            # SGLang: per-layer flags (self.layers[b]): b >= L raises, b < 0 wraps
+    raises_at_zero: Optional[str] = None     # vLLM: boundary 0 raises (residual still None)
+    scaled_embedding: Optional[str] = None
+    capture_known: bool = True
+    evidence: Dict[str, str] = dataclasses.field(default_factory=dict)
+    _live: Optional[Callable] = None
+
+    @property
+    def name(self) -> str:
+        return ENGINE_NAMES[self.engine]
+
+    def map_ids(self, ids: Optional[List[int]], L: int) -> Mapped:
+        if self._live is not None:
+            return self._live(ids, L)
+        return _table_map(self, ids, L)
+
+    def last_capturable(self, L: int) -> int:
+        return L if self.final else L - 1
+
+    def capturable(self, b: int, L: int) -> bool:
+        if self.engine == "trtllm":
+            return 1 <= b <= L + 1
+        if self.engine == "vllm":
+            return 0 <= b <= L
+        return 0 <= b < L or (b == L and self.final is not None)
+
+
+def eval_formulas(formulas: List[str], L: int) -> List[int]:
+    from .sglang_code import eval_default
+
+    return eval_default(formulas, L)
+
+
+def _table_map(r: TargetRules, ids, L) -> Mapped:
+    from .sglang_code import ID_RULES
+
+    if ids is None:
+        if r.default is None:
+            return Mapped([], None, "engine default",
+                          unknown=f"{r.name}'s default ids for {r.arch} are not in its table")
+        return Mapped(eval_formulas(r.default, L), None, "engine default")
+    if r.engine == "vllm":
+        return Mapped(list(ids), None, "id")
+    if r.engine == "trtllm":
+        return Mapped([L + 1 if i == -1 else i + 1 for i in ids], None,
+                      "id + 1 (-1 = the final state after the last norm)")
+    if r.rule_key not in ID_RULES:
+        return Mapped([], None, "unknown", unknown=f"SGLang's id rule for {r.arch} is not in the table")
+    fn, text = ID_RULES[r.rule_key]
+    b = fn(list(ids), L)
+    detail = text
+    if r.rule_key == "id+1-if-first-is-1":
+        detail = "id + 1 (first id is 1)" if ids and ids[0] == 1 else "id (first id is not 1)"
+    elif r.rule_key == "id-if-max-is-L":
+        detail = f"id (largest id is {L})" if ids and max(ids) == L else "id + 1"
+    err = None
+    if r.flags:
+        bad = [x for x in b if x >= L or x < -L]
+        if bad:
+            err = (f"IndexError: list index out of range ({r.evidence.get('holder_class', 'the model')}."
+                   f"set_eagle3_layers_to_capture flags self.layers[{bad[0]}], which does not exist)")
+        b = [x % L if -L <= x < 0 else x for x in b]
+    return Mapped(b, err, detail)
+
+
+# ------------------------------------------------------------------------------------------- SGLang
+def sglang_mode(engine_code: str = "auto") -> Tuple[bool, str]:
+    """(use the installed SGLang, why). ``engine_code``: auto | installed | table."""
+    from . import sglang_code
+
+    v = sglang_code.installed_version()
+    pinned = tables.PINNED["sglang"]
+    if engine_code == "table":
+        return False, f"pinned table tables/sglang-{pinned}.json (--engine-code table)"
+    if v == pinned:
+        return True, f"the installed SGLang {v} (its own code ran)"
+    if engine_code == "installed":
+        if v is None:
+            raise_input(f"--engine-code installed: SGLang is not installed (pinned: {pinned})")
+        return True, f"the installed SGLang {v} (its own code ran; NOT the pinned {pinned}: --engine-code installed)"
+    why = "SGLang is not installed" if v is None else f"the installed SGLang is {v}, not the pinned {pinned}"
+    return False, f"pinned table tables/sglang-{pinned}.json ({why})"
+
+
+def raise_input(msg: str):
+    from .configs import DoctorInputError
+
+    raise DoctorInputError(msg)
+
+
+def _from_row(engine: str, version: str, source: str, arch: str, row: dict) -> TargetRules:
+    from .sglang_code import ID_RULES
+
+    cap = row.get("capture") or {}
+    r = TargetRules(engine=engine, version=version, source=source, arch=arch, class_name=row.get("class", arch),
+                    supported=row.get("supported"), refusal=row.get("reason", ""))
+    if engine == "sglang" and r.supported:
+        r.rule_key = row.get("id_rule")
+        r.rule_text = ID_RULES[r.rule_key][1] if r.rule_key in ID_RULES else "unknown"
+        r.default = row.get("default")
+        r.entry, r.entry_code = cap.get("entry"), cap.get("entry_code")
+        r.final, r.final_value, r.final_code = cap.get("final"), cap.get("final_value"), cap.get("final_code")
+        r.pp_last_rank_only = bool(row.get("pp_last_rank_only", True))
+        r.flags = bool(row.get("uses_layer_flags"))
+        r.scaled_embedding = cap.get("scaled_embedding")
+        r.capture_known = r.entry is not None
+        r.evidence = {"ids_method": row.get("ran") or row.get("ids_method", ""),
+                      "holder_class": row.get("holder_class") or "",
+                      "holder": row.get("holder") or ""}
+    return r
+
+
+def _sglang_live(target, arch: str, cls) -> TargetRules:
+    from . import sglang_code
+
+    v = sglang_code.installed_version()
+    row = sglang_code.describe_class(arch, cls)
+    r = _from_row("sglang", v, f"the installed SGLang {v} (its own code ran)", arch, row)
+    if not r.supported:
+        return r
+    config = target.lib.obj if target.lib is not None and target.lib.obj is not None else \
+        sglang_code.RecordingConfig(target.num_layers)
+
+    def live(ids, L):
+        from .sglang_code import ID_RULES
+
+        res = sglang_code.probe(cls, config, ids, L)
+        ltc = res["layers_to_capture"]
+        if res["error"] is not None:
+            return Mapped(ltc or [], f"{res['error']} (raised by {res['ran']} when SGLang configures the "
+                                     f"capture at start-up)", r.rule_text)
+        if ltc is None:
+            return Mapped([], None, r.rule_text, unknown=f"{res['ran']} set no layers_to_capture on the stand-in")
+        if res["flags"]:  # flagged layers are what the forward reads; a negative id wraps to self.layers[b]
+            ltc = [x % L if -L <= x < 0 else x for x in ltc]
+        if ids is None:
+            return Mapped(ltc, None, "engine default")
+        detail = _table_map(r, ids, L).rule if r.rule_key in ID_RULES else "as SGLang's own code maps them"
+        return Mapped(ltc, None, detail)
+
+    r._live = live
+    return r
+
+
+def _sglang_table(arch_list: List[str], source: str) -> TargetRules:
+    t = tables.load("sglang")
+    if t is None:
+        return TargetRules("sglang", tables.PINNED["sglang"], source, "", "", None,
+                           refusal="the SGLang table is missing from this installation")
+    rows = t["targets"]
+    hit = next((a for a in arch_list if a in rows), None)
+    if hit is None:
+        names = ", ".join(arch_list) or "none"
+        return TargetRules("sglang", t["version"], source, "TransformersForCausalLM", "TransformersForCausalLM",
+                           False, refusal=(f"none of the architectures ({names}) is an SGLang {t['version']} model "
+                                           f"class: SGLang falls back to its Transformers backend, which has no "
+                                           f"set_eagle3_layers_to_capture"))
+    return _from_row("sglang", t["version"], source, hit, rows[hit])
+
+
+# --------------------------------------------------------------------------------------------- vLLM
+def _vllm_table(target) -> TargetRules:
+    t = tables.load("vllm")
+    src = f"pinned table tables/vllm-{tables.PINNED['vllm']}.json (generated from the vLLM wheel; vLLM is not imported)"
+    if t is None:
+        return TargetRules("vllm", tables.PINNED["vllm"], src, "", "", None, refusal="no vLLM table")
+    rows = t["targets"]
+    hit = next((a for a in target.architectures if a in rows), None)
+    if hit is None:
+        return TargetRules("vllm", t["version"], src, "", "", None,
+                           refusal=(f"none of the architectures ({', '.join(target.architectures) or 'none'}) is in "
+                                    f"vLLM {t['version']}'s model registry (vLLM would use its Transformers backend "
+                                    f"or refuse the model)"))
+    row = rows[hit]
+    r = TargetRules("vllm", t["version"], src, hit, row["class"], row.get("supported"), refusal=row.get("reason", ""),
+                    rule_key="id", rule_text="id (0 = embeddings)")
+    if not r.supported:
+        return r
+    if not row.get("capture") and "text config's architectures" in (row.get("decoder_how") or ""):
+        # the wrapper builds its language model from text_config.architectures at start-up: that class's decoder
+        lm = next((a for a in (target.text_config.get("architectures") or []) if a in rows), None)
+        if lm is not None and rows[lm].get("capture"):
+            row = dict(row, capture=rows[lm]["capture"], decoder=rows[lm].get("decoder"),
+                       pp_relay=rows[lm].get("pp_relay"),
+                       decoder_how=f"{row['decoder_how']}: text_config.architectures = {lm}")
+    m = re.fullmatch(r"\(2, num_layers // 2, num_layers - 3\)", row.get("default") or "")
+    r.default = ["2", "L//2", "L-3"] if m else None
+    cap = row.get("capture") or []
+    kinds = {c["boundary"] for c in cap}
+    r.capture_known = bool(kinds) and kinds <= {"start", "entry", "after", "end"}
+    r.final = "end" if kinds & {"after", "end"} else None
+    r.entry = "hidden+residual"
+    r.pp_relay = bool(row.get("pp_relay"))
+    r.pp_last_rank_only = not r.pp_relay
+    if any(c["boundary"] == "entry" and c["value"] == "hidden+residual-unguarded" for c in cap):
+        r.raises_at_zero = (f"vLLM {t['version']}'s {row.get('decoder')}.forward captures id 0 as hidden_states + "
+                            f"residual while residual is still None: the forward raises a TypeError")
+    r.evidence = {"decoder": row.get("decoder") or "", "default_from": row.get("default_from") or "",
+                  "decoder_how": row.get("decoder_how", "")}
+    return r
+
+
+# --------------------------------------------------------------------------------------- TensorRT-LLM
+def _trtllm(target) -> TargetRules:
+    t = tables.load("trtllm")
+    src = (f"pinned table tables/trtllm-{tables.PINNED['trtllm']}.json" if t is not None else
+           "TensorRT-LLM's engine-wide rules (no per-class table in this installation)")
+    r = TargetRules("trtllm", tables.PINNED["trtllm"], src, "", "", None, rule_key="id+1",
+                    rule_text="id + 1 (captured after layer id; -1 = the final state after the last norm)",
+                    default=["2", "L//2", "L-3"], final="post-norm", entry="hidden+residual")
+    if t is not None:
+        rows = t.get("targets", {})
+        hit = next((a for a in target.architectures if a in rows), None)
+        if hit is not None:
+            r.arch, r.class_name = hit, rows[hit].get("class", hit)
+            r.supported, r.refusal = rows[hit].get("supported"), rows[hit].get("reason", "")
+        else:
+            r.refusal = (f"none of the architectures ({', '.join(target.architectures) or 'none'}) is in the "
+                         f"TensorRT-LLM table")
+    return r
+
+
+def target_rules(engine: str, target, engine_code: str = "auto") -> TargetRules:
+    """The rules ``engine`` applies to ``target`` (a :class:`~.configs.TargetInfo`), cached on the target."""
+    cache = target.__dict__.setdefault("_rules", {})
+    key = (engine, engine_code)
+    if key not in cache:
+        cache[key] = _resolve(engine, target, engine_code)
+    return cache[key]
+
+
+def _resolve(engine: str, target, engine_code: str) -> TargetRules:
+    if engine == "vllm":
+        return _vllm_table(target)
+    if engine == "trtllm":
+        return _trtllm(target)
+    live, why = sglang_mode(engine_code)
+    if live:
+        from . import sglang_code
+
+        cls, arch, how = sglang_code.resolve_architecture(target.architectures)
+        if cls is None:
+            return TargetRules("sglang", sglang_code.installed_version(), why, arch, arch, False,
+                               refusal=f"{how}, which has no set_eagle3_layers_to_capture")
+        return _sglang_live(target, arch, cls)
+    return _sglang_table(target.architectures, why)
+
+
+# ------------------------------------------------------------------------------------------ draft class
+@dataclasses.dataclass
+class DraftClass:
+    engine: str
+    arch: str                      # what the engine resolves the draft's architectures to
+    head: Optional[dict]           # the EAGLE-3 head's table row (None: not an EAGLE-3 head / unknown)
+    known: bool                    # False: the source cannot tell
+    message: str = ""
+    heads: List[str] = dataclasses.field(default_factory=list)
+
+
+def draft_class(engine: str, draft, engine_code: str = "auto") -> DraftClass:
+    archs = [a for a in draft.architectures if isinstance(a, str)]
+    if engine == "sglang":
+        live, why = sglang_mode(engine_code)
+        if live:
+            from . import sglang_code
+
+            reg = sglang_code.registry()
+            heads = {a: h for a, c in reg.items() if (h := sglang_code.draft_head(c)) is not None}
+            cls, arch, how = sglang_code.resolve_architecture(archs)
+        else:
+            t = tables.load("sglang") or {"targets": {}, "draft_heads": {}}
+            heads = t["draft_heads"]
+            arch = next((a for a in archs if a in t["targets"]), "TransformersForCausalLM")
+        return DraftClass("sglang", arch, heads.get(arch), True, heads=sorted(heads))
+    if engine == "vllm":
+        t = tables.load("vllm") or {}
+        heads = t.get("draft_heads", {})
+        rename = (t.get("draft_rename") or {}).get("rule")
+        if rename != "prefix-Eagle3":
+            return DraftClass("vllm", "", None, False, "vLLM's draft rename rule is not in the table")
+        if draft.dialect == "speculators":  # the speculators config's layer type picks the class
+            amap = t.get("speculators_eagle3_arch_map") or {}
+            lt = str(draft.layer_config.get("model_type", "llama"))
+            if lt not in amap:
+                return DraftClass("vllm", "", None, True, heads=sorted(heads),
+                                  message=f"vLLM's speculators reader has no EAGLE-3 class for layer type {lt!r}")
+            archs = [amap[lt]]
+        names = [a if a.startswith("Eagle3") or a.endswith("Eagle3") else f"Eagle3{a}" for a in archs]
+        arch = next((a for a in names if a in heads), names[0] if names else "")
+        return DraftClass("vllm", arch, heads.get(arch), True, heads=sorted(heads))
+    return DraftClass("trtllm", "", None, False, "TensorRT-LLM picks its EAGLE-3 draft class from the speculative "
+                                                "config, not from the draft's architectures")

@@ -1,0 +1,33 @@
+"""Pinned engine tables: what each engine's own code says about EAGLE-3, per target class.
+
+Each ``<engine>-<version>.json`` is written by ``python -m eagle3_ops.doctor.tables.generate`` from
+the engine's code (the installed SGLang, the vLLM wheel, TensorRT-LLM's sources) and never edited by
+hand; ``tests/doctor/test_engine_tables.py`` checks the SGLang table against the installed SGLang.
+"""
+from __future__ import annotations
+
+import functools
+import json
+from pathlib import Path
+from typing import Optional
+
+HERE = Path(__file__).resolve().parent
+PINNED = {"sglang": "0.5.23", "vllm": "0.33.0", "trtllm": "1.2.1"}
+
+
+def table_path(engine: str, version: Optional[str] = None) -> Path:
+    return HERE / f"{engine}-{version or PINNED[engine]}.json"
+
+
+@functools.lru_cache(maxsize=None)
+def load(engine: str, version: Optional[str] = None) -> Optional[dict]:
+    """The pinned table of ``engine`` (None when this package has none for it)."""
+    p = table_path(engine, version)
+    if not p.is_file():
+        return None
+    return json.loads(p.read_text())
+
+
+def dumps(table: dict) -> str:
+    """The committed form (stable key order, one diff line per fact)."""
+    return json.dumps(table, indent=1, sort_keys=True) + "\n"
