@@ -83,5 +83,5 @@ def test_safe_default_on_bad_verify_and_debug(caplog):
 
 
 def test_unknown_setting_name_is_a_programming_error():
-    with pytest.raises(KeyError, match="not an eagle3_ops runtime setting"):
+    with pytest.raises(KeyError, match="not an eagle3_ops setting"):
         settings.get("EAGLE3_OPS_NOPE")
