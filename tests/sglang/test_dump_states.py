@@ -149,7 +149,7 @@ def test_dump_skips_verify_decode_and_cached_prefixes(sglang_cpu, dump_env):
 
 @pytest.mark.parametrize("env,needle", [
     ({"EAGLE3_OPS_DUMP_TOKENS": "abc"}, "EAGLE3_OPS_DUMP_TOKENS='abc'"),
-    ({"EAGLE3_OPS_DUMP_TOKENS": "0"}, "positive whole number"),
+    ({"EAGLE3_OPS_DUMP_TOKENS": "0"}, "a whole number of prefill tokens from 1 to 1048576"),
     ({"EAGLE3_OPS_DUMP_BOUNDARIES": "some"}, "EAGLE3_OPS_DUMP_BOUNDARIES='some'"),
 ])
 def test_bad_dump_settings_are_named_and_leave_the_dump_off(sglang_cpu, dump_env, monkeypatch, caplog, env,
