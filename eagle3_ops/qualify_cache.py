@@ -19,7 +19,7 @@ What it guarantees (what qualify.py and the plugin rely on):
 
 Interface: ``load(made_for, parse) -> value or None`` and ``store(made_for, value) -> bool``;
 ``made_for`` is a JSON-able dict that names what the value is (``"what"``) and everything it
-depends on. This module imports neither torch nor the rest of eagle3_ops.
+depends on. This module imports neither torch nor the rest of eagle3_ops (files.py aside).
 """
 from __future__ import annotations
 
@@ -29,9 +29,10 @@ import json
 import logging
 import os
 import stat
-import tempfile
 from pathlib import Path
 from typing import Any, Callable, Optional, Tuple, TypeVar
+
+from .files import replace_atomically
 
 log = logging.getLogger("eagle3_ops")
 
@@ -157,19 +158,14 @@ def store(made_for: dict, value: Any) -> bool:
         for old in list(data)[:max(len(data) - MAX_ENTRIES, 0)]:
             del data[old]
         text = json.dumps(data, indent=1, allow_nan=False)
-        fd, tmp = tempfile.mkstemp(dir=p.parent, prefix=p.name + ".", suffix=".tmp")
-        try:
-            with os.fdopen(fd, "w") as f:
+
+        def write(tmp: str) -> None:
+            with open(tmp, "w") as f:
                 f.write(text)
                 f.flush()
                 os.fsync(f.fileno())
-            os.replace(tmp, p)
-        except BaseException:
-            try:
-                os.unlink(tmp)
-            except OSError:
-                pass
-            raise
+
+        replace_atomically(p, write)
         return True
     except (OSError, ValueError, TypeError) as e:  # a full or read-only disk, no locks (NFS), a value not JSON-able
         _note(f"could not write the qualification cache {p}: {(getattr(e, 'strerror', None) or str(e))}; "

@@ -24,13 +24,13 @@ from __future__ import annotations
 import dataclasses
 import os
 import re
-import tempfile
 from pathlib import Path
 from typing import Dict, Iterable, List, Optional
 
 import torch
 
 from .. import settings
+from ..files import replace_atomically
 from ..settings import SettingError
 
 FORMAT = "eagle3_ops.doctor.states/2"
@@ -123,9 +123,8 @@ def save_states_file(tensors: Dict[str, torch.Tensor], path, metadata: Dict[str,
         raise StatesError(f"not writing {path}: {problem}")
     target = Path(os.path.realpath(path))
     target.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=".partial")
-    try:
-        os.close(fd)
+
+    def write(tmp: str) -> None:
         try:
             save_file(tensors, tmp, metadata=metadata)
         except Exception as e:  # safetensors reports I/O errors as SafetensorError("... (os error 28)")
@@ -134,13 +133,8 @@ def save_states_file(tensors: Dict[str, torch.Tensor], path, metadata: Dict[str,
                 raise
             raise OSError(int(code.group(1)), os.strerror(int(code.group(1))), str(target)) from e
         os.chmod(tmp, 0o666 & ~_umask())  # mkstemp's 0600 -> what a plain open() would have made
-        os.replace(tmp, target)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
-        raise
+
+    replace_atomically(target, write, suffix=".partial")
     return target
 
 
