@@ -124,7 +124,7 @@ def output_file_problem(path, create_folders: bool = False) -> Optional[str]:
     target = Path(os.path.realpath(path))   # a symlink (or a dangling one): the file it points to
     try:
         mode = os.stat(target).st_mode
-    except FileNotFoundError:
+    except (FileNotFoundError, NotADirectoryError):  # absent (the folder checks below say why, if it matters)
         mode = None
     except OSError as e:  # a symlink loop, a folder that cannot be searched
         return f"cannot inspect {target}: {(e.strerror or str(e)).lower()}"
