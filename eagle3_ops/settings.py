@@ -74,7 +74,7 @@ def parse_whole_number(raw: str, lo: int, hi: int) -> int:
 
 
 def _switch(raw: str) -> bool:
-    word = raw.strip().lower()
+    word = raw.strip().lower() if raw.isascii() else ""  # lower() maps some non-ASCII letters to ASCII ones
     if word in ON_WORDS:
         return True
     if word in OFF_WORDS:
@@ -99,7 +99,7 @@ def _choice_setting(name: str, default: Any, words: Tuple[str, ...], accepted: s
                     value: Callable[[str], Any] = lambda w: w) -> Setting:
     def parse(raw: str) -> Any:
         word = raw.strip().lower()
-        if word not in words:
+        if not raw.isascii() or word not in words:  # lower() maps some non-ASCII letters (the Kelvin sign) to ASCII
             raise ValueError
         return value(word)
 

@@ -94,7 +94,8 @@ ALL = {**settings.SETTINGS, **settings.BUILD_SETTINGS}
 
 def bad_values(s: settings.Setting):
     """Values a hostile (or careless) user sets, generated from the setting's kind."""
-    odd = ["\u00b2", "\uff11", "\u0661", "x", "-1", "1 0", "on!"]  # superscript two, fullwidth one, Arabic-Indic one
+    # superscript two, fullwidth one, Arabic-Indic one, "ok" with the Kelvin sign (which lower() makes "ok")
+    odd = ["\u00b2", "\uff11", "\u0661", "x", "-1", "1 0", "on!", "o\u212a"]
     if s.kind == "switch":
         return odd + ["2", "yes", "no", "enabled", "tru", "0x1", "1.0"]
     if s.kind == "count":
@@ -102,7 +103,8 @@ def bad_values(s: settings.Setting):
         return odd + [str(lo - 1), str(hi + 1), "1" * 30, "1" + "\u00b2", "+1", "1e3", "1.0", "0x10", "1_000",
                       "12abc", str(hi) + "0", "\u00b9\u2070"]
     if s.kind == "choice":
-        return odd + [w + "x" for w in s.words] + ["\uff41uto", "all,auto", "none"]
+        return odd + [w + "x" for w in s.words] + ["\uff41uto", "all,auto", "none"] + [
+            w.replace("k", "\u212a") for w in s.words if "k" in w]
     raise AssertionError(f"{s.name}: no generator for kind {s.kind!r}; add one to bad_values")
 
 

@@ -157,10 +157,9 @@ def _one_line_errors(fn, argv) -> int:
         print(f"{getattr(e, 'usage', '')}error: {e}", file=sys.stderr)
         return 2
     except Exception as e:  # unreadable input of a kind not foreseen: still no traceback
-        from .. import settings
-
         if isinstance(e, BrokenPipeError) or _cli.resource_failure(e) is not None:
             raise  # _cli.run: a closed stdout ends quietly (141), a resource failure is one line (3)
+        from .. import settings
 
         if settings.get_or_default("EAGLE3_OPS_DEBUG", logging.getLogger("eagle3_ops")):
             raise

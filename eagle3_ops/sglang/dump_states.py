@@ -382,7 +382,12 @@ def install_dump(model, settings: Optional[DumpSettings] = None) -> Optional[Sta
     requested, settings = _requested_settings(settings)
     if not requested:
         return None
-    recorder = _prepare(model, lm, inner, settings) if settings is not None else None
+    recorder = None
+    if settings is not None:
+        try:
+            recorder = _prepare(model, lm, inner, settings)
+        except Exception:  # never skip the agreement below: the other ranks wait in it
+            log.exception("eagle3_ops: %s: could not set up the recording; the states dump is off", ENV_DUMP_STATES)
     from .draft_fc_hooks import _all_ranks_agree
 
     if not _all_ranks_agree(recorder is not None):  # a lone rank in the next-token all-gather would hang
