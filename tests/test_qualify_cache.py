@@ -356,3 +356,42 @@ def test_the_cache_keeps_a_bounded_number_of_entries(monkeypatch):
     for i in range(6):
         qualify_cache.store({"what": "test.bound", "i": i}, i)
     assert [qualify_cache.load({"what": "test.bound", "i": i}, lambda v: v) for i in range(6)] == [None, None, 2, 3, 4, 5]
+
+
+# ---- the draft fc sharding decision (draft_fc_hooks), cached through the same functions ---------------------
+def _decision(buckets=(1, 4)):
+    from eagle3_ops.sglang.draft_fc_hooks import ShardingPlan
+
+    timings = [(100.0, 40.0, 30.0), (100.0, 60.0, 45.0)][:len(buckets)]
+    sharded = [(s + g) * qualify.MARGIN < f for f, s, g in timings]
+    return ShardingPlan(0, 2, list(buckets), sharded, timings).to_json()
+
+
+BROKEN_DECISIONS = {
+    "not an object": lambda d: [d],
+    "another kind": lambda d: {**d, "kind": "qualify.plan"},
+    "an extra field": lambda d: {**d, "x": 1},
+    "other buckets": lambda d: {**d, "rows": [1, 8]},
+    "a verdict not a bool": lambda d: {**d, "sharded": [1, 0]},
+    "a timing a string": lambda d: {**d, "timings": [["100", 40.0, 30.0], d["timings"][1]]},
+    "a negative timing": lambda d: {**d, "timings": [[100.0, -40.0, 30.0], d["timings"][1]]},
+    "two timings": lambda d: {**d, "timings": [[100.0, 40.0], d["timings"][1]]},
+    "a verdict its timings contradict": lambda d: {**d, "sharded": [not d["sharded"][0], d["sharded"][1]]},
+}
+
+
+def test_a_sharding_decision_round_trips_and_a_broken_one_is_one_line(caplog):
+    from eagle3_ops.sglang.draft_fc_hooks import _sharding_from_json
+
+    made_for = qualify.entry_made_for("draft_fc_sharding", "cpu", {"shape": [64, 192], "tp": 2, "buckets": [1, 4]})
+    parse = lambda v: _sharding_from_json(v, 0, 2, [1, 4])  # noqa: E731
+    assert qualify_cache.store(made_for, _decision())
+    got = qualify_cache.load(made_for, parse)
+    assert got.cached and got.sharded == [True, False] and got.to_json()["timings"] == _decision()["timings"]
+    for case, edit in BROKEN_DECISIONS.items():
+        qualify_cache.store(made_for, edit(copy.deepcopy(_decision())))
+        qualify_cache._noted.clear()
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="eagle3_ops"):
+            assert qualify_cache.load(made_for, parse) is None, case
+        assert len(warnings_of(caplog)) == 1 and "(draft_fc_sharding) ignored" in warnings_of(caplog)[0], case

@@ -1,79 +1,70 @@
-"""Target side: EAGLE-3 aux hidden states go into ONE persistent ``[max_tokens, K*H]`` buffer.
+"""Target side: EAGLE-3 aux hidden states go into ONE persistent ``[max_tokens, K*H]`` buffer, for
+every target family SGLang 0.5.23 serves EAGLE-3 for, through SGLang's own capture mechanism.
 
-Stock SGLang 0.5.23 collects the K captures of a forward in an ``AuxHiddenStateList`` (Llama,
-Qwen2/3 and Qwen MoE, gpt-oss, GLM-4.5/4.6; one ``clone`` per capture, then ``torch.cat`` in
-``pack_aux_hidden_states``) or, for DeepSeek-V2/V3 and Kimi, an ``AuxHiddenStatePacker`` (a fresh
-``[T, K*H]`` tensor per forward, or per CUDA-graph batch size). With this module installed on a model:
+How SGLang captures (read from 0.5.23's model files; ~30 of them define ``set_eagle3_layers_to_capture``):
+``set_eagle3_layers_to_capture`` writes a ``layers_to_capture`` list on the module whose forward runs
+the decoder loop (the "capture owner": ``LlamaModel``, ``DeepseekV2Model``, a VL wrapper's language
+model ...). That forward collects the captures of one forward in an accumulator and returns
+``(hidden_states, aux)``:
 
-* the model owns one :class:`eagle3_ops.AuxCaptureBuffer` allocated once, when SGLang configures
-  the capture (``configure_aux_hidden_state_capture``, which runs before CUDA-graph capture), so
-  it lives outside every CUDA-graph memory pool and every graph batch size and every eager forward
-  write into the same storage;
-* each capture is written by ``eagle3_ops.capture`` into its slot; where the captured value is the
-  residual produced by SGLang's add+RMSNorm at the layer boundary (the layer's input norm called as
-  ``norm(hidden, residual)``), that norm call itself becomes ``eagle3_ops.fused_add_rmsnorm_capture``
-  and the capture is free;
-* the model returns the packed ``buffer[:T]`` view, so ``pack_aux_hidden_states`` (which returns a
-  tensor unchanged) and the logits processor pass the view on: no clone, no cat.
+* an ``AuxHiddenStateList`` (``capture`` clones each value; the logits processor ``torch.cat``s them),
+* an ``AuxHiddenStatePacker`` (a fresh ``[T, K*H]`` tensor; ``append`` copies each value into its slot),
+* or a plain ``list`` (Gemma-3, LongCat: values appended as they are, cat later).
+
+This module hooks exactly that shared mechanism, not a list of model classes:
+
+* :func:`find_capture_owner` finds, in the loaded model, the module holding SGLang's configured
+  ``layers_to_capture`` (and the module above it SGLang flagged ``capture_aux_hidden_states``);
+* that module's class ``forward`` is wrapped (routing.py; keyed on the instance's state), so during
+  its forward a thread-local :class:`ForwardCapture` is active;
+* AROUND ``AuxHiddenStateList.capture`` / ``AuxHiddenStatePacker.append`` (plugin.py) write each
+  capture into its slot of the persistent buffer (``eagle3_ops.capture``: one copy) instead of a
+  clone; a plain list is copied into the slots when the forward returns; either way the forward
+  returns the packed ``buffer[:T]`` view (no clone, no cat downstream);
+* a forward the buffer cannot take (more rows than ``max_tokens``, another width or dtype, another
+  number of captures than configured) runs SGLang's own capture and still returns ONE packed tensor
+  (``pack_aux_hidden_states``), so every CUDA-graph bucket returns the same structure.
+
+**The fused norm, only where it is provably free and bitwise stock.** Where the value SGLang
+captures is, at run time, the very residual tensor that an RMSNorm call ``norm(x, residual)``
+returned (checked by identity, observed in an earlier forward of this model, never assumed per
+family), that norm call can become ``eagle3::fused_add_rmsnorm_capture``, which also writes the
+capture slot, and the capture costs nothing. That replaces one of SGLang's kernels in the target's
+forward, so it happens only for the row buckets where qualification (eagle3_ops.qualify), at this
+model's H and dtype on this device, found the op's normed output, new residual and capture BITWISE
+equal to what the site's own norm (SGLang's kernel: ``sgl_kernel``/FlashInfer on CUDA, its native
+path on the CPU) computes, and every TP rank serves the same decision (lockstep.py). Elsewhere SGLang's
+norm runs and the capture is a copy. Not qualified (``EAGLE3_OPS_QUALIFY=off``, or the CPU under the
+default ``auto``) means not fused. So the target's served tokens are exactly stock's.
 
 Why reusing one buffer is safe: the rows a target forward writes are read by the draft's first
-(fc) step, which SGLang's EAGLE worker runs right after that target forward (``_draft_extend_for_
-prefill`` / ``_draft_extend_for_decode``) on the same stream, before it launches the next target
-forward; the next forward's writes are therefore ordered after the draft's reads. The one other
-reader is SGLang's ``return_hidden_states`` readback, which runs on a copy stream that the next
-forward does not wait for: where the server lets requests return hidden states, or in capture-only
-mode (``--enable-return-aux-hidden-states``), the target is left stock (:func:`hidden_states_readback`).
+(fc) step, which SGLang's EAGLE worker runs right after that target forward on the same stream,
+before it launches the next target forward. The one other reader is SGLang's ``return_hidden_states``
+readback on a copy stream the next forward does not wait for: where the server lets requests return
+hidden states, or in capture-only mode, the target is left stock (:func:`hidden_states_readback`).
 
-The buffer counts against SGLang's memory budget (``--mem-fraction-static``): the plugin installs
-the capture BEFORE ``ModelRunner.alloc_memory_pool``, where SGLang sizes the KV cache
-(:func:`install_before_kv_sizing`, making SGLang's own ``set_eagle3_layers_to_capture`` call with the
-ids it passes later), and logs its size as INFO. Where that hook is not reached (a script calling
-``configure_aux_hidden_state_capture`` itself), the buffer is allocated at configuration and a
-WARNING says it is outside the budget. ``EAGLE3_OPS_SGLANG_MAX_TOKENS`` caps its rows. A forward the
-buffer cannot hold (more rows than ``max_tokens``, an unexpected dtype/width) runs SGLang's stock
-capture and still returns ONE packed tensor (SGLang's ``pack_aux_hidden_states`` of its list), so
-every CUDA-graph bucket returns the same structure; one log line per reason.
-
-The model's ``forward`` is wrapped on its class (routing.py), keyed on the instance's state, so
-SGLang's compile trampolines, which call the class's forward, still reach it; after SGLang's
-CUDA-graph/compile setup :func:`check_routing` warns if the instance no longer routes through it.
-Under ``torch.compile`` tracing the hooks step aside, and SGLang's code runs as is.
+The buffer counts against ``--mem-fraction-static``: the plugin installs the capture BEFORE
+``ModelRunner.alloc_memory_pool`` (:func:`install_before_kv_sizing`, making SGLang's own
+``set_eagle3_layers_to_capture`` call with the ids it passes later). Its rows default to what SGLang
+itself can put through one forward (:func:`_default_max_tokens`); ``EAGLE3_OPS_SGLANG_MAX_TOKENS``
+caps them. A model whose structure the mechanism does not recognise stays stock with one log line
+naming the class and the reason.
 """
 from __future__ import annotations
 
 import logging
-import sys
 import threading
 import weakref
-from typing import Any, Dict, List, Optional
+from dataclasses import dataclass
+from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 
 from .. import ops
 from ..buffer import AuxCaptureBuffer
-from .routing import forward_owner, routing_problem, wrap_class_forward
+from .routing import routing_problem, wrap_class_forward
 
 log = logging.getLogger("eagle3_ops.sglang")
-
-# Inner model classes whose forward() this module knows (SGLang 0.5.23), by defining module.
-# "list": captures go through AuxHiddenStateList.capture; "packer": through AuxHiddenStatePacker.
-SUPPORTED_TARGET_MODELS = (
-    ("sglang.srt.models.llama", "LlamaModel", "list"),
-    ("sglang.srt.models.qwen2", "Qwen2Model", "list"),
-    ("sglang.srt.models.qwen3", "Qwen3Model", "list"),
-    ("sglang.srt.models.qwen2_moe", "Qwen2MoeModel", "list"),      # also Qwen3MoeModel
-    ("sglang.srt.models.deepseek_v2", "DeepseekV2Model", "packer"),  # DeepSeek V2/V3, Kimi K2/K2.5
-    # gpt-oss and GLM-4.5/4.6: layer captures through attn_boundary.prepare(capture=...) like llama
-    # (gpt-oss can also capture boundary L at the final norm: END_BOUNDARY_CAPTURE); GLM's TBO
-    # branch (CUDA only) captures nothing past first_k_dense_replace in stock SGLang either
-    ("sglang.srt.models.gpt_oss", "GptOssModel", "list"),
-    ("sglang.srt.models.glm4_moe", "Glm4MoeModel", "list"),
-)
-
-# Inner model classes that can also capture boundary L (the last layer's output, before the final
-# norm) through ``residual_batch.final_norm(..., capture=...)`` when ``end_layer`` is in
-# ``layers_to_capture``; for them that boundary is a buffer slot too (a copy: no add to fuse there).
-END_BOUNDARY_CAPTURE = (("sglang.srt.models.gpt_oss", "GptOssModel"),)
 
 _STATE_ATTR = "_eagle3_ops_capture"
 _installed: "weakref.WeakSet[TargetCaptureState]" = weakref.WeakSet()
@@ -85,6 +76,12 @@ def _warn_once(key: str, msg: str, *args) -> None:
     if key not in _warned:
         _warned.add(key)
         log.warning(msg, *args)
+
+
+def _info_once(key: str, msg: str, *args) -> None:
+    if key not in _warned:
+        _warned.add(key)
+        log.info(msg, *args)
 
 
 def _compiling() -> bool:
@@ -105,13 +102,100 @@ def active_capture() -> Optional["ForwardCapture"]:
     return getattr(_tls, "capture", None)
 
 
-class TargetCaptureState:
-    """What one target model owns: the persistent buffer and the layer -> slot map."""
+# ---- discovery --------------------------------------------------------------------------------------
+@dataclass
+class CaptureOwner:
+    """Where SGLang keeps a model's EAGLE-3 capture configuration."""
+    lm: Any                 # the module SGLang flagged capture_aux_hidden_states (at or above inner)
+    inner: Any              # the module holding layers_to_capture; its forward runs the decoder loop
+    path: str               # inner's dotted name in the model ("" = the model itself)
 
-    def __init__(self, model_name: str, layer_ids: List[int], hidden_size: int, dtype: torch.dtype,
-                 device: torch.device, max_tokens: int):
+
+def find_capture_owner(model) -> Tuple[Optional[CaptureOwner], str]:
+    """(owner, "") or (None, why not): the module whose ``layers_to_capture`` SGLang configured, found
+    in the loaded model (any family, any wrapper depth), and the closest module at or above it with
+    ``capture_aux_hidden_states`` set (None when this rank does not capture, e.g. an earlier pipeline
+    stage, where ``set_eagle3_layers_to_capture`` returns early)."""
+    modules = dict(model.named_modules()) if isinstance(model, torch.nn.Module) else {"": model}
+    found = [(name, m) for name, m in modules.items()
+             if isinstance(m.__dict__.get("layers_to_capture"), (list, tuple)) and len(m.__dict__["layers_to_capture"])]
+    if not found:
+        return None, "no module holds a non-empty layers_to_capture (SGLang did not configure EAGLE-3 capture here)"
+    if len(found) > 1:
+        return None, ("several modules hold layers_to_capture (" + ", ".join(n or "<model>" for n, _ in found)
+                      + "): the plugin cannot tell which forward captures")
+    path, inner = found[0]
+    chain = [path]
+    while chain[-1]:
+        chain.append(chain[-1].rsplit(".", 1)[0] if "." in chain[-1] else "")
+    for name in chain:  # inner, its parent, ..., the model
+        m = modules.get(name)
+        if m is not None and getattr(m, "capture_aux_hidden_states", False) is True:
+            return CaptureOwner(m, inner, path), ""
+    return None, "no module at or above it has capture_aux_hidden_states set (this rank does not capture)"
+
+
+def resolve_causal_lm(model):
+    """The module that owns the capture flag (kept for callers that need ``lm``); None if none."""
+    owner, _ = find_capture_owner(model)
+    return owner.lm if owner is not None else None
+
+
+def _layers(inner) -> Optional[torch.nn.ModuleList]:
+    layers = getattr(inner, "layers", None)
+    return layers if isinstance(layers, torch.nn.ModuleList) else None
+
+
+def _layer_range(inner) -> Tuple[int, int]:
+    """[start, end) of the decoder layers this rank runs (pipeline stages run a slice)."""
+    layers = _layers(inner)
+    n = len(layers) if layers is not None else 0
+    start = getattr(inner, "start_layer", 0)
+    end = getattr(inner, "end_layer", n)
+    return int(start if isinstance(start, int) else 0), int(end if isinstance(end, int) else n)
+
+
+def configured_boundaries(inner) -> List[int]:
+    """The capture indices this rank may record, in capture order (= slot order): SGLang's configured
+    ``layers_to_capture``, de-duplicated and sorted (every family captures in layer order), within
+    this rank's layers ``start..end`` (``end`` included: some families capture the last layer's
+    output at the final norm; one that cannot captures fewer, and such forwards run stock)."""
+    start, end = _layer_range(inner)
+    ids = sorted({int(i) for i in inner.__dict__.get("layers_to_capture", []) if isinstance(i, int)})
+    return [i for i in ids if start <= i <= end]
+
+
+def _hidden_size(owner: CaptureOwner) -> Optional[int]:
+    for obj in (owner.inner, owner.lm):
+        cfg = getattr(obj, "config", None)
+        for c in (cfg, getattr(cfg, "text_config", None)):
+            h = getattr(c, "hidden_size", None)
+            if isinstance(h, int) and h > 0:
+                return h
+    embed = getattr(getattr(owner.inner, "embed_tokens", None), "weight", None)
+    return int(embed.shape[-1]) if isinstance(embed, torch.Tensor) and embed.dim() == 2 else None
+
+
+def _activation_dtype(inner) -> torch.dtype:
+    """The residual stream's dtype: the embedding output's (the model dtype), else the first float
+    parameter's."""
+    embed = getattr(getattr(inner, "embed_tokens", None), "weight", None)
+    candidates = [embed] + [p for p in inner.parameters()]
+    for w in candidates:
+        if isinstance(w, torch.Tensor) and w.dtype in (torch.bfloat16, torch.float16, torch.float32):
+            return w.dtype
+    return torch.get_default_dtype()
+
+
+# ---- state ------------------------------------------------------------------------------------------
+class TargetCaptureState:
+    """What one target model owns: the persistent buffer, the slot order, the fusable norms."""
+
+    def __init__(self, model_name: str, owner: CaptureOwner, layer_ids: List[int], hidden_size: int,
+                 dtype: torch.dtype, device: torch.device, max_tokens: int):
         self.model_name = model_name
-        self.layer_ids = list(layer_ids)                  # captured layers, in capture order
+        self.owner_class = f"{type(owner.inner).__module__}.{type(owner.inner).__qualname__}"
+        self.layer_ids = list(layer_ids)                  # captured boundaries, in slot order
         self.slot_of_layer = {lid: k for k, lid in enumerate(self.layer_ids)}
         self.num_captures = len(self.layer_ids)
         self.hidden_size = hidden_size
@@ -119,19 +203,28 @@ class TargetCaptureState:
             raise RuntimeError("eagle3_ops: the capture buffer must be allocated outside CUDA-graph capture")
         self.buffer = AuxCaptureBuffer(max_tokens, hidden_size, self.num_captures, dtype, device)
         self.enabled = True
-        self.fused_sites: List[str] = []
-        self.fused_norms: Dict[int, Any] = {}          # layer -> the norm module whose forward is wrapped
+        # norm module -> its dotted name, for the RMSNorms whose calls may produce a captured residual
+        self.candidate_norms: Dict[Any, str] = {}
+        # norm module -> slot, learned by identity: the residual it returned IS the value captured there
+        self.norm_slots: Dict[Any, int] = {}
         self.stats = {"buffer_forwards": 0, "stock_forwards": 0, "fused_captures": 0, "copied_captures": 0}
         self.routing_warned = False
-        self.norm_plan = None  # qualify.Plan of the fused norm per row bucket (None: not qualified)
+        self.norm_plan = None  # qualify.Plan of the fused norm per row bucket (None: never fused)
 
     @property
     def max_tokens(self) -> int:
         return self.buffer.max_tokens
 
+    @property
+    def fused_sites(self) -> List[str]:
+        """The norms learned to produce a captured residual (where the fused op may serve)."""
+        return [self.candidate_norms[n] for n, _ in sorted(self.norm_slots.items(), key=lambda kv: kv[1])]
+
     def fits(self, t: torch.Tensor) -> Optional[str]:
         """None if ``t`` ([T, H] activations) can go into the buffer, else why not."""
         buf = self.buffer.buffer
+        if not isinstance(t, torch.Tensor):
+            return f"capture is a {type(t).__name__}, not a tensor"
         if t.dim() != 2 or t.shape[1] != self.hidden_size:
             return f"capture shape {tuple(t.shape)} is not [T, {self.hidden_size}]"
         if t.dtype != buf.dtype or t.device != buf.device:
@@ -142,6 +235,22 @@ class TargetCaptureState:
         if t.shape[-1] > 1 and t.stride(-1) != 1:
             return "capture has a non-contiguous last dim"
         return None
+
+    def fuses(self, rows: int) -> Optional[str]:
+        """The backend qualification chose for the fused norm at ``rows`` rows, or None (stock norm)."""
+        if self.norm_plan is None:
+            return None
+        return self.norm_plan.choice_for(rows).backend
+
+    def learn(self, value: torch.Tensor, slot: int, recent: List[Tuple[Any, torch.Tensor]]) -> None:
+        """``value`` was captured into ``slot``: a norm whose returned residual IS ``value`` produces it."""
+        for norm, residual in recent:
+            if residual is value:
+                if self.norm_slots.get(norm) != slot:
+                    for other in [n for n, k in self.norm_slots.items() if k == slot]:
+                        del self.norm_slots[other]
+                    self.norm_slots[norm] = slot
+                return
 
 
 def _max_tokens_env() -> str:
@@ -160,6 +269,7 @@ class ForwardCapture:
         self.num_tokens: Optional[int] = None
         self.count = 0                  # captures recorded so far (= the next slot)
         self.fused: Dict[int, torch.Tensor] = {}  # slot -> residual the fused norm wrote
+        self.recent: List[Tuple[Any, torch.Tensor]] = []  # (norm, residual it returned) since the last capture
 
     def claim(self, accumulator) -> bool:
         if self.owner is None:
@@ -181,8 +291,8 @@ class ForwardCapture:
     def write(self, value: torch.Tensor) -> Optional[torch.Tensor]:
         """Put ``value`` into the next slot; the slot view, or None to fall back to stock."""
         k = self.count
-        if (self.mode != "buffer" or k >= self.state.num_captures or value.dim() != 2
-                or value.shape[0] != self.num_tokens or self.state.fits(value) is not None):
+        if (self.mode != "buffer" or k >= self.state.num_captures or not isinstance(value, torch.Tensor)
+                or value.dim() != 2 or value.shape[0] != self.num_tokens or self.state.fits(value) is not None):
             self.mode = "stock"
             return None
         if self.fused.get(k) is value:
@@ -191,6 +301,8 @@ class ForwardCapture:
         else:
             ops.capture(value, None, self.state.buffer.buffer, k)
             self.state.stats["copied_captures"] += 1
+            self.state.learn(value, k, self.recent)
+        self.recent.clear()
         self.count += 1
         return self.state.buffer.slot(k, self.num_tokens)
 
@@ -234,7 +346,7 @@ def packer_append_hook(original, self, hidden):
     return None
 
 
-# ---- the model forward (class-level wrapper, see routing.py) and the norm wrappers ----------------
+# ---- the owner's forward (class-level wrapper, see routing.py) ---------------------------------------
 def _run_forward(state: TargetCaptureState, original, inner, args, kwargs):
     """One forward of a patched model (``original`` is its class's stock forward)."""
     current = getattr(_tls, "capture", None)
@@ -246,26 +358,63 @@ def _run_forward(state: TargetCaptureState, original, inner, args, kwargs):
         out = original(inner, *args, **kwargs)
     finally:
         _tls.capture = current
-    if cap.mode == "buffer":
-        state.stats["buffer_forwards"] += 1
-    elif cap.mode == "stock":
-        state.stats["stock_forwards"] += 1
-    if isinstance(out, tuple) and len(out) == 2 and isinstance(out[1], list):
-        if cap.mode == "buffer" and out[1] is cap.owner and cap.count == state.num_captures:
-            # the list holds slot views; hand over the packed view instead of cat-ing them
-            out = (out[0], cap.packed())
-        else:
-            # A forward that did not fit the buffer still returns ONE tensor, the one SGLang's
-            # pack_aux_hidden_states would make of its list: SGLang's breakable prefill graphs
-            # allocate their output buffer from the largest bucket's output and refuse a list in
-            # one bucket and a tensor in another (_copy_output_to_buffer: "Unsupported BCG output
-            # buffer pair").
-            from sglang.srt.layers.aux_hidden_states import pack_aux_hidden_states
-
-            out = (out[0], pack_aux_hidden_states(out[1]))
-    return out
+    return _finish(cap, out)
 
 
+def _finish(cap: ForwardCapture, out):
+    """The forward's ``(hidden, aux)`` with ``aux`` as ONE tensor: the packed buffer view when every
+    configured capture went into it, else what SGLang's own ``pack_aux_hidden_states`` makes."""
+    state = cap.state
+    if not (isinstance(out, tuple) and len(out) == 2 and isinstance(out[1], (list, torch.Tensor))):
+        return out  # no captures this forward (SGLang returns the hidden states alone), or not ours
+    hidden, aux = out
+    if isinstance(aux, torch.Tensor):  # the packer: its buffer is ours when it took the buffer path
+        _count(state, cap.mode == "buffer" and cap.count == state.num_captures)
+        return out
+    if cap.owner is None and type(aux) is list and cap.mode is None:
+        # a plain list (Gemma-3, LongCat): the values as SGLang appended them, copied into the slots
+        if _copy_plain_list(cap, aux):
+            _count(state, True)
+            return hidden, cap.packed()
+    elif cap.mode == "buffer" and aux is cap.owner and cap.count == state.num_captures == len(aux):
+        _count(state, True)
+        return hidden, cap.packed()  # the list holds slot views; hand over the packed view, no cat
+    if cap.mode == "buffer" and cap.count != state.num_captures:
+        _warn_once(f"count:{state.model_name}:{cap.count}",
+                   "eagle3_ops: %s: this forward captured %d of the %d configured boundaries %s (the model cannot "
+                   "capture some of them); it runs SGLang's stock capture", state.model_name, cap.count,
+                   state.num_captures, state.layer_ids)
+    _count(state, False)
+    # ONE tensor, the one SGLang's pack_aux_hidden_states would make of the list: SGLang's breakable
+    # prefill graphs allocate their output buffer from the largest bucket's output and refuse a list in
+    # one bucket and a tensor in another (_copy_output_to_buffer: "Unsupported BCG output buffer pair").
+    from sglang.srt.layers.aux_hidden_states import pack_aux_hidden_states
+
+    return hidden, pack_aux_hidden_states(aux)
+
+
+def _copy_plain_list(cap: ForwardCapture, values: list) -> bool:
+    state = cap.state
+    if len(values) != state.num_captures or not values:
+        return False
+    if any(state.fits(v) is not None or v.dim() != 2 or v.shape[0] != values[0].shape[0] for v in values):
+        why = next((state.fits(v) for v in values if state.fits(v) is not None), "captures of different rows")
+        _warn_once(f"stock:{state.model_name}:{str(why).split(' ')[0]}",
+                   "eagle3_ops: %s: stock capture path for this forward: %s", state.model_name, why)
+        return False
+    cap.mode, cap.num_tokens = "buffer", values[0].shape[0]
+    for k, v in enumerate(values):
+        ops.capture(v, None, state.buffer.buffer, k)
+    state.stats["copied_captures"] += len(values)
+    cap.count = len(values)
+    return True
+
+
+def _count(state: TargetCaptureState, buffered: bool) -> None:
+    state.stats["buffer_forwards" if buffered else "stock_forwards"] += 1
+
+
+# ---- the fusable norms --------------------------------------------------------------------------------
 def _norm_fusable_statically(norm, dtype: torch.dtype) -> Optional[str]:
     """None if SGLang would run this RMSNorm's ``norm(x, residual)`` as a plain fused add+RMSNorm
     (the math of eagle3::fused_add_rmsnorm_capture), else the reason it would not."""
@@ -291,38 +440,61 @@ def _norm_fusable_statically(norm, dtype: torch.dtype) -> Optional[str]:
     return None
 
 
-def _norm_forward_wrapper(norm, state: TargetCaptureState, slot: int):
+def _candidate_norms(owner: CaptureOwner, layer_ids: List[int], hidden_size: int) -> Dict[Any, str]:
+    """The RMSNorms of width H in the captured layers (and the owner's final norm when the last
+    layer's output is configured): the calls whose returned residual may be what SGLang captures.
+    Which of them really is gets learned by identity at run time (TargetCaptureState.learn)."""
+    from sglang.srt.layers import layernorm
+
+    layers = _layers(owner.inner)
+    start, end = _layer_range(owner.inner)
+    out: Dict[Any, str] = {}
+    roots = [(f"layers.{i}", layers[i]) for i in layer_ids if layers is not None and start < i < end]
+    if end in layer_ids and isinstance(getattr(owner.inner, "norm", None), torch.nn.Module):
+        roots.append(("norm", owner.inner.norm))
+    for prefix, root in roots:
+        for name, m in root.named_modules():
+            if isinstance(m, layernorm.RMSNorm) and getattr(m, "hidden_size", None) == hidden_size and m not in out:
+                out[m] = f"{owner.path + '.' if owner.path else ''}{prefix}{'.' + name if name else ''}"
+    return out
+
+
+def _norm_forward_wrapper(norm, state: TargetCaptureState):
+    """The instance ``forward`` of a candidate norm: SGLang's own call, which also records the
+    residual it returned (for :meth:`TargetCaptureState.learn`); where that residual was seen captured
+    into slot k, the capture slot k is next and qualification chose the fused op for this many rows,
+    ``eagle3::fused_add_rmsnorm_capture`` instead (bitwise the same outputs, plus the slot)."""
     original = norm.forward
     buf = state.buffer.buffer
     from sglang.srt.batch_invariant_ops import is_batch_invariant_mode_enabled
 
     def forward(x, residual=None, post_residual_addition=None, *args, **kwargs):
         cap = active_capture()
-        if (cap is None or cap.state is not state or cap.mode == "stock" or cap.count != slot
-                or slot in cap.fused or residual is None or post_residual_addition is not None
-                or args or kwargs or _compiling()):
+        if cap is None or cap.state is not state or residual is None or _compiling():
             return original(x, residual, post_residual_addition, *args, **kwargs)
-        # read per call: a weight reload may replace the Parameter (SGLang's own forward reads
-        # self.weight / self.variance_epsilon per call too)
-        weight = norm.weight
-        if (not isinstance(x, torch.Tensor) or not isinstance(residual, torch.Tensor)
-                or not isinstance(weight, torch.Tensor)
-                or x.dim() != 2 or x.shape != residual.shape or x.shape[0] == 0
-                or x.dtype != residual.dtype or not x.is_contiguous() or not residual.is_contiguous()
-                or state.fits(residual) is not None or weight.dtype != x.dtype
-                or weight.shape != (x.shape[1],) or weight.device != x.device
-                or is_batch_invariant_mode_enabled()):
-            return original(x, residual, post_residual_addition, *args, **kwargs)
-        choice = state.norm_plan.choice_for(x.shape[0]) if state.norm_plan is not None else None
-        if choice is not None and choice.backend is None:
-            # qualification: SGLang's own norm is faster for this many rows; the capture is a copy
-            return original(x, residual, post_residual_addition, *args, **kwargs)
-        from .. import dispatch
+        slot = state.norm_slots.get(norm)
+        backend = state.fuses(x.shape[0]) if slot is not None and isinstance(x, torch.Tensor) and x.dim() == 2 \
+            else None
+        if (backend is not None and cap.count == slot and slot not in cap.fused and cap.mode != "stock"
+                and post_residual_addition is None and not args and not kwargs):
+            # read per call: a weight reload may replace the Parameter (SGLang's own forward reads
+            # self.weight / self.variance_epsilon per call too)
+            weight = norm.weight
+            if (isinstance(residual, torch.Tensor) and isinstance(weight, torch.Tensor)
+                    and x.shape == residual.shape and x.shape[0] > 0 and x.dtype == residual.dtype
+                    and x.is_contiguous() and residual.is_contiguous() and state.fits(residual) is None
+                    and weight.dtype == x.dtype and weight.shape == (x.shape[1],) and weight.device == x.device
+                    and not is_batch_invariant_mode_enabled()):
+                from .. import dispatch
 
-        with dispatch.using(choice.backend if choice is not None else None):
-            ops.fused_add_rmsnorm_capture(x, residual, weight, float(norm.variance_epsilon), buf, slot)
-        cap.fused[slot] = residual
-        return x, residual
+                with dispatch.using(backend):
+                    ops.fused_add_rmsnorm_capture(x, residual, weight, float(norm.variance_epsilon), buf, slot)
+                cap.fused[slot] = residual
+                return x, residual
+        out = original(x, residual, post_residual_addition, *args, **kwargs)
+        if isinstance(out, tuple) and len(out) == 2:
+            cap.recent.append((norm, out[1]))
+        return out
 
     forward.__wrapped__ = original
     forward._eagle3_ops = True
@@ -330,27 +502,6 @@ def _norm_forward_wrapper(norm, state: TargetCaptureState, slot: int):
 
 
 # ---- installation ----------------------------------------------------------------------------------
-def resolve_causal_lm(model):
-    """The module that owns ``.model.layers_to_capture`` (Kimi-K2.5 wraps it as language_model)."""
-    for candidate in (model, getattr(model, "language_model", None)):
-        inner = getattr(candidate, "model", None) if candidate is not None else None
-        if inner is not None and hasattr(inner, "layers_to_capture"):
-            return candidate
-    return None
-
-
-def supported_target(inner):
-    """(kind, class whose forward the plugin wraps) if ``inner`` runs a forward this module knows
-    (SGLang 0.5.23's, or that one already wrapped by the plugin), else None."""
-    for module_name, class_name, kind in SUPPORTED_TARGET_MODELS:
-        module = sys.modules.get(module_name)
-        cls = getattr(module, class_name, None) if module is not None else None
-        owner = forward_owner(inner, cls) if cls is not None else None
-        if owner is not None:
-            return kind, owner
-    return None
-
-
 def serving_backends(ops_needed, device: torch.device, dtype: torch.dtype, site: str) -> Optional[Dict[str, str]]:
     """{op: backend} for the ops a site needs, or None (one warning) when they cannot be served:
     the one policy of both sides for a forced ``EAGLE3_OPS_BACKEND`` that cannot serve this device
@@ -398,92 +549,91 @@ def hidden_states_readback() -> Optional[str]:
     return None
 
 
+def _decode_graph_rows(sa) -> int:
+    """The largest decode/verify CUDA-graph batch (requests): SGLang 0.5.23 keeps it in
+    ``cuda_graph_config.decode`` (``bs``, the captured sizes, and ``max_bs``), published in the exec
+    namespace once the server resolved it, and in the server args before."""
+    configs = []
+    try:
+        from sglang.srt.runtime_context import get_exec
+
+        configs.append(get_exec().graph.cuda_graph_config)
+    except Exception:  # not published (scripts, tests)
+        pass
+    configs.append(getattr(sa, "cuda_graph_config", None))
+    for cfg in configs:
+        decode = getattr(cfg, "decode", None) if cfg is not None else None
+        if decode is None and isinstance(cfg, dict):
+            decode = cfg.get("decode")
+        if decode is None:
+            continue
+        get = decode.get if isinstance(decode, dict) else (lambda k, d=None: getattr(decode, k, d))
+        sizes = [int(b) for b in (get("bs") or []) if isinstance(b, int)]
+        max_bs = get("max_bs")
+        best = max(sizes + ([int(max_bs)] if isinstance(max_bs, int) else []), default=0)
+        if best:
+            return best
+    return 0
+
+
 def _default_max_tokens() -> int:
-    """Rows of the buffer when EAGLE3_OPS_SGLANG_MAX_TOKENS is unset: SGLang's chunked_prefill_size
-    (else max_prefill_tokens, else 16384), at least the largest decode CUDA-graph batch times the
-    draft tokens per request."""
+    """Rows of the buffer when EAGLE3_OPS_SGLANG_MAX_TOKENS is unset: the most tokens one target forward
+    of this server can capture: SGLang's chunked_prefill_size (else max_prefill_tokens, else 16384),
+    and at least the largest decode/verify CUDA-graph batch, or the most running requests, times the
+    draft tokens per request (a verify forward's rows)."""
     candidates = []
     try:
         from sglang.srt.runtime_context import get_server_args
 
         sa = get_server_args()
         chunk = getattr(sa, "chunked_prefill_size", None)
-        if chunk is not None and chunk > 0:
-            candidates.append(int(chunk))
+        if isinstance(chunk, int) and chunk > 0:
+            candidates.append(chunk)
         else:
             candidates.append(int(getattr(sa, "max_prefill_tokens", None) or 16384))
-        bs = getattr(sa, "cuda_graph_max_bs_decode", None) or getattr(sa, "cuda_graph_max_bs", None)
-        draft_tokens = getattr(sa, "speculative_num_draft_tokens", None) or 1
-        if bs:
-            candidates.append(int(bs) * int(draft_tokens))
+        draft_tokens = int(getattr(sa, "speculative_num_draft_tokens", None) or 1)
+        requests = max(_decode_graph_rows(sa), int(getattr(sa, "max_running_requests", None) or 0))
+        if requests:
+            candidates.append(requests * draft_tokens)
     except Exception:  # no server args published (scripts, the CPU harness)
         pass
     return max(candidates) if candidates else 16384
 
 
-def _activation_dtype(inner, norms) -> torch.dtype:
-    """The residual stream's dtype: the embedding output's (the model dtype), else the norms'."""
-    embed = getattr(getattr(inner, "embed_tokens", None), "weight", None)
-    for w in [embed] + [getattr(n, "weight", None) for n in norms]:
-        if isinstance(w, torch.Tensor) and w.dtype in (torch.bfloat16, torch.float16, torch.float32):
-            return w.dtype
-    return torch.get_default_dtype()
-
-
-def _buffer_layers(inner, owner: type) -> List[int]:
-    """The capture indices this rank records, in capture order (= slot order): the layer inputs
-    of layers start..end-1 it captures, then boundary L (``end_layer``) for the classes that capture
-    it at the final norm."""
-    start = getattr(inner, "start_layer", 0)
-    end = getattr(inner, "end_layer", len(inner.layers))
-    ends_too = any(sys.modules.get(m) is not None and getattr(sys.modules[m], c, None) is owner
-                   for m, c in END_BOUNDARY_CAPTURE)
-    upper = end + 1 if ends_too else end
-    return sorted(i for i in set(inner.layers_to_capture) if start <= i < upper)
-
-
-def _attention_input_norm(layer):
-    boundary = getattr(layer, "attn_boundary", None)
-    norm = getattr(boundary, "norm", None) if boundary is not None else None
-    return norm if norm is not None else getattr(layer, "input_layernorm", None)
-
-
 def install_target_capture(model, max_tokens: Optional[int] = None,
                            before_kv_sizing: bool = False) -> Optional[TargetCaptureState]:
     """Route ``model``'s EAGLE-3 captures into one persistent buffer (after SGLang configured which
-    layers to capture). Returns the state, or None when the model is left stock (one warning).
-    Nothing is changed on the model until every check passed. ``before_kv_sizing``: called from
-    :func:`install_before_kv_sizing` (the buffer then counts against SGLang's memory budget)."""
-    lm = resolve_causal_lm(model)
+    layers to capture). Returns the state, or None when the model is left stock (one log line saying
+    why). Nothing is changed on the model until every check passed. ``before_kv_sizing``: called
+    from :func:`install_before_kv_sizing` (the buffer then counts against SGLang's memory budget)."""
     name = type(model).__name__
-    if lm is None:
-        _warn_once(f"family:{name}", "eagle3_ops: %s has no layers_to_capture; EAGLE-3 capture left stock", name)
+    owner, why = find_capture_owner(model)
+    if owner is None:
+        if "does not capture" not in why and "did not configure" not in why:
+            _warn_once(f"owner:{name}", "eagle3_ops: %s EAGLE-3 capture left stock: %s", name, why)
         return None
-    inner = lm.model
+    inner = owner.inner
     existing = inner.__dict__.get(_STATE_ATTR)
     if existing is not None:
         _check_configured_layers(existing, inner)
         return existing
-    if not getattr(lm, "capture_aux_hidden_states", False):
-        return None  # not capturing on this rank (e.g. a non-last pipeline stage)
-    found = supported_target(inner)
-    if found is None:
-        _warn_once(f"family:{type(inner).__name__}",
-                   "eagle3_ops: model family %s (%s) is not supported by this plugin; its EAGLE-3 "
-                   "capture is left stock", name, type(inner).__name__)
+    cls = type(inner)
+    if "forward" not in cls.__dict__ and not any("forward" in k.__dict__ for k in cls.__mro__[:-1]):
+        _warn_once(f"owner:{name}", "eagle3_ops: %s EAGLE-3 capture left stock: %s has no forward", name,
+                   cls.__qualname__)
         return None
-    kind, owner = found
     readback = hidden_states_readback()
     if readback is not None:
         _warn_once(f"readback:{name}", "eagle3_ops: %s EAGLE-3 capture left stock: %s", name, readback)
         return None
-    layer_ids = _buffer_layers(inner, owner)
-    if not layer_ids:
+    layer_ids = configured_boundaries(inner)
+    hidden_size = _hidden_size(owner)
+    if not layer_ids or hidden_size is None:
+        _warn_once(f"owner:{name}", "eagle3_ops: %s EAGLE-3 capture left stock: %s", name,
+                   "no configured boundary on this rank's layers" if not layer_ids else
+                   f"cannot tell the hidden size of {cls.__qualname__}")
         return None
-    end = getattr(inner, "end_layer", len(inner.layers))
-    norms = {i: _attention_input_norm(inner.layers[i]) for i in layer_ids if i < end}
-    dtype = _activation_dtype(inner, [n for n in norms.values() if n is not None])
-    hidden_size = int(lm.config.hidden_size) if hasattr(lm, "config") else int(inner.config.hidden_size)
+    dtype = _activation_dtype(inner)
     device = next((p.device for p in inner.parameters()), torch.device("cpu"))
     backend = serving_backends(("capture", "fused_add_rmsnorm_capture"), device, dtype, f"{name} EAGLE-3 capture")
     if backend is None:
@@ -500,42 +650,32 @@ def install_target_capture(model, max_tokens: Optional[int] = None,
         if max_tokens is None:
             max_tokens = _default_max_tokens()
 
-    # Decide every site first, then install (no half-patched model on error).
-    fusable = {}
-    for i in layer_ids:
-        if i == 0 or i >= end:
-            continue  # the embedding output / boundary L at the final norm: no add here, the slot is a copy
-        norm = norms[i]
-        why = _norm_fusable_statically(norm, dtype) if norm is not None else "no input norm"
-        if why is None:
-            fusable[i] = norm
+    # Decide everything first, then install (no half-patched model on error).
+    candidates = {}
+    for norm, site in _candidate_norms(owner, layer_ids, hidden_size).items():
+        why_not = _norm_fusable_statically(norm, dtype)
+        if why_not is None:
+            candidates[norm] = site
         else:
-            _warn_once(f"nofuse:{name}:{why}", "eagle3_ops: %s: layer %d input norm not fused (%s); "
-                       "its capture is a copy", name, i, why)
-    state = TargetCaptureState(name, layer_ids, hidden_size, dtype, device, int(max_tokens))
-    norm_wrappers = {i: (norm, _norm_forward_wrapper(norm, state, state.slot_of_layer[i]))
-                     for i, norm in fusable.items()}
+            _info_once(f"nofuse:{name}:{why_not}", "eagle3_ops: %s: %s not a fused-norm candidate (%s); a capture "
+                       "it produces is a copy", name, site, why_not)
+    state = TargetCaptureState(name, owner, layer_ids, hidden_size, dtype, device, int(max_tokens))
+    state.candidate_norms = candidates
     # class level, so that SGLang's compile trampolines (which call type(module).forward) reach it
-    wrap_class_forward(owner, _STATE_ATTR, _run_forward)
-    for i, (norm, wrapper) in norm_wrappers.items():
-        norm.forward = wrapper
-        state.fused_sites.append(f"model.layers.{i}.input_layernorm")
-        state.fused_norms[i] = norm
+    wrap_class_forward(_forward_class(inner), _STATE_ATTR, _run_forward)
     inner.__dict__[_STATE_ATTR] = state
     _installed.add(state)
-    if norm_wrappers:
+    if candidates:
         _qualify_norm(state, name, dtype, device)
+        if state.norm_plan is not None and any(c.backend is not None for c in state.norm_plan.choices):
+            for norm in candidates:
+                norm.forward = _norm_forward_wrapper(norm, state)
 
     mib = state.buffer.buffer.numel() * state.buffer.buffer.element_size() / 2**20
-    log.info("eagle3_ops: patched %s capture (%s.%s, %s path): layers %s -> one persistent [%d, %dx%d] %s "
-             "buffer on %s (%.1f MiB), pack_aux_hidden_states gets its view (no clone/cat); backend capture=%s",
-             name, type(inner).__module__.rsplit(".", 1)[-1], type(inner).__name__, kind, layer_ids,
-             state.max_tokens, state.num_captures, hidden_size, str(dtype).replace("torch.", ""), device,
-             mib, backend["capture"])
-    for i in sorted(norm_wrappers):
-        log.info("eagle3_ops: patched %s model.layers.%d.input_layernorm: add+RMSNorm writes capture slot %d "
-                 "(eagle3::fused_add_rmsnorm_capture); backend fused_add_rmsnorm_capture=%s",
-                 name, i, state.slot_of_layer[i], backend["fused_add_rmsnorm_capture"])
+    log.info("eagle3_ops: patched %s capture (%s): boundaries %s -> one persistent [%d, %dx%d] %s buffer on %s "
+             "(%.1f MiB); pack_aux_hidden_states gets its view (no clone/cat); backend capture=%s; %s", name,
+             state.owner_class, layer_ids, state.max_tokens, state.num_captures, hidden_size,
+             str(dtype).replace("torch.", ""), device, mib, backend["capture"], _norm_summary(state))
     from .version import ENV_MAX_TOKENS
 
     size = (f"{mib:.1f} MiB on {device} ({state.max_tokens} tokens x {state.num_captures} x {hidden_size} "
@@ -552,27 +692,59 @@ def install_target_capture(model, max_tokens: Optional[int] = None,
     return state
 
 
+def _forward_class(inner) -> type:
+    """The class in ``type(inner).__mro__`` whose ``forward`` instances of ``type(inner)`` run."""
+    for klass in type(inner).__mro__:
+        if "forward" in klass.__dict__:
+            return klass
+    raise TypeError(f"{type(inner).__qualname__} has no forward")  # checked by the caller
+
+
+def _norm_summary(state: TargetCaptureState) -> str:
+    if not state.candidate_norms:
+        return "every capture is one copy into its slot (no plain RMSNorm produces a captured residual here)"
+    plan = state.norm_plan
+    fused = [c.rows for c in plan.choices if c.backend is not None] if plan is not None else []
+    if not fused:
+        why = ("qualification kept SGLang's norm for every row bucket" if plan is not None else
+               "not qualified on this device (EAGLE3_OPS_QUALIFY; the default, auto, qualifies on CUDA)")
+        return f"SGLang's own norms run and every capture is one copy into its slot ({why})"
+    return (f"the fused add+RMSNorm (bitwise SGLang's norm on this device, qualified) may serve row buckets "
+            f"{fused} at the norms whose residual SGLang captures (learned by identity at run time); every other "
+            f"capture is one copy")
+
+
 def _qualify_norm(state: TargetCaptureState, name: str, dtype: torch.dtype, device: torch.device) -> None:
-    """Qualification (eagle3_ops/qualify.py) of the fused add+RMSNorm capture at this model's H: per
-    row bucket the fastest correct backend, or SGLang's own norm (then a slot copy) where none
-    beats it. Runs eagerly at install (before graph capture); logged as one table."""
+    """Qualification of the fused add+RMSNorm capture at this model's H on this device, against the
+    site's own norm (SGLang's kernel): per row bucket the fastest candidate whose three outputs are
+    bitwise stock's, or SGLang's norm. Every TP rank serves one agreed plan (lockstep.py): each rank
+    qualifies locally (a failure is caught), then all vote."""
     from .. import qualify
+    from .groups import tp_group
+    from .lockstep import agreed_plan
 
     if not qualify.enabled(device):
         return
     shape = qualify.Shape("fused_add_rmsnorm_capture", state.hidden_size, state.num_captures, 0,
                           str(dtype).replace("torch.", ""))
-    plan = qualify.qualify(shape, device, qualify.buckets_up_to(state.max_tokens))
-    state.norm_plan = plan
-    for line in plan.table().splitlines():
+    buckets = qualify.buckets_up_to(state.max_tokens)
+    site = next(iter(state.candidate_norms))  # any candidate: same class, H, dtype and eps rules
+    plan, failed = None, False
+    try:
+        plan = qualify.qualify(shape, device, buckets, stock_norm=site)
+    except Exception:
+        log.exception("eagle3_ops: %s fused norm: qualification failed on this rank; SGLang's norm serves", name)
+        failed = True
+    state.norm_plan = agreed_plan(plan, failed, "fused_add_rmsnorm_capture", device, shape, buckets, tp_group(),
+                                  f"{name} fused norm")
+    for line in state.norm_plan.table().splitlines():
         log.info("eagle3_ops: %s fused norm %s", name, line)
 
 
 def _check_configured_layers(state: TargetCaptureState, inner) -> None:
     """SGLang configured the capture after the plugin installed it before KV sizing (with the same
     call and arguments): the layers must be the ones the buffer was laid out for."""
-    found = supported_target(inner)
-    now = _buffer_layers(inner, found[1]) if found is not None else None
+    now = configured_boundaries(inner)
     if now != state.layer_ids and state.enabled:
         state.enabled = False
         log.error("eagle3_ops: %s: SGLang configured capture layers %s, but the capture buffer was laid out for %s; "
@@ -608,9 +780,6 @@ def install_before_kv_sizing(runner) -> Optional[TargetCaptureState]:
         return None
     if not hasattr(model, "set_eagle3_layers_to_capture"):
         return None  # SGLang will raise its own error at configuration
-    lm = resolve_causal_lm(model)
-    if lm is None or supported_target(lm.model) is None:
-        return None  # stays stock; the configuration-time install warns
     model.set_eagle3_layers_to_capture(aux.eagle_aux_hidden_state_layer_ids)
     return install_target_capture(model, before_kv_sizing=True)
 
@@ -618,18 +787,18 @@ def install_before_kv_sizing(runner) -> Optional[TargetCaptureState]:
 def check_routing(model) -> Optional[str]:
     """After SGLang's CUDA-graph / compile setup: None if ``model`` (when patched) still routes its
     forward and fused norms through the plugin, else what changed (warned once per model)."""
-    lm = resolve_causal_lm(model)
-    inner = lm.model if lm is not None else None
-    state = inner.__dict__.get(_STATE_ATTR) if inner is not None else None
+    state = capture_state(model)
     if state is None:
         return None
-    problem = routing_problem(inner, _STATE_ATTR)
-    if problem is None:
-        lost = [i for i, norm in sorted(state.fused_norms.items())
+    inner = next((m for m in (model.modules() if isinstance(model, torch.nn.Module) else [model])
+                  if m.__dict__.get(_STATE_ATTR) is state), None)
+    problem = routing_problem(inner, _STATE_ATTR) if inner is not None else "the patched module is gone"
+    if problem is None and state.norm_plan is not None and any(c.backend for c in state.norm_plan.choices):
+        lost = [site for norm, site in state.candidate_norms.items()
                 if not getattr(norm.__dict__.get("forward"), "_eagle3_ops", False)]
         if lost:
-            problem = (f"the forward of the fused input norm of layer(s) {lost} was replaced (those "
-                       f"captures are now copies)")
+            problem = (f"the forward of candidate fused norm(s) {lost} was replaced (the captures they produce are "
+                       f"now copies)")
     if problem is not None and not state.routing_warned:
         state.routing_warned = True
         log.warning("eagle3_ops: %s: after SGLang's CUDA-graph/compile setup the model no longer goes through "
@@ -639,7 +808,11 @@ def check_routing(model) -> Optional[str]:
 
 
 def capture_state(model) -> Optional[TargetCaptureState]:
-    """The installed state of a target model (or of its inner model), or None if it runs stock."""
-    lm = resolve_causal_lm(model)
-    inner = lm.model if lm is not None else model
-    return getattr(inner, "__dict__", {}).get(_STATE_ATTR)
+    """The installed state of a target model (or of any module inside it), or None if it runs stock."""
+    if not isinstance(model, torch.nn.Module):
+        return getattr(model, "__dict__", {}).get(_STATE_ATTR)
+    for m in model.modules():
+        state = m.__dict__.get(_STATE_ATTR)
+        if state is not None:
+            return state
+    return None

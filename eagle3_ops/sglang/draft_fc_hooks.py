@@ -1,41 +1,56 @@
-"""Draft side: SGLang's llama_eagle3 fc block as one ``eagle3::draft_fc`` call.
+"""Draft side: the fc block of SGLang's two EAGLE-3 heads as one ``eagle3::draft_fc`` call.
 
-Stock ``sglang.srt.models.llama_eagle3.LlamaModel.forward`` does, on the first draft step (when the
-input is the target's ``[T, K*H]`` aux states):
+SGLang 0.5.23 has two EAGLE-3 draft heads, and both run, on the first draft step (when the input is
+the target's ``[T, K*H]`` aux states), an fc block this module replaces:
 
-    if input_norm:  h = input_norm(h)                   # RMSNorm over the K*H row, rounded
-    if fc_norm:     h = cat([norm_k(chunk_k(h))])        # RMSNorm per H slot, rounded, cat
-    h = fc(h)                                            # replicated nn.Linear K*H -> H_draft
+* ``LlamaForCausalLMEagle3`` (``llama_eagle3.LlamaModel``):
+  ``[input_norm] [fc_norm per slot, cat] fc``, ``fc`` a replicated ``nn.Linear`` K*H -> H_draft;
+* ``Eagle3DeepseekV2ForCausalLM`` (``kimi_k25_eagle3.Eagle3MLAModel``, the MLA draft for Kimi-K2.x):
+  ``[fc_norm per slot, cat] fc`` then ``_fc_gatherer``, ``fc`` SGLang's own
+  ``ColumnParallelLinear(gather_output=False)`` (this rank's N/tp output rows) and ``_fc_gatherer`` its
+  multimem all-gather (NCCL where multimem cannot serve).
 
 With this module installed the draft's forward computes ``draft_fc(h, fc.weight, fc.bias,
-chunk_norm_weight, input_norm_weight, eps)`` (norms folded, fp32 throughout, one rounding), puts the
-result where the draft reads its input (``forward_batch.spec_info.hidden_states``) for the duration
-of the call, and runs SGLang's own forward, which then sees an H-wide input and skips its fc block.
-Later draft steps (H-wide input) run stock.
+chunk_norm_weight, input_norm_weight, eps)`` (norms folded into one pass, fp32 throughout, one
+rounding), gathers it where the head gathers (the MLA head: through its own ``_fc_gatherer``), puts the
+result where the draft reads its input (``forward_batch.spec_info.hidden_states``) for the duration of
+the call, and runs SGLang's own forward, which then sees an H-wide input and skips its fc block.
+Later draft steps (H-wide input) run stock. The draft side may differ from stock within the op's
+float64-checked tolerance: it moves acceptance, never the target's tokens.
 
-Under TP > 1 SGLang's llama_eagle3 replicates ``fc`` (3*7168 -> 7168 is 308 MB in bf16 on every
-rank, read in full by every rank on every draft extend). With sharding on (the default;
-``EAGLE3_OPS_SGLANG_SHARD_FC=0`` turns it off) the plugin replaces ``fc`` by a
-:class:`ColumnShardedFc` holding only this rank's output rows ``r*N/tp .. (r+1)*N/tp`` (and bias),
-releases the replicated weight, and the fused call computes the rank's ``[M, N/tp]`` slice (the input
-norms work on full input rows, which every rank has), followed by ONE all-gather along the last
-dimension through the draft's TP group: SGLang's ``tensor_model_parallel_all_gather``, the
-collective its ColumnParallelLinear(gather_output=True) uses, which SGLang's graph runners capture
-(NCCL; no host sync). Its own forward (the same slice + all-gather) keeps SGLang's stock fc path
-correct for any forward the fused call does not take. Uneven N stays replicated (one log line).
+Under TP > 1 ``llama_eagle3`` replicates ``fc`` (3*7168 -> 7168 is 308 MB in bf16 on every rank, read
+in full by every rank on every draft extend). With sharding on (the default;
+``EAGLE3_OPS_SGLANG_SHARD_FC=0`` turns it off) the plugin may replace ``fc`` by a
+:class:`ColumnShardedFc` holding only this rank's output rows (and bias), release the replicated
+weight, and follow the fused call by ONE all-gather along the last dimension through the draft's TP
+group (SGLang's ``tensor_model_parallel_all_gather``). Qualification decides it per row bucket from
+timings every rank measured (the max over ranks), cached with the rest of qualification.
 
-The forward is wrapped on llama_eagle3's LlamaModel
-class, keyed on the instance's state (routing.py), so SGLang's compile trampolines still reach it;
-under ``torch.compile`` tracing it steps aside. The weights are the draft's own parameters: ``fc.weight``
-is passed as is, and the K ``fc_norm`` weights are re-pointed once to rows of one ``[K, H]`` tensor
-so the op reads them without a copy (no second copy of any weight).
+**Ranks decide together** (lockstep.py): every step that may fail on one rank alone (its backend, a
+timing, an allocation) runs locally first and is followed by a vote in which every rank takes part;
+a failure anywhere leaves the fc stock on every rank, and no rank is left waiting in a collective.
+The install is committed (the sharded module swapped in, the replicated weight released, the class
+forward wrapped) only after the last vote.
+
+**Memory**: the draft fc's scratch is the plugin's own, allocated once at install (before SGLang
+sizes its KV cache, outside any CUDA-graph pool) and sized for the path qualification chose for each
+row bucket; a forward that would need more runs SGLang's stock fc (one log line) and never grows a
+scratch buffer inside a graph capture.
+
+The forward is wrapped on the head's model class, keyed on the instance's state (routing.py), so
+SGLang's compile trampolines still reach it; under ``torch.compile`` tracing it steps aside. The
+weights are the draft's own parameters: ``fc.weight`` is passed as is, and the K ``fc_norm`` weights
+are re-pointed once to rows of one ``[K, H]`` tensor so the op reads them without a copy.
 """
 from __future__ import annotations
 
+import json
 import logging
+import statistics
 import sys
 import weakref
-from typing import List, Optional
+from dataclasses import dataclass
+from typing import Any, List, Optional, Tuple
 
 import torch
 
@@ -48,7 +63,15 @@ log = logging.getLogger("eagle3_ops.sglang")
 _STATE_ATTR = "_eagle3_ops_draft_fc"
 _sharded_states: "weakref.WeakSet" = weakref.WeakSet()
 _folded_states: "weakref.WeakSet" = weakref.WeakSet()  # states keeping a folded fc weight
-DRAFT_MODULE = "sglang.srt.models.llama_eagle3"
+
+# The two EAGLE-3 heads of SGLang 0.5.23 whose fc block this module knows: (module, model class, kind).
+# "replicated": fc is a plain nn.Linear on every rank; "column-parallel": fc is SGLang's
+# ColumnParallelLinear(gather_output=False) followed by the model's own _fc_gatherer.
+DRAFT_HEADS = (
+    ("sglang.srt.models.llama_eagle3", "LlamaModel", "replicated"),
+    ("sglang.srt.models.kimi_k25_eagle3", "Eagle3MLAModel", "column-parallel"),
+)
+DRAFT_MODULE = DRAFT_HEADS[0][0]
 
 
 class ColumnShardedFc(torch.nn.Module):
@@ -106,13 +129,94 @@ class ColumnShardedFc(torch.nn.Module):
                 f"bias={self.bias is not None}")
 
 
+@dataclass
+class DraftHead:
+    """What one draft head's fc block is made of (found by :func:`find_draft_head`)."""
+    kind: str                    # "replicated" | "column-parallel"
+    owner: type                  # the class whose forward is wrapped
+    fc: Any
+    input_norm: Any
+    fc_norm: Any
+    eps: float
+    num_aux: int
+
+
+def _plain_rmsnorm(norm) -> Optional[str]:
+    from sglang.srt.layers import layernorm
+
+    if type(norm) is not layernorm.RMSNorm:
+        return f"{type(norm).__name__} is not a plain RMSNorm"
+    if norm.cast_x_before_out_mul or norm.variance_size_override is not None or not norm.has_weight:
+        return "RMSNorm variant (cast_x_before_out_mul / variance override / no weight)"
+    if norm.override_orig_dtype is not None:
+        return "RMSNorm with override_orig_dtype"
+    return None
+
+
+def _fc_weight(fc) -> Optional[torch.Tensor]:
+    w = getattr(fc, "weight", None)
+    return w if isinstance(w, torch.Tensor) and w.dim() == 2 else None
+
+
+def find_draft_head(inner) -> Tuple[Optional[DraftHead], str]:
+    """(head, "") when ``inner`` runs one of the fc blocks this module knows, else (None, why not)."""
+    owner, kind = None, None
+    for module_name, class_name, k in DRAFT_HEADS:
+        module = sys.modules.get(module_name)
+        cls = getattr(module, class_name, None) if module is not None else None
+        owner = forward_owner(inner, cls) if cls is not None else None
+        if owner is not None:
+            kind = k
+            break
+    if owner is None:
+        return None, (f"{type(inner).__module__}.{type(inner).__qualname__} is not one of SGLang's EAGLE-3 draft "
+                      f"heads whose fc block the plugin knows ("
+                      + ", ".join(f"{m.rsplit('.', 1)[-1]}.{c}" for m, c, _ in DRAFT_HEADS) + ")")
+    fc = getattr(inner, "fc", None)
+    weight = _fc_weight(fc)
+    if kind == "replicated" and type(fc) is not torch.nn.Linear:
+        return None, f"its fc is {type(fc).__name__}, not nn.Linear"
+    if kind == "column-parallel":
+        from sglang.srt.layers.linear import ColumnParallelLinear
+
+        method = type(getattr(fc, "quant_method", None)).__name__
+        if not isinstance(fc, ColumnParallelLinear) or getattr(fc, "gather_output", True):
+            return None, f"its fc is {type(fc).__name__} (gather_output={getattr(fc, 'gather_output', None)}), not " \
+                         f"ColumnParallelLinear(gather_output=False)"
+        if method != "UnquantizedLinearMethod":
+            return None, f"its fc is quantized ({method}); the fused fc takes plain weights"
+        if getattr(fc, "skip_bias_add", False):
+            return None, "its fc returns the bias separately (skip_bias_add)"
+        if not callable(getattr(inner, "_fc_gatherer", None)):
+            return None, "it has no _fc_gatherer"
+    if weight is None:
+        return None, "its fc has no 2-D weight"
+    input_norm = getattr(inner, "input_norm", None)
+    fc_norm = getattr(inner, "fc_norm", None)
+    norms = ([input_norm] if input_norm is not None else []) + (list(fc_norm) if fc_norm is not None else [])
+    for norm in norms:
+        why = _plain_rmsnorm(norm)
+        if why is None and norm.weight.dtype != weight.dtype:
+            why = f"norm weight is {norm.weight.dtype}, fc weight is {weight.dtype}"
+        if why is not None:
+            return None, why
+    eps_values = {float(n.variance_epsilon) for n in norms}
+    if len(eps_values) > 1:
+        return None, f"its norms use different eps {sorted(eps_values)}"
+    if fc_norm is not None and len(fc_norm) * fc_norm[0].weight.shape[0] != weight.shape[1]:
+        return None, "its fc_norm does not tile the fc input"
+    num_aux = int(getattr(inner, "num_aux_hidden_states", 0) or (len(fc_norm) if fc_norm is not None else 3))
+    return DraftHead(kind, owner, fc, input_norm, fc_norm, eps_values.pop() if eps_values else 1e-6, num_aux), ""
+
+
 class DraftFcState:
-    def __init__(self, inner, fc, input_norm, fc_norm, eps: float):
+    def __init__(self, inner, head: DraftHead):
         self.inner = inner
-        self.fc = fc
-        self.input_norm = input_norm
-        self.fc_norm = fc_norm
-        self.eps = eps
+        self.head = head
+        self.fc = head.fc
+        self.input_norm = head.input_norm
+        self.fc_norm = head.fc_norm
+        self.eps = head.eps
         self.enabled = True
         self.stats = {"fused_calls": 0, "stock_calls": 0}
         self.routing_warned = False
@@ -120,15 +224,23 @@ class DraftFcState:
         self.sharding: Optional[dict] = None    # set when the fc was sharded over TP ranks
         self.workspace: Optional[torch.Tensor] = None  # the plugin's own draft_fc scratch (allocate_workspace)
         self.plan = None  # qualify.Plan: (backend, path) or stock per row bucket (None: not qualified)
-        # ShardingPlan when TP > 1 qualification chose sharded rows for some row buckets only (the
-        # replicated weight stays; those buckets compute this rank's rows of it + one all-gather)
+        # ShardingPlan when qualification chose sharded rows for some row buckets only (the replicated
+        # weight stays; those buckets compute this rank's rows of it + one all-gather)
         self.partial_sharding: Optional["ShardingPlan"] = None
         # fc.weight with the norm weights folded in (eagle3_ops.fold_norm_weights), kept only when
         # qualification chose a folded candidate for some bucket; re-folded after every load_weights
         self.folded_weight: Optional[torch.Tensor] = None
         self.name = type(inner).__name__  # the draft's class name in log lines (install sets it)
-        if fc_norm is not None:
+        if self.fc_norm is not None:
             self._share_chunk_norm_storage()
+
+    @property
+    def column_parallel(self) -> bool:
+        return self.head.kind == "column-parallel"
+
+    @property
+    def weight(self) -> torch.Tensor:
+        return self.fc.weight
 
     @property
     def input_norm_weight(self) -> Optional[torch.Tensor]:
@@ -138,8 +250,7 @@ class DraftFcState:
         """(Re)compute the folded weight from the current fc and norm weights, in place."""
         if self.folded_weight is None:
             return
-        input_norm_weight = self.input_norm_weight
-        ops.fold_norm_weights(self.fc.weight, self.chunk_weight(), input_norm_weight, out=self.folded_weight)
+        ops.fold_norm_weights(self.fc.weight, self.chunk_weight(), self.input_norm_weight, out=self.folded_weight)
 
     def _share_chunk_norm_storage(self) -> None:
         """Re-point the K fc_norm weights to rows of one [K, H] tensor (same values, one storage)."""
@@ -148,45 +259,6 @@ class DraftFcState:
         for k, w in enumerate(weights):
             w.data = stacked[k]
         self.chunk_norm_weight = stacked
-
-    def allocate_workspace(self, max_tokens: int) -> int:
-        """The draft_fc scratch for up to ``max_tokens`` rows, owned by the plugin: allocated once
-        here (when the draft is installed, before SGLang sizes its KV cache and outside any CUDA-graph
-        pool) instead of growing inside a graph capture. Returns its bytes."""
-        weight = self.fc.weight
-        input_norm_weight = self.input_norm_weight
-        # the weights calls are made with: the fc's, and this rank's rows of it under partial sharding
-        # (fewer rows can plan more splits, so more partials)
-        weights = [(weight, self.fc.bias)]
-        if self.partial_sharding is not None:
-            rows, bias_rows, _ = self.partial_sharding.rows_of(weight, self.fc.bias)
-            weights.append((rows, bias_rows))
-        need = 0
-        # every M where the planned split count changes (the skinny range, up to 256) and the larger
-        # buckets: the bytes are monotone in M within a path and split count
-        for m in sorted(set(range(1, 257)) | {512, 1024, 2048, 4096, int(max_tokens)}):
-            if m > max_tokens:
-                continue
-            x = torch.empty((m, self.fc.in_features), dtype=weight.dtype, device="meta")
-            for folded in (False, True) if self.chunk_norm_weight is not None or input_norm_weight is not None \
-                    else (False,):
-                if folded and weight.dtype == torch.float16 and input_norm_weight is not None:
-                    continue  # never folded (validation.FOLDED_FP16_INPUT_NORM)
-                for w, b in weights:
-                    need = max(need, ops.draft_fc_workspace_bytes(x, w, b, None, self.chunk_norm_weight,
-                                                                  input_norm_weight, norm_folded=folded))
-        self.workspace = torch.empty(need, dtype=torch.uint8, device=weight.device) if need else None
-        return need
-
-    def workspace_for(self, h: torch.Tensor, weight, bias, chunk, input_norm_weight,
-                      folded: bool = False) -> Optional[torch.Tensor]:
-        """The plugin's workspace when it is large enough for this call (the weight and bias it is
-        made with), else None (the face's per-stream scratch serves it)."""
-        ws = self.workspace
-        if ws is None:
-            return None
-        need = ops.draft_fc_workspace_bytes(h, weight, bias, None, chunk, input_norm_weight, norm_folded=folded)
-        return ws if need <= ws.numel() else None
 
     def chunk_weight(self) -> Optional[torch.Tensor]:
         if self.fc_norm is None:
@@ -201,17 +273,46 @@ class DraftFcState:
         self._share_chunk_norm_storage()
         return self.chunk_norm_weight
 
+    def call_for(self, rows: int):
+        """(choice, weight, bias, gather, folded) a fused call of ``rows`` rows makes, or None when
+        qualification keeps SGLang's stock fc block for this many rows."""
+        choice = self.plan.choice_for(rows) if self.plan is not None else None
+        if choice is not None and choice.backend is None:
+            return None
+        folded = choice is not None and choice.folded and self.folded_weight is not None
+        weight, bias, gather = (self.folded_weight if folded else self.fc.weight), self.fc.bias, None
+        if self.column_parallel:
+            gather = self.inner._fc_gatherer
+        elif isinstance(self.fc, ColumnShardedFc):
+            gather = self.fc.gather
+        elif self.partial_sharding is not None and self.partial_sharding.sharded_for(rows):
+            weight, bias, gather = self.partial_sharding.rows_of(weight, bias)
+        return choice, weight, bias, gather, folded
 
-def _plain_rmsnorm(norm) -> Optional[str]:
-    from sglang.srt.layers import layernorm
+    def workspace_bytes(self, rows: int, call=None) -> int:
+        """Scratch bytes a fused call of ``rows`` rows needs on the path it takes (0 when stock)."""
+        call = self.call_for(rows) if call is None else call
+        if call is None:
+            return 0
+        choice, weight, bias, _, folded = call
+        from .. import dispatch, plans
 
-    if type(norm) is not layernorm.RMSNorm:
-        return f"{type(norm).__name__} is not a plain RMSNorm"
-    if norm.cast_x_before_out_mul or norm.variance_size_override is not None or not norm.has_weight:
-        return "RMSNorm variant (cast_x_before_out_mul / variance override / no weight)"
-    if norm.override_orig_dtype is not None:
-        return "RMSNorm with override_orig_dtype"
-    return None
+        x = torch.empty((rows, self.fc.weight.shape[1]), dtype=weight.dtype, device="meta")
+        with dispatch.using(choice.backend if choice else None), plans.forced_path(choice.path if choice else None):
+            return int(ops.draft_fc_workspace_bytes(x, weight, bias, None, self.chunk_weight(),
+                                                    self.input_norm_weight, norm_folded=folded))
+
+    def allocate_workspace(self, max_tokens: int) -> int:
+        """The draft_fc scratch for up to ``max_tokens`` rows on the paths the plan chose, owned by the
+        plugin: allocated once here (at install, before SGLang sizes its KV cache and outside any
+        CUDA-graph pool). Every M where a planned split count can change (up to 256) and every bucket
+        edge is sized (the bytes are monotone in M within a path and split count). Returns its bytes."""
+        need = 0
+        for m in sorted(set(range(1, 257)) | {512, 1024, 2048, 4096, int(max_tokens)}):
+            if m <= max_tokens:
+                need = max(need, self.workspace_bytes(m))
+        self.workspace = torch.empty(need, dtype=torch.uint8, device=self.fc.weight.device) if need else None
+        return need
 
 
 def is_eagle3_draft(model) -> bool:
@@ -228,45 +329,35 @@ def is_eagle3_draft(model) -> bool:
     return False
 
 
-def _supported_draft(inner):
-    """The class whose forward the plugin wraps, if ``inner`` runs llama_eagle3's LlamaModel.forward."""
-    module = sys.modules.get(DRAFT_MODULE)
-    cls = getattr(module, "LlamaModel", None) if module is not None else None
-    return forward_owner(inner, cls) if cls is not None else None
-
-
 def _run_draft_forward(state: DraftFcState, original, inner, args, kwargs):
-    """One forward of a patched draft (``original``: llama_eagle3 LlamaModel's stock forward)."""
+    """One forward of a patched draft (``original``: the head's stock model forward)."""
     forward_batch = kwargs["forward_batch"] if "forward_batch" in kwargs else (args[2] if len(args) > 2 else None)
-    fc = state.fc
+    weight = state.fc.weight
     spec = getattr(forward_batch, "spec_info", None)
     h = getattr(spec, "hidden_states", None)
     if (not state.enabled or not isinstance(h, torch.Tensor) or h.dim() != 2
-            or h.shape[-1] != fc.in_features or h.shape[-1] == inner.config.hidden_size
-            or h.dtype != fc.weight.dtype or h.device != fc.weight.device
+            or h.shape[-1] != weight.shape[1] or h.shape[-1] == inner.config.hidden_size
+            or h.dtype != weight.dtype or h.device != weight.device
             or (h.shape[-1] > 1 and h.stride(-1) != 1)):
         state.stats["stock_calls"] += 1
         return original(inner, *args, **kwargs)
-    choice = state.plan.choice_for(h.shape[0]) if state.plan is not None else None
-    if choice is not None and choice.backend is None:  # qualification: stock is faster for this many rows
+    call = state.call_for(h.shape[0])
+    need = state.workspace_bytes(h.shape[0], call) if call is not None else 0
+    have = state.workspace.numel() if state.workspace is not None else 0
+    if call is None or need > have:
+        if call is not None:  # never grow a scratch buffer in a forward (it may be a graph capture)
+            _warn_once(f"ws:{state.name}:{h.shape[0]}", "eagle3_ops: draft %s fc: %d rows need %d bytes of scratch, the "
+                       "plugin's workspace has %d; SGLang's stock fc serves them", state.name, h.shape[0], need, have)
         state.stats["stock_calls"] += 1
         return original(inner, *args, **kwargs)
-    input_norm_weight = state.input_norm_weight
-    chunk = state.chunk_weight()
+    choice, weight, bias, gather, folded = call
     from .. import dispatch, plans
 
-    folded = choice is not None and choice.folded and state.folded_weight is not None
-    weight, bias, gather = (state.folded_weight if folded else fc.weight), fc.bias, None
-    if isinstance(fc, ColumnShardedFc):
-        gather = fc.gather
-    elif state.partial_sharding is not None and state.partial_sharding.sharded_for(h.shape[0]):
-        weight, bias, gather = state.partial_sharding.rows_of(weight, bias)
     with dispatch.using(choice.backend if choice else None), plans.forced_path(choice.path if choice else None):
-        x = ops.draft_fc(h, weight, bias, None, chunk, input_norm_weight, state.eps,
-                         workspace=state.workspace_for(h, weight, bias, chunk, input_norm_weight, folded),
-                         norm_folded=folded)
+        x = ops.draft_fc(h, weight, bias, None, state.chunk_weight(), state.input_norm_weight, state.eps,
+                         workspace=state.workspace if need else None, norm_folded=folded)
     if gather is not None:
-        x = gather(x)  # [M, N/tp] -> [M, N]: the one collective sharding adds
+        x = gather(x)  # [M, N/tp] -> [M, N]: the head's own all-gather, or the one sharding adds
     state.stats["fused_calls"] += 1
     spec.hidden_states = x
     try:
@@ -275,10 +366,11 @@ def _run_draft_forward(state: DraftFcState, original, inner, args, kwargs):
         spec.hidden_states = h
 
 
+# ---- installation ------------------------------------------------------------------------------------
 def install_draft_fc(model) -> Optional[DraftFcState]:
     """Run ``model``'s (an SGLang EAGLE-3 draft) fc block as one eagle3::draft_fc call. Returns the
-    state, or None when the draft is left stock (with one warning if it is an EAGLE-3 draft).
-    Nothing is changed on the model until every check passed."""
+    state, or None when the draft is left stock (one log line saying why if it is an EAGLE-3 draft).
+    Nothing is changed on the model until every rank voted for the whole install."""
     inner = getattr(model, "model", None)
     if inner is None or not hasattr(inner, "fc") or not is_eagle3_draft(model):
         return None
@@ -286,117 +378,120 @@ def install_draft_fc(model) -> Optional[DraftFcState]:
     if existing is not None:
         return existing
     name = type(model).__name__
-    owner = _supported_draft(inner)
-    if owner is None:
-        _warn_once(f"draft:{name}", "eagle3_ops: draft %s (%s) is not supported; its fc runs stock",
-                   name, type(inner).__module__)
+    head, why = find_draft_head(inner)
+    if head is None:
+        _warn_once(f"draft:{name}", "eagle3_ops: draft %s fc runs stock: %s", name, why)
         return None
-    fc = inner.fc
-    if type(fc) is not torch.nn.Linear:
-        _warn_once(f"draftfc:{name}", "eagle3_ops: draft %s fc is %s, not nn.Linear; its fc runs stock",
-                   name, type(fc).__name__)
-        return None
-    input_norm = getattr(inner, "input_norm", None)
-    fc_norm = getattr(inner, "fc_norm", None)
-    norms = ([input_norm] if input_norm is not None else []) + (list(fc_norm) if fc_norm is not None else [])
-    for norm in norms:
-        why = _plain_rmsnorm(norm)
-        if why is None and norm.weight.dtype != fc.weight.dtype:
-            why = f"norm weight is {norm.weight.dtype}, fc weight is {fc.weight.dtype}"
-        if why is not None:
-            _warn_once(f"draftnorm:{name}", "eagle3_ops: draft %s: %s; its fc runs stock", name, why)
-            return None
-    eps_values = {float(n.variance_epsilon) for n in norms}
-    if len(eps_values) > 1:
-        _warn_once(f"drafteps:{name}", "eagle3_ops: draft %s norms use different eps %s; its fc runs stock",
-                   name, sorted(eps_values))
-        return None
-    if fc_norm is not None and len(fc_norm) * fc_norm[0].weight.shape[0] != fc.in_features:
-        _warn_once(f"draftshape:{name}", "eagle3_ops: draft %s fc_norm does not tile fc input; stock", name)
-        return None
-    eps = eps_values.pop() if eps_values else 1e-6
+    from .. import qualify
+    from .capture_hooks import _default_max_tokens
+    from .groups import tp_group
+    from .lockstep import agreed_plan, all_ranks_agree
+
     # Everything above depends only on the model and the settings: the same on every TP rank. From
-    # here on a rank may fail alone (a backend's self-check on its GPU, memory), so when collectives
-    # follow (sharding) the ranks first agree that all of them can go on.
-    shard = _shard_plan(inner, fc, name)
-    tp = _tp_size()
+    # here on a rank may fail alone (its backend's self-check, memory, a timing): each step's local
+    # work runs first, then every rank votes.
+    group = tp_group()
+    tp = int(group.world_size) if group is not None else 1
+    device = head.fc.weight.device
+    shard = _shard_plan(inner, head, name) if head.kind == "replicated" else None
+    max_tokens = _default_max_tokens()
+    buckets = qualify.buckets_up_to(max_tokens)
+    qualifying = qualify.enabled(device)
+
+    # 1. this rank can run the fused fc at all
     backend, state = None, None
     try:
-        backend = serving_backends(("draft_fc",), fc.weight.device, fc.weight.dtype, f"draft {name} fc")
+        backend = serving_backends(("draft_fc",), device, head.fc.weight.dtype, f"draft {name} fc")
         if backend is not None:
-            state = DraftFcState(inner, fc, input_norm, fc_norm, eps)
+            state = DraftFcState(inner, head)
+            state.name = name
     except Exception:
         log.exception("eagle3_ops: draft %s fc: could not prepare the fused fc on this rank", name)
-    # All TP ranks run the fused fc or none does (ranks with different fc kernels would hold
-    # differently rounded copies of what TP treats as one activation; with sharding, collectives).
-    if tp > 1 and not _all_ranks_agree(state is not None):
-        log.warning("eagle3_ops: draft %s fc stays stock on every TP rank: %s", name,
-                    "this rank cannot run it fused" if state is None else "another TP rank cannot run it fused")
+    if not all_ranks_agree(state is not None, group):
+        if tp > 1:  # (at TP = 1 serving_backends, or the exception above, has said why)
+            log.warning("eagle3_ops: draft %s fc stays stock on every TP rank: %s", name,
+                        "this rank cannot run it fused" if state is None else "another TP rank cannot run it fused")
         return None
-    if state is None:  # (TP = 1) serving_backends has said why
-        return None
-    from .capture_hooks import _default_max_tokens
 
-    max_tokens = _default_max_tokens()
-    # class level, so that SGLang's compile trampolines (which call type(module).forward) reach it
-    wrap_class_forward(owner, _STATE_ATTR, _run_draft_forward)
-    inner.__dict__[_STATE_ATTR] = state
-    log.info("eagle3_ops: patched %s fc block (input_norm=%s, fc_norm=%s, fc %d->%d, bias=%s) -> one "
-             "eagle3::draft_fc call, same weight storage; backend draft_fc=%s", name,
-             "yes" if input_norm is not None else "no", "yes" if fc_norm is not None else "no",
-             fc.in_features, fc.out_features, "yes" if fc.bias is not None else "no", backend["draft_fc"])
+    # 2. sharded or replicated (a replicated fc under TP > 1): measured, cached, the same on every rank
+    sharding = None
     if shard is not None:
-        del fc  # the replicated fc must have no reference left here when it is swapped out
-        sharding = _qualify_sharding(state, name, *shard, max_tokens)
-        if sharding is None or sharding.everywhere:
-            _install_sharded_fc(state, name, *shard)
-        elif sharding.anywhere:
-            state.partial_sharding = sharding
-    try:
-        nbytes = state.allocate_workspace(max_tokens)
-        if nbytes:
-            log.info("eagle3_ops: draft %s fc workspace: %.1f MiB on %s, owned by the plugin (allocated once, "
-                     "outside CUDA-graph pools)", name, nbytes / 2**20, state.fc.weight.device)
-    except Exception:  # e.g. out of memory: the face's per-stream scratch serves instead
-        log.exception("eagle3_ops: draft %s fc: no plugin-owned workspace on this rank", name)
-        state.workspace = None
-    failed = False
-    try:
-        _qualify_site(state, name, max_tokens)
-    except Exception:
-        if tp <= 1:
-            raise
-        log.exception("eagle3_ops: draft %s fc: qualification failed on this rank", name)
-        failed = True
-    from .. import qualify
+        sharding, ok = _decide_sharding(state, name, *shard, buckets, qualifying, group)
+        if not ok:
+            log.warning("eagle3_ops: draft %s fc stays stock on every TP rank: the sharding could not be decided on "
+                        "every rank", name)
+            return None
+    shard_everywhere = shard is not None and (sharding is None or sharding.everywhere)
 
-    if tp > 1 and qualify.enabled(state.fc.weight.device):  # every rank gets here (collectives)
-        _agree_with_rank0(state, name, qualify.buckets_up_to(max_tokens), failed)
-    _keep_folded_weight(model, state, name)
+    # 3. the site's own qualification (local), then one plan on every rank
+    if qualifying:
+        plan, failed = None, False
+        try:
+            plan = _qualify_site(state, name, buckets, shard if shard_everywhere else None)
+        except Exception:
+            log.exception("eagle3_ops: draft %s fc: qualification failed on this rank", name)
+            failed = True
+        state.plan = agreed_plan(plan, failed, "draft_fc", device, _site_shape(state, shard if shard_everywhere
+                                                                                else None), buckets, group,
+                                 f"draft {name} fc")
+        for line in state.plan.table().splitlines():
+            log.info("eagle3_ops: draft %s fc %s", name, line)
+
+    # 4. everything the install allocates, locally (not yet visible to SGLang), then the last vote
+    prepared, sharded_fc, nbytes = False, None, 0
+    try:
+        if shard_everywhere:
+            sharded_fc = ColumnShardedFc(state.fc, *shard)
+        elif sharding is not None and sharding.anywhere:
+            state.partial_sharding = sharding
+        replicated = state.fc
+        if sharded_fc is not None:
+            state.fc = sharded_fc  # the workspace and the folded weight are for the rows that serve
+        try:
+            _prepare_folded_weight(state, name)
+            nbytes = state.allocate_workspace(max_tokens)
+        finally:
+            state.fc = replicated
+            del replicated  # no reference to the replicated fc may outlive its release below
+        prepared = True
+    except Exception:
+        log.exception("eagle3_ops: draft %s fc: could not allocate what the fused fc needs on this rank", name)
+    if not all_ranks_agree(prepared, group):
+        log.warning("eagle3_ops: draft %s fc stays stock on every TP rank: %s", name,
+                    "its install failed on this rank" if not prepared else "its install failed on another TP rank")
+        return None
+
+    # 5. commit: from here on nothing can fail on one rank alone
+    if sharded_fc is not None:
+        _commit_sharded_fc(state, name, sharded_fc, tp)
+    wrap_class_forward(head.owner, _STATE_ATTR, _run_draft_forward)
+    inner.__dict__[_STATE_ATTR] = state
+    if state.folded_weight is not None:
+        _refold_after_loads(model, state, name)
+    log.info("eagle3_ops: patched %s fc block (%s fc: input_norm=%s, fc_norm=%s, fc %d->%d%s, bias=%s) -> one "
+             "eagle3::draft_fc call, same weight storage; backend draft_fc=%s", name, head.kind,
+             "yes" if state.input_norm is not None else "no", "yes" if state.fc_norm is not None else "no",
+             state.fc.weight.shape[1], getattr(state.fc, "out_features", state.fc.weight.shape[0]),
+             f" ({state.fc.weight.shape[0]} rows on this rank, then its own all-gather)" if head.kind ==
+             "column-parallel" and tp > 1 else "", "yes" if state.fc.bias is not None else "no", backend["draft_fc"])
+    if nbytes:
+        log.info("eagle3_ops: draft %s fc workspace: %.1f MiB on %s, owned by the plugin (allocated once, outside "
+                 "CUDA-graph pools, sized for the paths it serves)", name, nbytes / 2**20, device)
     return state
 
 
-def _tp_size() -> int:
-    from .groups import tp_group
-
-    group = tp_group()
-    return int(group.world_size) if group is not None else 1
-
-
-def _keep_folded_weight(model, state: DraftFcState, name: str) -> None:
-    """When qualification chose a folded candidate for some bucket: prepare the folded weight once
-    (one more copy of this rank's fc weight, allocated here, before SGLang sizes its KV cache) and
-    re-fold it after every ``load_weights`` of the draft (weight updates copy into the parameters in
-    place; a stale folded copy would serve old weights)."""
+def _prepare_folded_weight(state: DraftFcState, name: str) -> None:
+    """When qualification chose a folded candidate for some bucket: the folded weight (one more copy of
+    this rank's fc weight, allocated here, before SGLang sizes its KV cache)."""
     plan = state.plan
     if plan is None or not any(c.folded for c in plan.choices):
         return
-    input_norm_weight = state.input_norm_weight
-    try:
-        state.folded_weight = ops.fold_norm_weights(state.fc.weight, state.chunk_weight(), input_norm_weight)
-    except (ValueError, RuntimeError) as e:  # cannot fold / out of memory: those buckets take the unfolded weight
-        log.warning("eagle3_ops: draft %s fc: folded weight not prepared (%s); the unfolded weight serves", name, e)
-        return
+    state.folded_weight = ops.fold_norm_weights(state.fc.weight, state.chunk_weight(), state.input_norm_weight)
+
+
+def _refold_after_loads(model, state: DraftFcState, name: str) -> None:
+    """Re-fold the kept folded weight after every ``load_weights`` of the draft (weight updates copy
+    into the parameters in place; a stale folded copy would serve old weights)."""
     load = getattr(model, "load_weights", None)
     if load is not None and not getattr(load, "_eagle3_refolds", False):
         def load_weights(*args, **kwargs):
@@ -406,9 +501,8 @@ def _keep_folded_weight(model, state: DraftFcState, name: str) -> None:
 
         load_weights._eagle3_refolds = True
         model.load_weights = load_weights
-    state.name = name
     _folded_states.add(state)
-    rows = [c.rows for c in plan.choices if c.folded]
+    rows = [c.rows for c in state.plan.choices if c.folded]
     log.info("eagle3_ops: draft %s fc: folded norm weights prepared for row buckets %s (%.1f MiB, one copy of "
              "this rank's fc weight; re-folded after every load_weights and every SGLang online weight update)",
              name, rows, state.folded_weight.numel() * state.folded_weight.element_size() / 2**20)
@@ -431,46 +525,87 @@ def refold_all() -> List[str]:
     return failures
 
 
-def _site_shape(state: DraftFcState):
-    """The qualify.Shape of this draft's fc site (this rank's rows when the fc is sharded)."""
-    from .. import qualify
-
-    inner, weight = state.inner, state.fc.weight
-    K = int(getattr(inner, "num_aux_hidden_states", 0) or (len(state.fc_norm) if state.fc_norm is not None else 3))
-    return qualify.Shape("draft_fc", state.fc.in_features // K, K, state.fc.out_features if not state.sharding
-                         else state.fc.rows, str(weight.dtype).replace("torch.", ""), state.fc.bias is not None,
-                         state.fc_norm is not None, state.input_norm is not None)
-
-
-def _qualify_site(state: DraftFcState, name: str, max_tokens: int) -> None:
-    """Qualification (eagle3_ops/qualify.py) of the fused fc at this draft's own shapes and weights:
-    per row bucket the fastest correct (backend, path), or SGLang's stock fc block where none beats
-    it. Runs eagerly at install (before graph capture); logged as one table."""
+def _site_shape(state: DraftFcState, shard: Optional[Tuple[int, int]] = None):
+    """The qualify.Shape of this draft's fc site: the rows this rank computes (its N/tp when the fc is,
+    or will be, sharded; the column-parallel head's local rows)."""
     from .. import qualify
 
     weight = state.fc.weight
-    if not qualify.enabled(weight.device):
-        return
-    input_norm_weight = state.input_norm_weight
-    tensors = {"weight": weight, "bias": state.fc.bias, "chunk_norm_weight": state.chunk_norm_weight,
-               "input_norm_weight": input_norm_weight, "eps": state.eps}
-    plan = qualify.qualify(_site_shape(state), weight.device, qualify.buckets_up_to(max_tokens), tensors=tensors)
-    state.plan = plan
-    for line in plan.table().splitlines():
-        log.info("eagle3_ops: draft %s fc %s", name, line)
+    K = state.head.num_aux
+    n = weight.shape[0] // shard[1] if shard is not None else weight.shape[0]
+    return qualify.Shape("draft_fc", weight.shape[1] // K, K, n, str(weight.dtype).replace("torch.", ""),
+                         state.fc.bias is not None, state.fc_norm is not None, state.input_norm is not None)
 
 
-# Replaces qualify.Timer for the sharding decision (tests: scripted, rank-dependent timings).
+def _qualify_site(state: DraftFcState, name: str, buckets, shard: Optional[Tuple[int, int]] = None):
+    """Qualification (eagle3_ops/qualify.py) of the fused fc at this draft's own shapes and weights (the
+    rows this rank will compute): per row bucket the fastest correct (backend, path), or SGLang's
+    stock fc block where none beats it. Runs eagerly at install (before graph capture)."""
+    from .. import qualify
+
+    weight, bias = state.fc.weight, state.fc.bias
+    if shard is not None:
+        n = weight.shape[0] // shard[1]
+        weight = weight.narrow(0, shard[0] * n, n)
+        bias = bias.narrow(0, shard[0] * n, n) if bias is not None else None
+    tensors = {"weight": weight, "bias": bias, "chunk_norm_weight": state.chunk_norm_weight,
+               "input_norm_weight": state.input_norm_weight, "eps": state.eps}
+    return qualify.qualify(_site_shape(state, shard), weight.device, buckets, tensors=tensors)
+
+
+# ---- the sharding decision (a replicated fc at TP > 1) ------------------------------------------------
+# Replaces qualify.Timer for the fc timings of the sharding decision (tests: scripted, rank-dependent).
 SHARDING_TIMER = None
+# Replaces the measured all-gather time: (rows, measured us) -> us (tests: scripted, or raising).
+SHARDING_GATHER_TIME = None
+GATHER_REPS = 5  # timed all-gathers per bucket (after one warm-up); the same count on every rank
+
+
+def _timed_all_gathers(view: torch.Tensor, reps: int) -> List[float]:
+    """Exactly ``reps + 1`` all-gathers of ``view`` through the TP group (the first a warm-up), and the
+    microseconds of each timed one (CUDA events on a GPU, perf_counter on the CPU). The collective is
+    called every time whatever happens to the timing around it, so every rank issues the same number."""
+    import time
+
+    from sglang.srt.distributed.communication_op import tensor_model_parallel_all_gather
+
+    cuda = view.device.type == "cuda"
+    times: List[float] = []
+    for i in range(reps + 1):
+        start = end = None
+        try:
+            if cuda:
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+            else:
+                start = time.perf_counter()
+        except Exception:
+            start = None
+        tensor_model_parallel_all_gather(view, dim=-1)
+        try:
+            if start is None:
+                continue
+            if cuda:
+                end.record()
+                end.synchronize()
+                us = start.elapsed_time(end) * 1e3
+            else:
+                us = (time.perf_counter() - start) * 1e6
+            if i:
+                times.append(us)
+        except Exception:
+            continue
+    return times
 
 
 class ShardingPlan:
     """The TP > 1 decision per row bucket: this rank's rows of the fc + one all-gather (sharded) or
     the replicated fc, from timings every rank measured and agreed on (the max over ranks)."""
 
-    def __init__(self, tp_rank: int, tp_size: int, rows: list, sharded: list, timings: list):
+    def __init__(self, tp_rank: int, tp_size: int, rows: list, sharded: list, timings: list, cached: bool = False):
         self.tp_rank, self.tp_size = tp_rank, tp_size
         self.rows, self.sharded, self.timings = rows, sharded, timings  # timings: (full, shard, gather) us
+        self.cached = cached
 
     @property
     def everywhere(self) -> bool:
@@ -502,6 +637,10 @@ class ShardingPlan:
         bias_rows = bias.narrow(0, self.tp_rank * n, n) if bias is not None else None
         return rows, bias_rows, lambda local: tensor_model_parallel_all_gather(local, dim=-1)
 
+    def to_json(self) -> dict:
+        return {"kind": "draft_fc_sharding", "rows": list(self.rows), "sharded": list(self.sharded),
+                "timings": [list(t) for t in self.timings]}
+
     def table(self) -> str:
         lines = [f"{'rows':>6} | {'replicated us':>13} | {'rows us':>9} | {'all-gather us':>13} | serves"]
         for rows, sharded, (full, shard, gather) in zip(self.rows, self.sharded, self.timings):
@@ -510,35 +649,70 @@ class ShardingPlan:
         return "\n".join(lines)
 
 
-def _qualify_sharding(state: DraftFcState, name: str, tp_rank: int, tp_size: int,
-                      max_tokens: int) -> Optional[ShardingPlan]:
-    """Time, per row bucket, the fused fc on the replicated weight, on this rank's rows, and the
-    all-gather of [M, N/tp] through the draft's TP group; the ranks take the max of each timing over
-    the group (an all-reduce on its CPU group), so every rank decides the same. A bucket is sharded
-    when rows + all-gather beat replicated by qualify.MARGIN. None when qualification is off (then
-    the fc is sharded for every bucket: the memory it frees is certain, the speed unmeasured)."""
-    import torch.distributed as dist
-    from sglang.srt.distributed.communication_op import tensor_model_parallel_all_gather
+def _sharding_made_for(state: DraftFcState, tp_size: int, buckets) -> dict:
+    from .. import qualify
 
-    from .. import qualify, testing
-    from .groups import tp_group
+    return qualify.entry_made_for("draft_fc_sharding", state.fc.weight.device, {
+        "shape": list(state.fc.weight.shape), "dtype": str(state.fc.weight.dtype), "bias": state.fc.bias is not None,
+        "chunk_norm": state.fc_norm is not None, "input_norm": state.input_norm is not None, "tp": tp_size,
+        "buckets": list(buckets), "margin": qualify.MARGIN})
+
+
+def _sharding_from_json(data, tp_rank: int, tp_size: int, buckets) -> ShardingPlan:
+    """A cached decision for these buckets; raises qualify_cache.BadEntry (qualify_cache.load logs
+    one line) for anything else: another shape's, a timing that is not a finite non-negative
+    number, a verdict that does not follow from its timings."""
+    from .. import qualify
+    from ..qualify_cache import BadEntry
+
+    if not isinstance(data, dict) or set(data) != {"kind", "rows", "sharded", "timings"} or \
+            data["kind"] != "draft_fc_sharding":
+        raise BadEntry("not a draft fc sharding decision")
+    rows, sharded, timings = data["rows"], data["sharded"], data["timings"]
+    if rows != list(buckets) or not isinstance(sharded, list) or not isinstance(timings, list) or \
+            len(sharded) != len(rows) or len(timings) != len(rows):
+        raise BadEntry(f"not a decision for the buckets {list(buckets)}")
+    for s, t in zip(sharded, timings):
+        if not isinstance(s, bool) or not isinstance(t, list) or len(t) != 3 or \
+                not all(isinstance(v, (int, float)) and not isinstance(v, bool) and 0 <= v < float("inf") for v in t):
+            raise BadEntry(f"a bucket's verdict {str(s)[:20]!r} or timings {str(t)[:60]!r} are not a flag and three "
+                           f"times")
+        full, shard, gather = t
+        if s != ((shard + gather) * qualify.MARGIN < full):
+            raise BadEntry("a verdict that does not follow from its timings")
+    return ShardingPlan(tp_rank, tp_size, list(rows), list(sharded), [tuple(map(float, t)) for t in timings],
+                        cached=True)
+
+
+def _decide_sharding(state: DraftFcState, name: str, tp_rank: int, tp_size: int, buckets, qualifying: bool,
+                     group) -> Tuple[Optional[ShardingPlan], bool]:
+    """(plan, ok). Per row bucket: the fused fc on the replicated weight, on this rank's rows, and the
+    all-gather of [M, N/tp] through the draft's TP group, each timed on every rank; the max of each
+    timing over the ranks decides (so every rank decides the same); a bucket is sharded when rows +
+    all-gather beat replicated by qualify.MARGIN. Cached per device, shapes and TP size (used only when
+    every rank holds the same cached decision). ``(None, True)`` when qualification is off (sharded for
+    every bucket: the memory it frees is certain, the speed unmeasured); ``ok`` False when a rank failed
+    (every rank then keeps the fc stock)."""
+    from .. import qualify, qualify_cache, testing
+    from .lockstep import all_ranks_agree, max_over_ranks, same_on_all_ranks
+
+    if not qualifying:
+        return None, True
+    made_for = _sharding_made_for(state, tp_size, buckets)
+    cached = qualify_cache.load(made_for, lambda value: _sharding_from_json(value, tp_rank, tp_size, buckets))
+    hit = cached is not None
+    if all_ranks_agree(hit, group) and same_on_all_ranks(json.dumps(cached.to_json()) if hit else "", group):
+        _log_sharding(cached, name, tp_size)
+        return cached, True
 
     fc = state.fc
     weight, bias = fc.weight, fc.bias
-    if not qualify.enabled(weight.device):
-        return None
-    group = tp_group()
     n = weight.shape[0] // tp_size
     rows_w = weight.narrow(0, tp_rank * n, n)
     rows_b = bias.narrow(0, tp_rank * n, n) if bias is not None else None
-    chunk = state.chunk_norm_weight
-    input_norm_weight = state.input_norm_weight
-    buckets = qualify.buckets_up_to(max_tokens)
-    # Every rank must reach every collective below: first the local work (which may fail, e.g. out
-    # of memory), then one all-reduce of "done" so that all ranks go on or all give up together.
-    # Not covered: a failure inside the timed all-gathers themselves, after every rank has shown it
-    # holds the memory they need (the largest output is allocated and freed before the vote).
-    measured, local = [], None
+    chunk, input_norm_weight = state.chunk_norm_weight, state.input_norm_weight
+    # local work (may fail on this rank): the fc timings, and everything the timed all-gathers need
+    measured, local, timer = [], None, None
     try:
         timer = SHARDING_TIMER(weight.device) if SHARDING_TIMER is not None else qualify.Timer(weight.device)
         with torch.no_grad():
@@ -553,110 +727,61 @@ def _qualify_sharding(state: DraftFcState, name: str, tp_rank: int, tp_size: int
             local = torch.zeros((buckets[-1], n), dtype=weight.dtype, device=weight.device)
             probe = torch.empty((buckets[-1], n * tp_size), dtype=weight.dtype, device=weight.device)
             del probe  # the largest all-gather output fits (the caching allocator keeps the block)
-        done = 1
+        ready = True
     except Exception:
         log.exception("eagle3_ops: draft %s fc: timing the sharded and replicated fc failed on this rank", name)
-        done = 0
-    if not _all_ranks_agree(bool(done)):
-        log.warning("eagle3_ops: draft %s fc at TP=%d: the sharding could not be qualified on every rank; sharded "
-                    "for every bucket (the unqualified default)", name, tp_size)
-        return None
+        ready = False
+    if not all_ranks_agree(ready, group):
+        return None, False
+    # the timed all-gathers: collectives every rank reaches the same number of times, whatever fails
+    # around them on this rank (the timing is read after each; a failure there is caught and voted on)
+    gather_ok = True
     with torch.no_grad():
         for m, row in zip(buckets, measured):
-            view = local[:m]
-            row.append(timer(lambda: tensor_model_parallel_all_gather(view, dim=-1)))
+            times = _timed_all_gathers(local[:m], GATHER_REPS)
+            try:
+                us = statistics.median(times) if times else float("nan")
+                row.append(float(SHARDING_GATHER_TIME(m, us) if SHARDING_GATHER_TIME is not None else us))
+                if not row[-1] == row[-1]:  # NaN: an event that failed
+                    raise RuntimeError("no all-gather timing")
+            except Exception:
+                if gather_ok:
+                    log.exception("eagle3_ops: draft %s fc: timing the all-gather failed on this rank", name)
+                gather_ok = False
+                row.append(float("inf"))
     del local
-    agreed = torch.tensor(measured, dtype=torch.float64)
-    dist.all_reduce(agreed, op=dist.ReduceOp.MAX, group=group.cpu_group)
-    timings = [tuple(float(v) for v in row) for row in agreed.tolist()]
+    if not all_ranks_agree(gather_ok, group):
+        return None, False
+    flat = max_over_ranks([v for row in measured for v in row], group)
+    timings = [tuple(flat[3 * i:3 * i + 3]) for i in range(len(buckets))]
     sharded = [(shard + gather) * qualify.MARGIN < full for full, shard, gather in timings]
-    plan = ShardingPlan(tp_rank, tp_size, buckets, sharded, timings)
+    plan = ShardingPlan(tp_rank, tp_size, list(buckets), sharded, timings)
+    qualify_cache.store(made_for, plan.to_json())
+    _log_sharding(plan, name, tp_size)
+    return plan, True
+
+
+def _log_sharding(plan: ShardingPlan, name: str, tp_size: int) -> None:
+    from .. import qualify
+
     verdict = ("sharded for every bucket" if plan.everywhere else "replicated for every bucket (stock)"
                if not plan.anywhere else "sharded for some buckets: the replicated weight stays (no memory "
                "released), those buckets read this rank's rows of it")
-    log.info("eagle3_ops: draft %s fc at TP=%d: %s (max over ranks of each timing; sharded needs rows + "
-             "all-gather %.0f%% faster than replicated)", name, tp_size, verdict, (qualify.MARGIN - 1) * 100)
+    log.info("eagle3_ops: draft %s fc at TP=%d: %s (%s; max over ranks of each timing; sharded needs rows + "
+             "all-gather %.0f%% faster than replicated)", name, tp_size, verdict,
+             "cached" if plan.cached else "measured now", (qualify.MARGIN - 1) * 100)
     for line in plan.table().splitlines():
         log.info("eagle3_ops: draft %s fc sharding %s", name, line)
-    return plan
 
 
-def _all_ranks_agree(ok: bool) -> bool:
-    """Whether ``ok`` holds on every rank of the current TP group (all-reduce MIN on its CPU group);
-    ``ok`` itself without a group of more than one rank."""
-    import torch.distributed as dist
-
-    from .groups import tp_group
-
-    group = tp_group()
-    if group is None or int(group.world_size) <= 1:
-        return ok
-    flag = torch.tensor([1 if ok else 0], dtype=torch.int64)
-    dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=group.cpu_group)
-    return bool(flag.item())
-
-
-def _agree_with_rank0(state: DraftFcState, name: str, buckets, failed: bool) -> None:
-    """Under TP > 1 every rank serves each row bucket the same way: rank 0's choice (backend, path,
-    folded) where every rank's own qualification also accepted that candidate (it was correct
-    there), else SGLang's stock fc on every rank. Two reasons: with partial sharding a fused call
-    all-gathers and a stock call does not (different collectives hang); and with a replicated fc,
-    ranks running different kernels would hold differently rounded copies of activations that TP
-    treats as identical. ``failed``: this rank's qualification failed: it accepts nothing (stock
-    everywhere). Every rank calls this (all-reduces on the TP group's CPU group)."""
-    import dataclasses
-    import hashlib
-
-    import torch.distributed as dist
-
-    from .. import qualify
-    from .groups import tp_group
-
-    from .. import dispatch
-
-    group = tp_group()
-    weight = state.fc.weight
-    if failed or state.plan is None:
-        # failed: stock everywhere; no plan without a failure (the site was not qualified, e.g. a
-        # test stub): the backend dispatch serves, on its own crossover table (path None)
-        backend = None if failed else dispatch.select("draft_fc", weight.device, weight.dtype)[0]
-        state.plan = qualify.Plan(str(weight.device), _site_shape(state), [
-            qualify.Choice("draft_fc", rows, backend, None, None, None, 0.0,
-                           "qualification failed on this rank" if failed else "not qualified")
-            for rows in buckets])
-    plan = state.plan
-    pairs = qualify.candidates("draft_fc", weight.device)
-    menu = [(b, p, f) for b, p in pairs for f in (False, True)] + [(b, None, False) for b, _ in pairs]
-    # the candidate lists must be the same on every rank for an index to mean the same candidate
-    digest = int(hashlib.sha1(repr(menu).encode()).hexdigest()[:15], 16)
-    same = torch.tensor([digest, -digest], dtype=torch.int64)
-    dist.all_reduce(same, op=dist.ReduceOp.MAX, group=group.cpu_group)
-    menus_agree = int(same[0]) == -int(same[1])
-    index = {m: i for i, m in enumerate(menu)}
-    mine = [index.get((c.backend, c.path, c.folded), -1) if c.backend is not None else -1 for c in plan.choices]
-    rank0 = torch.tensor(mine if int(group.rank_in_group) == 0 else [-2] * len(mine), dtype=torch.int64)
-    dist.all_reduce(rank0, op=dist.ReduceOp.MAX, group=group.cpu_group)  # = rank 0's indices
-    rejected = {(r.rows, r.backend, r.path, r.folded) for r in plan.rejected}
-    ok = torch.tensor([int(menus_agree and not failed and (i == -1 or (rows, *menu[i]) not in rejected))
-                       for rows, i in zip((c.rows for c in plan.choices), rank0.tolist())], dtype=torch.int64)
-    dist.all_reduce(ok, op=dist.ReduceOp.MIN, group=group.cpu_group)
-    for k, (choice, i, agreed) in enumerate(zip(list(plan.choices), rank0.tolist(), ok.tolist())):
-        backend, path, folded = menu[i] if (agreed and i >= 0) else (None, None, False)
-        if (backend, path, folded) != (choice.backend, choice.path, choice.folded):
-            plan.choices[k] = dataclasses.replace(choice, backend=backend, path=path, folded=folded)
-            log.info("eagle3_ops: draft %s fc: %d rows serve %s on every TP rank (%s)", name, choice.rows,
-                     "stock" if backend is None else f"{backend}/{path}" + ("+folded" if folded else ""),
-                     "rank 0's choice" if backend is not None else "a rank could not take rank 0's choice")
-
-
-def _shard_plan(inner, fc: torch.nn.Linear, name: str):
-    """(tp_rank, tp_size) to shard the draft fc over, or None to keep it replicated (one log line
-    when TP > 1 and it stays replicated)."""
+def _shard_plan(inner, head: DraftHead, name: str):
+    """(tp_rank, tp_size) to shard the replicated draft fc over, or None to keep it replicated (one log
+    line when TP > 1 and it stays replicated)."""
     from ..settings import SettingError, get, report_once
+    from .groups import layer_group, same_group, tp_group
     from .version import ENV_SHARD_FC
 
-    from .groups import layer_group, same_group, tp_group
-
+    fc = head.fc
     group = tp_group()
     if group is None:  # no model-parallel groups in this process (a script): nothing to shard over
         return None
@@ -689,35 +814,25 @@ def _shard_plan(inner, fc: torch.nn.Linear, name: str):
     return tp_rank, tp_size
 
 
-def _install_sharded_fc(state: DraftFcState, name: str, tp_rank: int, tp_size: int) -> None:
-    """Replace the draft's replicated fc by this rank's rows and release the replicated weight."""
+def _commit_sharded_fc(state: DraftFcState, name: str, sharded: ColumnShardedFc, tp_size: int) -> None:
+    """Swap the prepared sharded fc in and release the replicated weight (every rank voted for it)."""
     inner, full = state.inner, state.fc
     full_bytes = sum(p.numel() * p.element_size() for p in full.parameters())
     gone = [weakref.ref(p) for p in full.parameters()]
-    try:
-        sharded = ColumnShardedFc(full, tp_rank, tp_size)
-    except Exception:  # e.g. out of memory for the rows' copy: the fused replicated fc stays
-        log.exception("eagle3_ops: draft %s fc could not be sharded on this rank", name)
-        sharded = None
-    # All ranks shard or none does: a sharded rank all-gathers in every draft extend, a replicated
-    # one does not, and a mix of the two hangs in the first one.
-    if not _all_ranks_agree(sharded is not None):
-        log.warning("eagle3_ops: draft %s fc stays replicated (fused) on every TP rank: %s", name,
-                    "sharding failed on this rank" if sharded is None else "sharding failed on another rank")
-        return
     inner.fc = sharded
     state.fc = sharded
+    state.head.fc = sharded
     del full
     shard_bytes = sum(p.numel() * p.element_size() for p in sharded.parameters())
     released = all(ref() is None for ref in gone)
     log.info("eagle3_ops: draft %s fc sharded over %d TP ranks: this rank (%d) keeps rows %d..%d (%.1f MiB of "
              "%.1f MiB); each draft extend reads %.1f MiB of fc weight instead of %.1f MiB and adds one all-gather "
-             "of [M, %d] along the last dim through the draft's TP group; %s", name, tp_size, tp_rank,
+             "of [M, %d] along the last dim through the draft's TP group; %s", name, tp_size, sharded.tp_rank,
              sharded.row_start, sharded.row_start + sharded.rows, shard_bytes / 2**20, full_bytes / 2**20,
              shard_bytes / 2**20, full_bytes / 2**20, sharded.out_features,
-             f"the replicated weight ({(full_bytes) / 2**20:.1f} MiB) was released" if released else
+             f"the replicated weight ({full_bytes / 2**20:.1f} MiB) was released" if released else
              "the replicated weight is still referenced elsewhere and was NOT released")
-    state.sharding = {"tp_rank": tp_rank, "tp_size": tp_size, "released": released,
+    state.sharding = {"tp_rank": sharded.tp_rank, "tp_size": tp_size, "released": released,
                       "bytes_before": full_bytes, "bytes_after": shard_bytes}
     _sharded_states.add(state)
 

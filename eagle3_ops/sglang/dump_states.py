@@ -388,9 +388,10 @@ def install_dump(model, settings: Optional[DumpSettings] = None) -> Optional[Sta
             recorder = _prepare(model, lm, inner, settings)
         except Exception:  # never skip the agreement below: the other ranks wait in it
             log.exception("eagle3_ops: %s: could not set up the recording; the states dump is off", ENV_DUMP_STATES)
-    from .draft_fc_hooks import _all_ranks_agree
+    from .groups import tp_group
+    from .lockstep import all_ranks_agree
 
-    if not _all_ranks_agree(recorder is not None):  # a lone rank in the next-token all-gather would hang
+    if not all_ranks_agree(recorder is not None, tp_group()):  # a lone rank in the next-token all-gather would hang
         if recorder is not None:
             for h in recorder.handles:
                 h.remove()

@@ -102,20 +102,34 @@ def test_a_crashing_candidate_is_rejected():
     assert plan.choices[0].backend == "triton"
 
 
-def test_target_norm_candidates_must_match_stocks_residual_and_capture_bitwise():
-    """A candidate whose new residual is off by one ulp (inside the float64 tolerance) is rejected:
-    SGLang's next layer and the draft read the residual and the capture, so they must be stock's bits."""
+@pytest.mark.parametrize("which,name", [(0, "normed output"), (1, "residual")])
+def test_target_norm_candidates_must_match_stock_bitwise(which, name):
+    """A candidate whose normed output or new residual is off by one ulp (inside the float64 tolerance)
+    is rejected: the target's attention, its next layer and the draft read them, and the target's
+    tokens are not ours to change, so all three outputs must be stock's bits."""
     def one_ulp_off(*args):
         eagle3_ops.fused_add_rmsnorm_capture(*args)
         if dispatch._scoped.backend == "triton":
-            residual = args[1]
-            residual.view(torch.int16)[0, 0] += 1  # the next bf16 value
+            args[which].view(torch.int16)[0, 0] += 1  # the next bf16 value
 
     plan = qualify.qualify(NORM, buckets=(4,), timer=FakeTimer(100.0, 10.0), use_cache=False,
                            run_candidate=one_ulp_off)
     assert [(r.backend, r.reason) for r in plan.rejected] == [
-        ("triton", "residual not bitwise equal to stock (torch eager add + RMSNorm + slot copy (no sgl_kernel here))")]
+        ("triton", f"{name} not bitwise equal to stock (torch eager add + RMSNorm + slot copy (no sgl_kernel here))")]
     assert plan.choices[0].backend == "reference"
+
+
+def test_target_norm_stock_is_the_sites_own_norm_module():
+    """The plugin passes the site's norm module: its own forward is the stock every candidate must match
+    bit for bit, with the module's weight and eps (SGLang's RMSNorm, its native path on the CPU)."""
+    from sglang.srt.layers.layernorm import RMSNorm
+
+    norm = RMSNorm(NORM.hidden, eps=1e-5).to(NORM.torch_dtype)
+    with torch.no_grad():
+        norm.weight.copy_(1.0 + 0.1 * torch.randn(NORM.hidden, generator=torch.Generator().manual_seed(2)))
+    plan = qualify.qualify(NORM, buckets=(4,), timer=FakeTimer(100.0, 10.0), use_cache=False, stock_norm=norm)
+    assert plan.choices[0].stock.startswith("the site's RMSNorm.forward")
+    assert plan.choices[0].backend is not None, plan.table()  # the reference is bitwise SGLang's native norm
 
 
 def test_results_are_cached_per_device_and_shape():

@@ -68,3 +68,27 @@ def _fresh_warn_once():
     capture_hooks._warned.clear()
     settings._reported.clear()
     yield
+
+
+@pytest.fixture
+def fused_norm_qualified(monkeypatch, tmp_path):
+    """Qualification on (on the CPU too; the default, auto, qualifies on CUDA only) with timings under
+    which every correct candidate beats SGLang's stock (stock closures, named ``run``, take 100 us; the
+    candidates 10 us): the plugin then serves the fused add+RMSNorm at the norms whose residual SGLang
+    captures, where it is bitwise stock's, and the fused draft fc. A private qualification cache; the
+    capture buffer and the draft's largest M at 64 rows (qualification stays quick)."""
+    from eagle3_ops import qualify
+    from eagle3_ops.sglang import capture_hooks
+
+    monkeypatch.setenv("EAGLE3_OPS_QUALIFY", "on")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    monkeypatch.setenv("EAGLE3_OPS_SGLANG_MAX_TOKENS", "64")
+    monkeypatch.setattr(capture_hooks, "_default_max_tokens", lambda: 64)
+
+    def timer(device, reps=10):
+        def time(fn):
+            fn()
+            return 100.0 if fn.__name__ == "run" else 10.0
+        return time
+
+    monkeypatch.setattr(qualify, "Timer", timer)

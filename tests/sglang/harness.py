@@ -156,21 +156,46 @@ def inner_forward(model, cfg, dtype, prompts):
         return model.model(fb.input_ids, fb.positions, fb)
 
 
-def run_ranks(worker: str, outdir, world_size: int = 2, timeout: int = 420):
+_calibration: Optional[float] = None
+
+
+def machine_slowness() -> float:
+    """Seconds this machine takes, right now, to start a Python that imports torch: the unit the
+    multi-rank timeouts are counted in (a loaded 2-core box is many times slower than an idle one)."""
+    import subprocess
+    import sys
+    import time
+
+    global _calibration
+    if _calibration is None:
+        t0 = time.perf_counter()
+        subprocess.run([sys.executable, "-c", "import torch"], check=True, capture_output=True)
+        _calibration = time.perf_counter() - t0
+    return _calibration
+
+
+def run_ranks(worker: str, outdir, world_size: int = 2, timeout: Optional[float] = None):
     """Run ``worker`` (a script in this folder: ``worker RANK PORT OUTDIR``) as ``world_size``
-    gloo ranks; each saves ``OUTDIR/rank{r}.pt``. Returns (the loaded results, each rank's log)."""
+    gloo ranks; each saves ``OUTDIR/rank{r}.pt``. Returns (the loaded results, each rank's log).
+
+    The ranks serve every op with the reference backend (no Triton interpreter there: it would make
+    qualification slow; the Triton kernels under SGLang are tested in this process). ``timeout``
+    (seconds) guards against a rank left waiting in a collective, the very bug these tests look for;
+    it scales with how slow this machine is now (:func:`machine_slowness`), no fixed wall clock."""
     import os
     import subprocess
     import sys
 
     from eagle3_ops.demos.sglang_cpu_harness import free_port
 
+    if timeout is None:
+        timeout = max(900.0, 150.0 * machine_slowness())
     here = os.path.dirname(os.path.abspath(__file__))
     root = os.path.dirname(os.path.dirname(here))
     port = free_port()
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([root, here, os.environ.get("PYTHONPATH", "")]),
                SGLANG_NCCL_SO_PATH="/nonexistent", TORCHDYNAMO_DISABLE="1")
-    for var in [v for v in env if v.startswith("EAGLE3_OPS_")] + ["SGLANG_USE_CPU_ENGINE"]:
+    for var in [v for v in env if v.startswith("EAGLE3_OPS_")] + ["SGLANG_USE_CPU_ENGINE", "TRITON_INTERPRET"]:
         env.pop(var, None)
     procs = [subprocess.Popen([sys.executable, os.path.join(here, worker), str(r), str(port), str(outdir)],
                               env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
@@ -182,8 +207,39 @@ def run_ranks(worker: str, outdir, world_size: int = 2, timeout: int = 420):
         except subprocess.TimeoutExpired:
             for q in procs:
                 q.kill()
-            raise
+            raise AssertionError(f"{worker}: a rank did not finish in {timeout:.0f} s ({machine_slowness():.1f} s "
+                                 f"to start Python here now): a rank left waiting in a collective?") from None
         logs.append(out.decode(errors="replace"))
     for r, (p, log) in enumerate(zip(procs, logs)):
         assert p.returncode == 0, f"{worker} rank {r} failed:\n{log[-4000:]}"
     return [torch.load(os.path.join(str(outdir), f"rank{r}.pt"), weights_only=False) for r in range(world_size)], logs
+
+
+def mla_eagle3_draft_config(target_config, *, layer_ids, fc_norm=False, hidden_size: int = 64):
+    """A tiny config of SGLang's MLA EAGLE-3 head (``Eagle3DeepseekV2ForCausalLM``, kimi_k25_eagle3.py,
+    the Kimi-K2.x draft): DeepSeek-V2 MLA attention (q_lora_rank is required), one layer, the target's
+    hidden size and vocabulary, ``fc_norm`` per captured slot."""
+    from transformers import DeepseekV2Config
+
+    cfg = DeepseekV2Config(vocab_size=target_config.vocab_size, hidden_size=hidden_size,
+                           intermediate_size=2 * hidden_size, num_hidden_layers=1, num_attention_heads=4,
+                           num_key_value_heads=4, kv_lora_rank=32, q_lora_rank=48, qk_rope_head_dim=8,
+                           qk_nope_head_dim=16, v_head_dim=16, max_position_embeddings=256, rms_norm_eps=1e-6,
+                           tie_word_embeddings=False, rope_scaling=None, hidden_act="silu")
+    cfg.target_hidden_size = target_config.hidden_size
+    cfg.draft_vocab_size = target_config.vocab_size
+    cfg.eagle_config = {"eagle_aux_hidden_state_layer_ids": list(layer_ids), "use_aux_hidden_state": True}
+    cfg.fc_norm = fc_norm
+    cfg.architectures = ["Eagle3DeepseekV2ForCausalLM"]
+    return cfg
+
+
+def mla_eagle3_draft(config, dtype: torch.dtype, seed: int = 1):
+    from sglang.srt.models.kimi_k25_eagle3 import Eagle3DeepseekV2ForCausalLM
+
+    from eagle3_ops.demos.sglang_cpu_harness import _construct, fill_random
+
+    model = _construct(Eagle3DeepseekV2ForCausalLM, config, dtype)
+    fill_random(model, seed)
+    model.post_load_weights()
+    return model.eval()

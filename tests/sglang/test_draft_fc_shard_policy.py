@@ -1,5 +1,5 @@
 """When the draft fc is sharded and when it stays replicated (in one process: the TP group's size
-and rank are faked; the TP=2 run with real gloo groups is test_tp2_draft_fc.py)."""
+and rank are faked; the TP=2 run with real gloo groups is test_tp2.py)."""
 import logging
 
 import pytest
@@ -31,10 +31,10 @@ def _configure_in_group(h, monkeypatch, draft, world_size, rank, built=None):
     group = _FakeGroup(world_size, rank)
     monkeypatch.setattr(ps, "get_tp_group", lambda: group)
     # one process plays one rank: the others of the (fake) group agree with it (the real agreement,
-    # an all-reduce on the group's CPU group, is tested at TP=2 in test_tp2_draft_fc.py)
-    from eagle3_ops.sglang import draft_fc_hooks
+    # all-reduces on the group's CPU group, is tested at TP=2 in test_tp2.py)
+    from eagle3_ops.sglang import lockstep
 
-    monkeypatch.setattr(draft_fc_hooks, "_all_ranks_agree", lambda ok: ok)
+    monkeypatch.setattr(lockstep, "all_ranks_agree", lambda ok, group: ok)
     qkv = draft.model.layers[0].self_attn.qkv_proj
     assert hasattr(qkv, "tp_group")  # what the plugin reads (SGLang's own attribute)
     monkeypatch.setattr(qkv, "tp_group", group if built is None else _FakeGroup(*built))

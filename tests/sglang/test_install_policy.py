@@ -150,7 +150,7 @@ def test_buffer_size_is_a_warning_with_the_cap(sglang_cpu, caplog):
 
 
 # ---- weights are read per call ---------------------------------------------------------------------
-def test_fused_norm_reads_the_current_weight(sglang_cpu):
+def test_fused_norm_reads_the_current_weight(sglang_cpu, fused_norm_qualified):
     """A reload that replaces a norm's Parameter (and eps) after the plugin installed is honoured:
     the plugin's outputs stay bitwise equal to stock SGLang with the same new weights."""
     h = sglang_cpu
@@ -159,14 +159,15 @@ def test_fused_norm_reads_the_current_weight(sglang_cpu):
     stock, model = h.sglang_model("llama", cfg, dtype, seed=10), h.sglang_model("llama", cfg, dtype, seed=10)
     stock.set_eagle3_layers_to_capture(LAYER_IDS)
     h.configure_capture(model, LAYER_IDS)
-    from eagle3_ops.sglang.capture_hooks import _attention_input_norm, capture_state
+    from eagle3_ops.sglang.capture_hooks import capture_state
 
     state = capture_state(model)
-    assert len(state.fused_sites) == 3  # layers 1, 2, 3
+    _extend(h, model, cfg, dtype)  # learns which norms' residuals SGLang captures (layers 1, 2, 3)
+    assert state.fused_sites == [f"model.layers.{i}.input_layernorm" for i in (1, 2, 3)]
     new = 1.0 + torch.randn(cfg.hidden_size, generator=torch.Generator().manual_seed(11))
     for m in (stock, model):
         for i in (1, 3):
-            norm = _attention_input_norm(m.model.layers[i])
+            norm = m.model.layers[i].input_layernorm
             norm.weight = torch.nn.Parameter(new.clone(), requires_grad=False)
             norm.variance_epsilon = 1e-3
     out, ref = _extend(h, model, cfg, dtype), _extend(h, stock, cfg, dtype)
@@ -202,4 +203,5 @@ def test_models_outside_the_eagle3_draft_family_are_passed_over_silently(sglang_
         h.configure_capture(eagle3, None, eagle=False)
     assert draft_fc_state(eagle2) is None and draft_fc_state(eagle3) is None
     warnings = _records(caplog, "WARNING")
-    assert len(warnings) == 1 and "LlamaForCausalLMEagle3" in warnings[0] and "not supported" in warnings[0]
+    assert len(warnings) == 1 and "LlamaForCausalLMEagle3" in warnings[0] and "runs stock" in warnings[0] \
+        and "is not one of SGLang's EAGLE-3 draft heads" in warnings[0]

@@ -113,7 +113,9 @@ def test_draft_fc_installed_and_sharded_before_kv_sizing(sglang_cpu, monkeypatch
     monkeypatch.setattr(ps, "get_tp_group", lambda: group)
     monkeypatch.setattr(draft.model.layers[0].self_attn.qkv_proj, "tp_group", group)
     monkeypatch.setattr(draft_fc_hooks, "_sharded_states", weakref.WeakSet())
-    monkeypatch.setattr(draft_fc_hooks, "_all_ranks_agree", lambda ok: ok)  # one process plays one rank
+    from eagle3_ops.sglang import lockstep
+
+    monkeypatch.setattr(lockstep, "all_ranks_agree", lambda ok, group: ok)  # one process plays one rank
     plugin._after_initialize(None, types.SimpleNamespace(model=target, is_draft_worker=False))
     assert draft_fc_hooks.draft_fc_state(target) is None  # a target runner: nothing here
     plugin._after_initialize(None, types.SimpleNamespace(model=draft, is_draft_worker=True))
@@ -128,3 +130,37 @@ def test_draft_fc_installed_and_sharded_before_kv_sizing(sglang_cpu, monkeypatch
     line = [r.getMessage() for r in caplog.records if "capture buffer" in r.getMessage()]
     assert capture_state(target) is not None and len(line) == 1
     assert f"the draft fc sharding released {freed / 2**20:.1f} MiB on this rank, less than this buffer" in line[0]
+
+
+def test_buffer_rows_come_from_sglangs_own_graph_settings(monkeypatch):
+    """Without EAGLE3_OPS_SGLANG_MAX_TOKENS the buffer holds what one target forward of this server can
+    capture: SGLang's chunked_prefill_size, and at least the largest decode/verify CUDA-graph batch (SGLang
+    0.5.23 keeps it in cuda_graph_config.decode: its captured sizes ``bs`` and ``max_bs``) or the most
+    running requests, times the draft tokens per request. Read from SGLang's own config classes."""
+    import sglang.srt.runtime_context as rc
+    from sglang.srt.model_executor.cuda_graph_config import CudaGraphConfig, PhaseConfig
+
+    from eagle3_ops.sglang.capture_hooks import _default_max_tokens
+
+    def serve(**kw):
+        args = dict(chunked_prefill_size=512, max_prefill_tokens=16384, speculative_num_draft_tokens=4,
+                    max_running_requests=None, cuda_graph_config=CudaGraphConfig())
+        args.update(kw)
+        monkeypatch.setattr(rc, "get_server_args", lambda: types.SimpleNamespace(**args))
+        monkeypatch.setattr(rc, "get_exec", lambda: (_ for _ in ()).throw(ValueError("not published")))
+        return _default_max_tokens()
+
+    # DP-attention-sized verify batches: 256 requests x 4 draft tokens > the 512-token chunk
+    assert serve(cuda_graph_config=CudaGraphConfig(decode=PhaseConfig(backend="full", max_bs=256))) == 1024
+    assert serve(cuda_graph_config=CudaGraphConfig(decode=PhaseConfig(backend="full", bs=[1, 8, 160]))) == 640
+    assert serve(max_running_requests=300) == 1200
+    assert serve() == 512  # no graph sizes known: the chunk
+    assert serve(chunked_prefill_size=-1) == 16384  # chunked prefill off: max_prefill_tokens
+    # the resolved config SGLang publishes in its exec namespace wins over the raw server args
+    exec_ns = types.SimpleNamespace(graph=types.SimpleNamespace(
+        cuda_graph_config=CudaGraphConfig(decode=PhaseConfig(backend="full", bs=[2, 4, 320]))))
+    monkeypatch.setattr(rc, "get_exec", lambda: exec_ns)
+    monkeypatch.setattr(rc, "get_server_args", lambda: types.SimpleNamespace(
+        chunked_prefill_size=512, max_prefill_tokens=16384, speculative_num_draft_tokens=4,
+        max_running_requests=None, cuda_graph_config=None))
+    assert _default_max_tokens() == 1280
