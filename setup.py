@@ -43,8 +43,23 @@ def arch_macro(arch_list: str) -> str:
     return ",".join("sm_" + a.strip().replace(".", "").replace("+PTX", "") for a in arch_list.split(";") if a.strip())
 
 
+def skip_cuda() -> bool:
+    """EAGLE3_OPS_SKIP_CUDA, parsed as every eagle3_ops switch is (eagle3_ops/settings.py, loaded by
+    path: the package cannot be imported before it is built); a bad value stops the build."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("_eagle3_ops_build_settings", ROOT / "eagle3_ops" / "settings.py")
+    settings = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = settings  # dataclasses look their module up
+    spec.loader.exec_module(settings)
+    try:
+        return settings.get("EAGLE3_OPS_SKIP_CUDA")
+    except settings.SettingError as e:
+        sys.exit(f"eagle3_ops build: {e}")
+
+
 def cuda_extensions():
-    if os.environ.get("EAGLE3_OPS_SKIP_CUDA", "0") == "1":
+    if skip_cuda():
         log("EAGLE3_OPS_SKIP_CUDA=1: pure-Python package (triton + reference backends)")
         return [], {}
     cuda_home = find_cuda_home()

@@ -1,18 +1,85 @@
-"""Command line: ``python -m eagle3_ops {demo|doctor|capture-states|info}``."""
+"""Command line: ``python -m eagle3_ops COMMAND [ARGS]``; the commands are :data:`COMMANDS`.
+
+Every command: ``--help``; an unknown flag is argparse's usage and exit status 2; each bad or
+unknown ``EAGLE3_OPS_*`` variable is one line on stderr at start (settings.report_problems, as the
+SGLang plugin does); a closed stdout, an interrupt or a resource failure end it as _cli.py says
+(exit statuses 0/1/2/3/130/141, README *Command line*).
+"""
 from __future__ import annotations
 
+import argparse
 import json
+import logging
 import sys
+from dataclasses import dataclass
+from typing import Callable, Dict, List
 
-USAGE = """usage: python -m eagle3_ops COMMAND [ARGS]
+from . import _cli
 
-commands:
-  demo             stock vs eagle3_ops draft-input path on a random case (and SGLang, if installed)
-  doctor           check which hidden states an engine feeds an EAGLE-3 draft (--help for options)
-  capture-states   record a target's hidden states for `doctor --replay` (--help for options)
-  info             build info and the backend serving each op on this machine
-  qualify          check and time every candidate path at a model's shapes on this device (--help)
-"""
+
+@dataclass(frozen=True)
+class Command:
+    name: str
+    summary: str
+    main: Callable[[List[str]], int]   # the arguments after the command's name -> exit status
+    needs_backend: bool = False         # runs ops here: EAGLE3_OPS_BACKEND must be able to serve this machine
+
+
+def _parser(name: str, description: str) -> argparse.ArgumentParser:
+    return argparse.ArgumentParser(prog=f"python -m eagle3_ops {name}", description=description)
+
+
+def _demo(argv: List[str]) -> int:
+    _parser("demo", COMMANDS["demo"].summary).parse_args(argv)
+    from .demos.ops_demo import main as demo_main
+
+    return demo_main()
+
+
+def _info(argv: List[str]) -> int:
+    _parser("info", COMMANDS["info"].summary + " (one JSON object)").parse_args(argv)
+    import eagle3_ops
+
+    print(json.dumps({"build": eagle3_ops.build_info(), "backends": eagle3_ops.backends()}, indent=2))
+    return 0
+
+
+def _doctor(argv: List[str]) -> int:
+    from .doctor.cli import main as doctor_main
+
+    return doctor_main(argv)
+
+
+def _capture_states(argv: List[str]) -> int:
+    from .doctor.cli import capture_states_main
+
+    return capture_states_main(argv)
+
+
+def _qualify(argv: List[str]) -> int:
+    from .qualify import main as qualify_main
+
+    return qualify_main(argv)
+
+
+COMMANDS: Dict[str, Command] = {c.name: c for c in (
+    Command("demo", "stock vs eagle3_ops draft-input path on a random case (and SGLang, if installed)", _demo,
+            needs_backend=True),
+    Command("doctor", "check which hidden states an engine feeds an EAGLE-3 draft (--help for options)", _doctor),
+    Command("capture-states", "record a target's hidden states for `doctor --replay` (--help for options)",
+            _capture_states),
+    Command("info", "build info and the backend serving each op on this machine", _info, needs_backend=True),
+    Command("qualify", "check and time every candidate path at a model's shapes on this device (--help)", _qualify,
+            needs_backend=True),
+)}
+
+
+def usage() -> str:
+    width = max(map(len, COMMANDS)) + 3
+    lines = ["usage: python -m eagle3_ops COMMAND [ARGS]", "", "commands:"]
+    lines += [f"  {c.name:<{width}}{c.summary}" for c in COMMANDS.values()]
+    return "\n".join(lines) + "\n\nexit status: 0 done, 1 doctor found errors, 2 bad usage or input, 3 out of " \
+                             "memory or disk, 130 interrupted, 141 stdout closed by its reader"
 
 
 def _backend_problem():
@@ -33,48 +100,28 @@ def _backend_problem():
     return None
 
 
-def main(argv=None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
+def _dispatch(argv: List[str]) -> int:
     if not argv or argv[0] in ("-h", "--help"):
-        print(USAGE)
-        return 0 if argv else 2
-    cmd, rest = argv[0], argv[1:]
-    if cmd == "qualify" and not ({"-h", "--help"} & set(rest)):
-        problem = _backend_problem()
-        if problem is not None:
-            print(f"error: {problem}", file=sys.stderr)
-            return 2
-        from .qualify import main as qualify_main
+        print(usage(), file=sys.stdout if argv else sys.stderr)
+        return _cli.EXIT_OK if argv else _cli.EXIT_USAGE
+    cmd, rest = COMMANDS.get(argv[0]), argv[1:]
+    if cmd is None:
+        print(f"unknown command {argv[0]!r}\n\n{usage()}", file=sys.stderr)
+        return _cli.EXIT_USAGE
+    if not {"-h", "--help"} & set(rest):
+        if cmd.needs_backend:
+            problem = _backend_problem()
+            if problem is not None:
+                print(f"error: {problem}", file=sys.stderr)
+                return _cli.EXIT_USAGE
+        from . import settings
 
-        return qualify_main(rest)
-    if cmd == "qualify":
-        from .qualify import main as qualify_main
+        settings.report_problems(logging.getLogger("eagle3_ops"))  # one line per bad or unknown variable
+    return cmd.main(rest)
 
-        return qualify_main(rest)
-    if cmd in ("demo", "info"):
-        problem = _backend_problem()
-        if problem is not None:
-            print(f"error: {problem}", file=sys.stderr)
-            return 2
-    if cmd == "demo":
-        from .demos.ops_demo import main as demo_main
 
-        return demo_main()
-    if cmd == "doctor":
-        from .doctor.cli import main as doctor_main
-
-        return doctor_main(rest)
-    if cmd == "capture-states":
-        from .doctor.cli import capture_states_main
-
-        return capture_states_main(rest)
-    if cmd == "info":
-        import eagle3_ops
-
-        print(json.dumps({"build": eagle3_ops.build_info(), "backends": eagle3_ops.backends()}, indent=2))
-        return 0
-    print(f"unknown command {cmd!r}\n\n{USAGE}", file=sys.stderr)
-    return 2
+def main(argv=None) -> int:
+    return _cli.run(_dispatch, list(sys.argv[1:] if argv is None else argv))
 
 
 if __name__ == "__main__":

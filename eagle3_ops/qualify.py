@@ -24,24 +24,28 @@ attention reads, the new residual, the capture) must be BITWISE stock's on this 
 rejected. Timing: median of CUDA events over repetitions with the L2 flushed by reading a buffer of twice its size before each (cold weights, as in serving); on the
 CPU ``perf_counter`` (a CPU time says nothing about a GPU; there the mechanism is what is tested).
 
-Results are cached per (device name, driver/torch versions, eagle3_ops version, op, shapes, buckets)
-in ``$XDG_CACHE_HOME/eagle3_ops/qualify.json`` (default ``~/.cache``).
+Results are cached per (device name, driver/torch versions, eagle3_ops version, op, shapes, buckets,
+margin, rules version) in ``$XDG_CACHE_HOME/eagle3_ops/qualify.json`` (default ``~/.cache``), each
+entry validated before use (qualify_cache.py; :func:`_plan_from_cache`): a broken or foreign entry
+is one warning line and a new qualification, never a crash or another shape's plan.
 """
 from __future__ import annotations
 
-import hashlib
+import argparse
+import dataclasses
 import json
 import logging
-import os
+import math
 import statistics
 import time
+import typing
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Callable, List, Optional, Sequence, Tuple
 
 import torch
 
-from . import dispatch, plans, testing
+from . import dispatch, plans, qualify_cache, testing
 
 log = logging.getLogger("eagle3_ops")
 
@@ -292,7 +296,7 @@ def _qualify_fc(shape: Shape, rows: int, device, timer: Timer, plan: Plan, margi
             except Exception as e:  # a crashing candidate is rejected, never chosen
                 plan.rejected.append(Rejection("draft_fc", rows, backend, path, f"{type(e).__name__}: {e}", folded))
                 continue
-            tol = TOL["draft_fc"][p.dtype]
+            tol = _tolerance(shape)
             if not err <= tol:
                 plan.rejected.append(Rejection("draft_fc", rows, backend, path,
                                                f"max rel err {err:.3g} > tolerance {tol:.1g}", folded))
@@ -333,7 +337,7 @@ def _qualify_fused(shape: Shape, rows: int, device, timer: Timer, plan: Plan, ma
     stock_fn, stock_label = _fused_stock(s, s.slot_view, stock_norm)
     stock_us = timer(stock_fn)
     best = None
-    tol = 2 * max(testing.NORM_TOL[shape.torch_dtype], testing.ROUNDING_TOL[shape.torch_dtype])
+    tol = _tolerance(shape)
     for backend, _ in candidates("fused_add_rmsnorm_capture", device):
         q = base.clone()
         q.slot_view.fill_(float("nan"))
@@ -381,73 +385,131 @@ def _record(plan: Plan, op: str, rows: int, best, stock_us: float, stock_label: 
         plan.choices.append(Choice(op, rows, None, None, err, us, stock_us, stock_label))
 
 
-# ---- the cache -----------------------------------------------------------------------------------------
+# ---- the cache (qualify_cache.py: validated reads, locked atomic writes) -------------------------------
 def cache_path() -> Path:
-    root = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(root) / "eagle3_ops" / "qualify.json"
+    return qualify_cache.path()
+
+
+def _device_name(device: torch.device) -> str:
+    return torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
 
 
 def _device_key(device: torch.device) -> str:
     from . import __version__
 
-    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     driver = torch.version.cuda or "none"
-    return f"{name}|cuda {driver}|torch {torch.__version__}|eagle3_ops {__version__}|{dispatch.backends(device)}"
+    return (f"{_device_name(device)}|cuda {driver}|torch {torch.__version__}|eagle3_ops {__version__}|"
+            f"{dispatch.backends(device)}")
 
 
-def _cache_key(device, shape: Shape, buckets: Sequence[int], margin: float, stock: Optional[str] = None) -> str:
-    raw = json.dumps([_device_key(device), asdict(shape), list(buckets), margin, RULES_VERSION]
-                     + ([stock] if stock is not None else []), sort_keys=True)
-    return hashlib.sha256(raw.encode()).hexdigest()[:24]
+def _plan_made_for(device, shape: Shape, buckets: Sequence[int], margin: float, stock: Optional[str] = None) -> dict:
+    """Everything a plan depends on; a cached plan is used only where all of it is the same.
+    ``stock``: the site's own norm module (class, eps), the stock a fused-norm plan was matched to."""
+    return {"what": "qualify.plan", "device": _device_key(device), "shape": asdict(shape),
+            "buckets": [int(b) for b in buckets], "margin": margin, "rules_version": RULES_VERSION,
+            "stock": stock}
 
 
-def entry_key(kind: str, device, parts: dict) -> str:
-    """The cache key of another kind of decision kept with the plans (the plugin's draft fc sharding):
-    the device key, the parts that determine it, and the rules version."""
-    raw = json.dumps([kind, _device_key(torch.device(device)), parts, RULES_VERSION], sort_keys=True)
-    return f"{kind}:{hashlib.sha256(raw.encode()).hexdigest()[:24]}"
+def entry_made_for(what: str, device, parts: dict) -> dict:
+    """The ``made_for`` of another kind of decision kept with the plans (the plugin's draft fc
+    sharding), for qualify_cache.load / store: the device key, the parts that decide it, the rules
+    version."""
+    return {"what": what, "device": _device_key(torch.device(device)), "parts": parts, "rules_version": RULES_VERSION}
 
 
-def load_entry(key: str) -> Optional[dict]:
-    """The cached entry under ``key`` (the caller checks its form), or None."""
-    try:
-        data = json.loads(cache_path().read_text())
-    except (OSError, ValueError):
-        return None
-    entry = data.get(key) if isinstance(data, dict) else None
-    return entry if isinstance(entry, dict) else None
+def _tolerance(shape: Shape) -> float:
+    """The max relative error a candidate may have at ``shape`` (normwise for the fc; two ulps
+    elementwise for the target norm: a correct kernel is within one, a broken one far off)."""
+    dt = shape.torch_dtype
+    if shape.op == "draft_fc":
+        return TOL["draft_fc"][dt]
+    return 2 * max(testing.NORM_TOL[dt], testing.ROUNDING_TOL[dt])
 
 
-def store_entry(key: str, entry: dict) -> None:
-    path = cache_path()
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        try:
-            data = json.loads(path.read_text()) if path.exists() else {}
-        except ValueError:
-            data = {}
-        if not isinstance(data, dict):
-            data = {}
-        data[key] = entry
-        tmp = path.with_suffix(f".{os.getpid()}.tmp")  # TP ranks on one machine write the same file
-        tmp.write_text(json.dumps(data, indent=1))
-        os.replace(tmp, path)
-    except (OSError, ValueError) as e:  # a read-only home: qualification still works, uncached
-        log.warning("eagle3_ops: could not write the qualification cache %s: %s", path, e)
+def _matches(value, hint) -> bool:
+    """Whether a JSON value has the dataclass field type ``hint`` (float: a finite number; int: not
+    a bool; Optional[X]: X or null). Unknown types fail closed."""
+    if typing.get_origin(hint) is typing.Union:
+        args = typing.get_args(hint)
+        return (value is None and type(None) in args) or any(_matches(value, a) for a in args if a is not type(None))
+    if hint is bool or hint is str:
+        return isinstance(value, hint)
+    if hint is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    if hint is float:
+        return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    return False
 
 
-def _load(key: str) -> Optional[dict]:
-    return load_entry(key)
+def _typed(obj, cls, where: str):
+    """``cls(**obj)`` for a JSON object that has exactly the dataclass's fields, each of its
+    declared type (the schema is the dataclass: a field added later is checked too)."""
+    hints = typing.get_type_hints(cls)
+    names = {f.name for f in dataclasses.fields(cls) if f.init}
+    if not isinstance(obj, dict) or set(obj) != names:
+        got = sorted(obj) if isinstance(obj, dict) else type(obj).__name__
+        raise qualify_cache.BadEntry(f"{where}: expected an object with the fields {sorted(names)}, got {got}")
+    for name in sorted(names):
+        if not _matches(obj[name], hints[name]):
+            raise qualify_cache.BadEntry(f"{where}.{name} = {str(obj[name])[:40]!r} is not of type {hints[name]}")
+    return cls(**obj)
 
 
-def _store(key: str, plan: Plan) -> None:
-    store_entry(key, plan.to_json())
+def _plan_from_cache(value, device: torch.device, shape: Shape, buckets: Sequence[int], margin: float) -> Plan:
+    """A cached plan for ``shape`` at ``buckets`` on ``device``, checked field by field and against
+    the rules a plan made by :func:`qualify` obeys; raises qualify_cache.BadEntry."""
+    bad = qualify_cache.BadEntry
+    keys = {"device", "shape", "seconds", "cached", "choices", "rejected"}
+    if not isinstance(value, dict) or set(value) != keys:
+        raise bad(f"not a plan (expected the fields {sorted(keys)})")
+    if value["device"] != _device_name(device):
+        raise bad(f"a plan for device {str(value['device'])[:60]!r}, not {_device_name(device)!r}")
+    if value["shape"] != asdict(shape):
+        raise bad(f"a plan for the shape {str(value['shape'])[:200]}, not {asdict(shape)}")
+    if not _matches(value["seconds"], float) or value["seconds"] < 0 or not isinstance(value["cached"], bool):
+        raise bad("seconds / cached are not a duration and a flag")
+    if not isinstance(value["choices"], list) or not isinstance(value["rejected"], list):
+        raise bad("choices / rejected are not lists")
+    choices = [_typed(c, Choice, f"choices[{i}]") for i, c in enumerate(value["choices"])]
+    if [c.rows for c in choices] != list(buckets):
+        raise bad(f"choices for the rows {[c.rows for c in choices][:20]}, not the buckets {list(buckets)}")
+    serving = set(candidates(shape.op, device))
+    tol = _tolerance(shape)
+    for i, c in enumerate(choices):
+        where = f"choices[{i}] (rows {c.rows})"
+        if c.op != shape.op:
+            raise bad(f"{where} is for {c.op!r}, not {shape.op!r}")
+        if min(x for x in (c.stock_us, c.median_us, c.max_rel_err, 0.0) if x is not None) < 0:
+            raise bad(f"{where} has a negative time or error")
+        if c.backend is None:
+            if c.path is not None or c.folded:
+                raise bad(f"{where} is stock with a path or the folded form")
+            continue
+        if (c.backend, c.path) not in serving:
+            raise bad(f"{where}: {c.backend}/{c.path} cannot serve {shape.op} on {device}")
+        if c.max_rel_err is None or not c.max_rel_err <= tol:
+            raise bad(f"{where}: error {c.max_rel_err} is not within the tolerance {tol:.1g}")
+        if c.median_us is None or not c.median_us * margin < c.stock_us:
+            raise bad(f"{where} is served but not {margin}x faster than stock")
+        if c.folded and not (shape.op == "draft_fc" and (shape.chunk_norm or shape.input_norm)):
+            raise bad(f"{where} is folded at a shape without pre-fc norms")
+    rejected = [_typed(r, Rejection, f"rejected[{i}]") for i, r in enumerate(value["rejected"])]
+    for i, r in enumerate(rejected):
+        if r.op != shape.op or r.rows not in buckets or r.backend not in dispatch.BACKENDS:
+            raise bad(f"rejected[{i}] is not a rejection of {shape.op} at one of the buckets")
+    return Plan(value["device"], shape, choices, rejected, float(value["seconds"]), cached=True)
 
 
-def _from_json(data: dict) -> Plan:
-    plan = Plan(data["device"], Shape(**data["shape"]), [Choice(**c) for c in data["choices"]],
-                [Rejection(**r) for r in data["rejected"]], data.get("seconds", 0.0), cached=True)
-    return plan
+def _load_plan(device, shape: Shape, buckets: Sequence[int], margin: float,
+               stock: Optional[str] = None) -> Optional[Plan]:
+    """The cached plan, validated, or None (nothing cached, or an entry not to be used: one line)."""
+    return qualify_cache.load(_plan_made_for(device, shape, buckets, margin, stock),
+                              lambda value: _plan_from_cache(value, device, shape, buckets, margin))
+
+
+def _store_plan(device, shape: Shape, buckets: Sequence[int], margin: float, plan: Plan,
+                stock: Optional[str] = None) -> bool:
+    return qualify_cache.store(_plan_made_for(device, shape, buckets, margin, stock), plan.to_json())
 
 
 # ---- entry point ----------------------------------------------------------------------------------------
@@ -464,15 +526,14 @@ def qualify(shape: Shape, device=None, buckets: Sequence[int] = DEFAULT_BUCKETS,
         device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
     device = torch.device(device)
     buckets = sorted(set(int(b) for b in buckets))
-    stock_key = None if stock_norm is None else \
+    stock = None if stock_norm is None else \
         f"{type(stock_norm).__module__}.{type(stock_norm).__qualname__} eps={float(stock_norm.variance_epsilon)!r}"
-    key = _cache_key(device, shape, buckets, margin, stock_key)
     measured = timer is None and run_candidate is None  # real timings of the real ops: cacheable
     if use_cache and measured:
-        cached = _load(key)
+        cached = _load_plan(device, shape, buckets, margin, stock)
         if cached is not None:
-            return _from_json(cached)
-    plan = Plan(torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu", shape)
+            return cached
+    plan = Plan(_device_name(device), shape)
     timer = timer or Timer(device, reps)
     t0 = time.perf_counter()
     with torch.no_grad():
@@ -487,7 +548,7 @@ def qualify(shape: Shape, device=None, buckets: Sequence[int] = DEFAULT_BUCKETS,
                 raise ValueError(f"qualification knows draft_fc and fused_add_rmsnorm_capture, not {shape.op!r}")
     plan.seconds = time.perf_counter() - t0
     if use_cache and measured:
-        _store(key, plan)
+        _store_plan(device, shape, buckets, margin, plan, stock)
     return plan
 
 
@@ -518,38 +579,67 @@ def buckets_up_to(max_rows: int) -> List[int]:
     return sorted({b for b in DEFAULT_BUCKETS if b < max_rows} | {int(max_rows)})
 
 
+def _positive(text: str) -> int:
+    """An argparse type: a whole number >= 1 in ASCII digits (settings' strict parser)."""
+    from . import settings
+
+    try:
+        return settings.parse_whole_number(text, 1, 1 << 31)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number from 1 to {1 << 31}, got {text!r}") from None
+
+
+def _problem_bytes(shape: Shape, rows: int) -> int:
+    """At least the bytes :func:`qualify` allocates for the largest bucket of ``shape`` (a lower
+    bound from what the problems hold, not a measurement): for the fc, the weight in its dtype, its
+    float32 draw, its float64 copy for the reference and the folded copy, plus x and outputs; for
+    the norm, the slots, inputs and their float64 references."""
+    item = torch.empty((), dtype=shape.torch_dtype).element_size()
+    KH = shape.captures * shape.hidden
+    if shape.op == "draft_fc":
+        N = shape.out_features or shape.hidden
+        return N * KH * (2 * item + 12) + rows * KH * (item + 12) + rows * N * (8 + 2 * item)
+    return rows * shape.hidden * (shape.captures * item + 4 * item + 3 * 8)
+
+
+def _available_bytes(device: torch.device) -> Optional[int]:
+    if device.type == "cuda":
+        return int(torch.cuda.mem_get_info(device)[0])
+    try:
+        with open("/proc/meminfo") as f:
+            return next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
+    except (OSError, StopIteration, ValueError, IndexError):
+        return None
+
+
 def main(argv=None) -> int:
-    """``python -m eagle3_ops qualify``: the plugin's qualification for a model shape, without SGLang."""
-    import argparse
+    """``python -m eagle3_ops qualify``: the plugin's qualification for a model shape, without SGLang.
+    Exit status 0, 2 (bad usage), 3 (the problems do not fit in this device's memory)."""
     import sys
 
     ap = argparse.ArgumentParser(prog="python -m eagle3_ops qualify",
                                  description="Check and time every candidate path of the draft fc and the target's "
                                              "fused add+RMSNorm capture at a model's shapes on this device.")
-    ap.add_argument("--hidden", type=int, required=True, help="the target's hidden size H")
-    ap.add_argument("--captures", type=int, required=True, help="K, the number of captured layers")
-    ap.add_argument("--out-features", type=int, default=None, help="the draft fc's N (default H)")
-    ap.add_argument("--tp", type=int, default=1, help="tensor-parallel size: the fc is timed at N/tp rows per rank")
+    ap.add_argument("--hidden", type=_positive, required=True, help="the target's hidden size H")
+    ap.add_argument("--captures", type=_positive, required=True, help="K, the number of captured layers")
+    ap.add_argument("--out-features", type=_positive, default=None, help="the draft fc's N (default H)")
+    ap.add_argument("--tp", type=_positive, default=1, help="tensor-parallel size: the fc is timed at N/tp rows per rank")
     ap.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"))
     ap.add_argument("--chunk-norm", action="store_true", help="the draft has fc_norm (per-capture RMSNorm)")
     ap.add_argument("--input-norm", action="store_true", help="the draft has norm_before_fc (input RMSNorm)")
     ap.add_argument("--bias", action="store_true")
     ap.add_argument("--rows", default=",".join(map(str, DEFAULT_BUCKETS)), help="row buckets, comma-separated")
-    ap.add_argument("--reps", type=int, default=10)
+    ap.add_argument("--reps", type=_positive, default=10)
     ap.add_argument("--no-cache", action="store_true")
     ap.add_argument("--json", action="store_true", help="print one JSON object instead of the tables")
     args = ap.parse_args(argv)
     try:
-        buckets = [int(r) for r in args.rows.split(",") if r.strip()]
-        if not buckets or min(buckets) < 1:
+        buckets = [_positive(r) for r in args.rows.split(",") if r.strip()]
+        if not buckets:
             raise ValueError
-    except ValueError:
+    except (ValueError, argparse.ArgumentTypeError):
         print(f"error: --rows={args.rows!r}: expected positive whole numbers separated by commas", file=sys.stderr)
         return 2
-    for name in ("hidden", "captures", "tp", "reps"):
-        if getattr(args, name) < 1:
-            print(f"error: --{name}={getattr(args, name)}: expected a positive whole number", file=sys.stderr)
-            return 2
     N = args.out_features or args.hidden
     if N % args.tp:
         print(f"error: --out-features {N} does not split evenly over --tp {args.tp}", file=sys.stderr)
@@ -557,7 +647,14 @@ def main(argv=None) -> int:
     shapes = [Shape("draft_fc", args.hidden, args.captures, N // args.tp, args.dtype, args.bias, args.chunk_norm,
                     args.input_norm),
               Shape("fused_add_rmsnorm_capture", args.hidden, args.captures, 0, args.dtype)]
-    plans_ = [qualify(sh, buckets=buckets, reps=args.reps, use_cache=not args.no_cache) for sh in shapes]
+    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    need, have = max(_problem_bytes(sh, max(buckets)) for sh in shapes), _available_bytes(device)
+    if have is not None and need > have:
+        print(f"error: qualifying at --hidden {args.hidden} --captures {args.captures} --out-features {N} "
+              f"--rows up to {max(buckets)} ({args.dtype}) needs at least {need / 2**30:.3g} GiB of {device} memory "
+              f"for its problems; {have / 2**30:.3g} GiB is available", file=sys.stderr)
+        return 3
+    plans_ = [qualify(sh, device, buckets=buckets, reps=args.reps, use_cache=not args.no_cache) for sh in shapes]
     if args.json:
         keys = ("op", "rows", "backend", "path", "max_rel_err", "median_us", "stock_us", "folded")
         print(json.dumps({

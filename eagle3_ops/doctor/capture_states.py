@@ -132,7 +132,7 @@ def capture_states(model_dir, prompts, out_path, *, dtype: str = "bfloat16", max
         import transformers  # noqa: F401
     except ImportError:
         raise DoctorInputError("capture-states needs Hugging Face transformers (pip install transformers)") from None
-    from safetensors.torch import save_file
+    from .states import save_states_file as save_file  # atomic; never replaces a device or a directory
 
     if device_map is not None and not _accelerate_available():
         raise DoctorInputError("capture-states: --device-map needs accelerate (pip install accelerate)")

@@ -1,11 +1,14 @@
 """``python -m eagle3_ops doctor`` and ``python -m eagle3_ops capture-states``.
 
-Exit status: 0 = no error finding, 1 = at least one error finding, 2 = bad usage or unreadable
-input (one clear line on stderr, no traceback; ``EAGLE3_OPS_DEBUG=1`` re-raises unexpected errors).
+Exit status: 0 = no error finding, 1 = at least one error finding, 2 = bad usage (argparse's usage
+and the error) or unreadable input (one clear line on stderr, no traceback; ``EAGLE3_OPS_DEBUG=1``
+re-raises unexpected errors), 3 = out of memory or disk, 130 = interrupted, 141 = stdout closed by
+its reader (eagle3_ops/_cli.py).
 """
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import math
 import logging
@@ -15,6 +18,7 @@ import sys
 import textwrap
 from typing import List, Optional
 
+from .. import _cli
 from .configs import CONVENTIONS, DoctorInputError
 from .rules import ENGINE_CODE_CHOICES
 
@@ -30,12 +34,14 @@ for the configured and candidate wirings and compares their next-token accuracy.
 
 
 class _UsageError(Exception):
-    pass
+    def __init__(self, message: str, usage: str = ""):
+        super().__init__(message)
+        self.usage = usage  # argparse's usage, printed first for a command line it could not parse
 
 
 class _Parser(argparse.ArgumentParser):
     def error(self, message):  # never exit from inside the library; report and return 2
-        raise _UsageError(f"{self.prog}: {message}")
+        raise _UsageError(f"{self.prog}: {message}", self.format_usage())
 
 
 def _ids(text: str) -> List[int]:
@@ -144,16 +150,20 @@ class _Exit(Exception):
 
 
 def _guard(fn, argv) -> int:
+    return _cli.run(functools.partial(_one_line_errors, fn), argv)
+
+
+def _one_line_errors(fn, argv) -> int:
     try:
         return fn(argv)
     except _Exit as e:
         return e.code
     except (_UsageError, DoctorInputError) as e:
-        print(f"error: {e}", file=sys.stderr)
+        print(f"{getattr(e, 'usage', '')}error: {e}", file=sys.stderr)
         return 2
-    except KeyboardInterrupt:
-        return 130
     except Exception as e:  # unreadable input of a kind not foreseen: still no traceback
+        if isinstance(e, BrokenPipeError) or _cli.resource_failure(e) is not None:
+            raise  # _cli.run: a closed stdout ends quietly (141), a resource failure is one line (3)
         from .. import settings
 
         if settings.get_or_default("EAGLE3_OPS_DEBUG", logging.getLogger("eagle3_ops")):
@@ -215,13 +225,8 @@ def build_report(args):
 def _doctor(argv) -> int:
     args = _parse(_doctor_parser(), _join_negative_lists(argv))
     report = build_report(args)
-    status = 0 if report.ok else 1
-    try:
-        print(json.dumps(report.to_json(), indent=2) if args.json else format_report(report))
-        sys.stdout.flush()
-    except BrokenPipeError:  # `doctor ... | head`
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-    return status
+    print(json.dumps(report.to_json(), indent=2) if args.json else format_report(report))
+    return 0 if report.ok else 1  # `doctor ... | head`: _cli.run sees the closed pipe
 
 
 def _table(rows: List[List[str]], headers: List[str]) -> str:
@@ -327,10 +332,19 @@ def _capture(argv) -> int:
         raise _UsageError("use either --device or --device-map, not both")
     if os.path.isdir(args.out):
         raise _UsageError(f"--out {args.out} is a directory; expected a STATES .safetensors file path")
+    from .. import settings
+    from .states import StatesError
+
+    problem = settings.output_file_problem(args.out, create_folders=True)  # before minutes of loading a model
+    if problem is not None:
+        raise _UsageError(f"--out {args.out}: {problem}")
     prompts = read_prompts(args.prompts)
-    summary = capture_states(args.model, prompts, args.out, dtype=args.dtype, max_tokens=args.max_tokens,
-                             device=args.device or "cpu", device_map=args.device_map,
-                             trust_remote_code=args.trust_remote_code)
+    try:
+        summary = capture_states(args.model, prompts, args.out, dtype=args.dtype, max_tokens=args.max_tokens,
+                                 device=args.device or "cpu", device_map=args.device_map,
+                                 trust_remote_code=args.trust_remote_code)
+    except StatesError as e:  # the target changed since the check above (states.save_states_file)
+        raise _UsageError(f"--out {args.out}: {e}") from None
     print(f"wrote {summary['out']}: {summary['prompts']} prompts, {summary['tokens']} tokens, "
           f"{summary['num_layers'] + 1} boundaries x hidden {summary['hidden_size']}")
     return 0

@@ -23,10 +23,15 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
 from pathlib import Path
 from typing import Dict, Iterable, List, Optional
 
 import torch
+
+from .. import settings
+from ..files import replace_atomically
+from ..settings import SettingError
 
 FORMAT = "eagle3_ops.doctor.states/2"
 FORMAT_V1 = "eagle3_ops.doctor.states/1"
@@ -34,11 +39,10 @@ FORMAT_V1 = "eagle3_ops.doctor.states/1"
 ENV_DUMP_STATES = "EAGLE3_OPS_DUMP_STATES"
 ENV_DUMP_TOKENS = "EAGLE3_OPS_DUMP_TOKENS"
 ENV_DUMP_BOUNDARIES = "EAGLE3_OPS_DUMP_BOUNDARIES"
+DUMP_VARIABLES = (ENV_DUMP_STATES, ENV_DUMP_TOKENS, ENV_DUMP_BOUNDARIES)  # parsed by eagle3_ops.settings
 DEFAULT_DUMP_TOKENS = 2048
 
-
-class StatesSettingError(ValueError):
-    """A bad EAGLE3_OPS_DUMP_* value (the message names the variable and what it accepts)."""
+StatesSettingError = SettingError  # a bad EAGLE3_OPS_DUMP_* value (the name older callers catch)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -49,30 +53,17 @@ class DumpSettings:
 
     @classmethod
     def from_env(cls, env=None) -> Optional["DumpSettings"]:
-        """None when the dump is off; raises StatesSettingError on a bad value."""
-        env = os.environ if env is None else env
-        path = env.get(ENV_DUMP_STATES, "").strip()
-        if not path:
+        """None when the dump is off; raises SettingError (one line naming the variable) on a bad
+        value, including a path that cannot take the file now (see settings.output_file_problem)."""
+        path = settings.get(ENV_DUMP_STATES, env)
+        if path is None:
             return None
-        raw = env.get(ENV_DUMP_TOKENS, "").strip()
-        tokens = DEFAULT_DUMP_TOKENS
-        if raw:
-            if not raw.isdigit() or int(raw) < 1:
-                raise StatesSettingError(f"{ENV_DUMP_TOKENS}={raw!r}: expected a positive whole number of prefill "
-                                         f"tokens (default {DEFAULT_DUMP_TOKENS})")
-            tokens = int(raw)
-        mode = env.get(ENV_DUMP_BOUNDARIES, "auto").strip().lower() or "auto"
-        if mode not in ("auto", "all"):
-            raise StatesSettingError(f"{ENV_DUMP_BOUNDARIES}={mode!r}: expected 'auto' (each configured boundary "
-                                     f"and its neighbours, the embeddings, the last layer's output) or 'all'")
-        p = Path(path)
-        if p.is_dir():
-            raise StatesSettingError(f"{ENV_DUMP_STATES}={path!r} is a directory; give a file path "
-                                     f"(e.g. {p / 'states.safetensors'})")
-        parent = p.parent if str(p.parent) else Path(".")
-        if not parent.is_dir():
-            raise StatesSettingError(f"{ENV_DUMP_STATES}={path!r}: folder {parent} does not exist")
-        return cls(p, tokens, mode)
+        return cls(Path(path), settings.get(ENV_DUMP_TOKENS, env), settings.get(ENV_DUMP_BOUNDARIES, env))
+
+    @property
+    def target(self) -> Path:
+        """The file that will be written: the path itself, or what it points to if it is a symlink."""
+        return Path(os.path.realpath(self.path))
 
 
 def needed_boundaries(layers_to_capture: Iterable[int], num_layers: int, mode: str = "auto") -> List[int]:
@@ -90,9 +81,7 @@ def needed_boundaries(layers_to_capture: Iterable[int], num_layers: int, mode: s
 def write_states(path, prompts: List[dict], *, num_layers: int, hidden_size: int, boundaries: List[int],
                  meta: Optional[Dict[str, str]] = None) -> dict:
     """Write ``prompts`` (each ``{"input_ids", "next_token", "boundaries": {b: [T, H]}}``) keeping the
-    boundaries every prompt holds. Returns {"out", "prompts", "tokens", "bytes"}."""
-    from safetensors.torch import save_file
-
+    boundaries every prompt holds (:func:`save_states_file`). Returns {"out", "prompts", "tokens", "bytes"}."""
     common = set(boundaries)
     for p in prompts:
         common &= set(p["boundaries"])
@@ -108,13 +97,45 @@ def write_states(path, prompts: List[dict], *, num_layers: int, hidden_size: int
     info = {"format": FORMAT, "num_layers": str(int(num_layers)), "hidden_size": str(int(hidden_size)),
             "boundaries": ",".join(map(str, keep)), "num_prompts": str(len(prompts))}
     info.update({k: str(v) for k, v in (meta or {}).items()})
-    out = Path(path)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(out.name + ".partial")
-    save_file(tensors, str(tmp), metadata=info)
-    os.replace(tmp, out)  # a reader never sees half a file
+    out = save_states_file(tensors, path, info)
     nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
     return {"out": str(out), "prompts": len(prompts), "tokens": total, "bytes": nbytes}
+
+
+def _umask() -> int:
+    try:  # read, not set: setting it (os.umask) would race other threads' file creation
+        with open("/proc/self/status") as f:
+            return next(int(line.split()[1], 8) for line in f if line.startswith("Umask:"))
+    except (OSError, StopIteration, ValueError, IndexError):
+        return 0o022
+
+
+def save_states_file(tensors: Dict[str, torch.Tensor], path, metadata: Dict[str, str]) -> Path:
+    """Write a safetensors file at ``path`` the way every STATES writer does: the target checked
+    again now (settings.output_file_problem: a regular file or absent, never a directory, device,
+    FIFO or socket; a symlink is written through), written to a fresh temporary file beside it,
+    then renamed over it (a reader never sees half a file; a failed write, e.g. a full disk, leaves
+    the old file and no temporary behind). Missing folders are created. Returns the file written."""
+    from safetensors.torch import save_file
+
+    problem = settings.output_file_problem(path, create_folders=True)
+    if problem is not None:
+        raise StatesError(f"not writing {path}: {problem}")
+    target = Path(os.path.realpath(path))
+    target.parent.mkdir(parents=True, exist_ok=True)
+
+    def write(tmp: str) -> None:
+        try:
+            save_file(tensors, tmp, metadata=metadata)
+        except Exception as e:  # safetensors reports I/O errors as SafetensorError("... (os error 28)")
+            code = re.search(r"\(os error (\d+)\)", str(e))
+            if code is None:
+                raise
+            raise OSError(int(code.group(1)), os.strerror(int(code.group(1))), str(target)) from e
+        os.chmod(tmp, 0o666 & ~_umask())  # mkstemp's 0600 -> what a plain open() would have made
+
+    replace_atomically(target, write, suffix=".partial")
+    return target
 
 
 @dataclasses.dataclass

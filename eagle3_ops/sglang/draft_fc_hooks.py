@@ -649,27 +649,39 @@ class ShardingPlan:
         return "\n".join(lines)
 
 
-def _sharding_key(state: DraftFcState, tp_size: int, buckets) -> str:
+def _sharding_made_for(state: DraftFcState, tp_size: int, buckets) -> dict:
     from .. import qualify
 
-    return qualify.entry_key("draft_fc_sharding", state.fc.weight.device, {
+    return qualify.entry_made_for("draft_fc_sharding", state.fc.weight.device, {
         "shape": list(state.fc.weight.shape), "dtype": str(state.fc.weight.dtype), "bias": state.fc.bias is not None,
         "chunk_norm": state.fc_norm is not None, "input_norm": state.input_norm is not None, "tp": tp_size,
         "buckets": list(buckets), "margin": qualify.MARGIN})
 
 
-def _sharding_from_json(data, tp_rank: int, tp_size: int, buckets) -> Optional[ShardingPlan]:
-    """A cached decision, or None when the entry is not one for these buckets (never another shape's)."""
-    try:
-        rows, sharded, timings = list(data["rows"]), list(data["sharded"]), [tuple(map(float, t)) for t in
-                                                                              data["timings"]]
-        if data.get("kind") != "draft_fc_sharding" or rows != list(buckets) or len(sharded) != len(rows) or \
-                len(timings) != len(rows) or not all(isinstance(s, bool) for s in sharded) or \
-                not all(len(t) == 3 for t in timings):
-            return None
-    except (KeyError, TypeError, ValueError):
-        return None
-    return ShardingPlan(tp_rank, tp_size, rows, sharded, timings, cached=True)
+def _sharding_from_json(data, tp_rank: int, tp_size: int, buckets) -> ShardingPlan:
+    """A cached decision for these buckets; raises qualify_cache.BadEntry (qualify_cache.load logs
+    one line) for anything else: another shape's, a timing that is not a finite non-negative
+    number, a verdict that does not follow from its timings."""
+    from .. import qualify
+    from ..qualify_cache import BadEntry
+
+    if not isinstance(data, dict) or set(data) != {"kind", "rows", "sharded", "timings"} or \
+            data["kind"] != "draft_fc_sharding":
+        raise BadEntry("not a draft fc sharding decision")
+    rows, sharded, timings = data["rows"], data["sharded"], data["timings"]
+    if rows != list(buckets) or not isinstance(sharded, list) or not isinstance(timings, list) or \
+            len(sharded) != len(rows) or len(timings) != len(rows):
+        raise BadEntry(f"not a decision for the buckets {list(buckets)}")
+    for s, t in zip(sharded, timings):
+        if not isinstance(s, bool) or not isinstance(t, list) or len(t) != 3 or \
+                not all(isinstance(v, (int, float)) and not isinstance(v, bool) and 0 <= v < float("inf") for v in t):
+            raise BadEntry(f"a bucket's verdict {str(s)[:20]!r} or timings {str(t)[:60]!r} are not a flag and three "
+                           f"times")
+        full, shard, gather = t
+        if s != ((shard + gather) * qualify.MARGIN < full):
+            raise BadEntry("a verdict that does not follow from its timings")
+    return ShardingPlan(tp_rank, tp_size, list(rows), list(sharded), [tuple(map(float, t)) for t in timings],
+                        cached=True)
 
 
 def _decide_sharding(state: DraftFcState, name: str, tp_rank: int, tp_size: int, buckets, qualifying: bool,
@@ -681,13 +693,13 @@ def _decide_sharding(state: DraftFcState, name: str, tp_rank: int, tp_size: int,
     every rank holds the same cached decision). ``(None, True)`` when qualification is off (sharded for
     every bucket: the memory it frees is certain, the speed unmeasured); ``ok`` False when a rank failed
     (every rank then keeps the fc stock)."""
-    from .. import qualify, testing
+    from .. import qualify, qualify_cache, testing
     from .lockstep import all_ranks_agree, max_over_ranks, same_on_all_ranks
 
     if not qualifying:
         return None, True
-    key = _sharding_key(state, tp_size, buckets)
-    cached = _sharding_from_json(qualify.load_entry(key), tp_rank, tp_size, buckets)
+    made_for = _sharding_made_for(state, tp_size, buckets)
+    cached = qualify_cache.load(made_for, lambda value: _sharding_from_json(value, tp_rank, tp_size, buckets))
     hit = cached is not None
     if all_ranks_agree(hit, group) and same_on_all_ranks(json.dumps(cached.to_json()) if hit else "", group):
         _log_sharding(cached, name, tp_size)
@@ -744,7 +756,7 @@ def _decide_sharding(state: DraftFcState, name: str, tp_rank: int, tp_size: int,
     timings = [tuple(flat[3 * i:3 * i + 3]) for i in range(len(buckets))]
     sharded = [(shard + gather) * qualify.MARGIN < full for full, shard, gather in timings]
     plan = ShardingPlan(tp_rank, tp_size, list(buckets), sharded, timings)
-    qualify.store_entry(key, plan.to_json())
+    qualify_cache.store(made_for, plan.to_json())
     _log_sharding(plan, name, tp_size)
     return plan, True
 

@@ -40,12 +40,17 @@ from __future__ import annotations
 import atexit
 import inspect
 import logging
+import os
+import shutil
 import threading
-from typing import Dict, List, Optional
+from pathlib import Path
+from typing import Dict, List, Optional, Tuple
 
 import torch
 
-from ..doctor.states import ENV_DUMP_STATES, DumpSettings, needed_boundaries, write_states
+from ..doctor.states import (ENV_DUMP_BOUNDARIES, ENV_DUMP_STATES, ENV_DUMP_TOKENS, DumpSettings, needed_boundaries,
+                             write_states)
+from ..settings import SettingError, report_once
 from .capture_hooks import resolve_causal_lm
 
 log = logging.getLogger("eagle3_ops.sglang")
@@ -321,18 +326,86 @@ def final_norm_hook(original, *args, **kwargs):
     return out
 
 
+def _requested_settings(settings: Optional[DumpSettings]) -> Tuple[bool, Optional[DumpSettings]]:
+    """(requested, settings): whether the dump is asked for (EAGLE3_OPS_DUMP_STATES set: the same
+    on every TP rank of a server) and its settings, None when a value is refused (one ERROR line)."""
+    if settings is not None:
+        return True, settings
+    if not os.environ.get(ENV_DUMP_STATES, "").strip():
+        return False, None
+    try:
+        return True, DumpSettings.from_env()
+    except SettingError as e:
+        report_once(e, log)
+        return True, None
+
+
+def _available_bytes(folder: Path) -> Tuple[Optional[int], Optional[int]]:
+    """(host memory available, disk free in ``folder``) in bytes; None where it cannot be read."""
+    memory = disk = None
+    try:
+        with open("/proc/meminfo") as f:
+            memory = next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
+    except (OSError, StopIteration, ValueError, IndexError):
+        pass
+    try:
+        disk = shutil.disk_usage(folder).free
+    except OSError:
+        pass
+    return memory, disk
+
+
+def _room_problem(settings: DumpSettings, nbytes: int) -> Optional[str]:
+    """Why this machine cannot hold the recording (host memory) or its file (disk), or None."""
+    memory, disk = _available_bytes(settings.target.parent)
+    need = f"recording up to {settings.tokens} prefill tokens needs up to {nbytes / 2**20:.1f} MiB"
+    fix = f"lower {ENV_DUMP_TOKENS}" + (f" or leave {ENV_DUMP_BOUNDARIES} at auto" if settings.boundaries == "all"
+                                         else "")
+    if memory is not None and nbytes > memory:
+        return f"{need} of host memory and {memory / 2**20:.1f} MiB is available ({fix})"
+    if disk is not None and nbytes > disk:
+        return f"{need} of disk and {settings.target.parent} has {disk / 2**20:.1f} MiB free ({fix})"
+    return None
+
+
 def install_dump(model, settings: Optional[DumpSettings] = None) -> Optional[StatesRecorder]:
-    """Start recording for a target configured for EAGLE-3 capture (when the dump is switched on).
-    Returns the recorder, or None (with one log line saying why)."""
-    settings = settings if settings is not None else DumpSettings.from_env()
-    if settings is None:
-        return None
+    """Start recording for a target configured for EAGLE-3 capture (when the dump is switched on;
+    ``settings`` None: read from the environment). Returns the recorder, or None (with one log
+    line saying why). Under TP > 1 the ranks agree: every rank records (rank 0 keeps the values,
+    all take part in the next-token all-gather) or none does."""
     lm = resolve_causal_lm(model)
     if lm is None or not getattr(lm, "capture_aux_hidden_states", False):
         return None
     inner = lm.model
     if inner.__dict__.get(_STATE_ATTR) is not None:
         return inner.__dict__[_STATE_ATTR]
+    requested, settings = _requested_settings(settings)
+    if not requested:
+        return None
+    recorder = None
+    if settings is not None:
+        try:
+            recorder = _prepare(model, lm, inner, settings)
+        except Exception:  # never skip the agreement below: the other ranks wait in it
+            log.exception("eagle3_ops: %s: could not set up the recording; the states dump is off", ENV_DUMP_STATES)
+    from .groups import tp_group
+    from .lockstep import all_ranks_agree
+
+    if not all_ranks_agree(recorder is not None, tp_group()):  # a lone rank in the next-token all-gather would hang
+        if recorder is not None:
+            for h in recorder.handles:
+                h.remove()
+            log.error("eagle3_ops: %s: another TP rank cannot record (see its log); the states dump is off",
+                      ENV_DUMP_STATES)
+        return None
+    inner.__dict__[_STATE_ATTR] = recorder
+    _recorders.append(recorder)
+    atexit.register(recorder.write)
+    return recorder
+
+
+def _prepare(model, lm, inner, settings: DumpSettings) -> Optional[StatesRecorder]:
+    """The recorder with its hooks registered (not yet active anywhere else), or None with one line."""
     from .groups import tp_rank_size
 
     tp_rank, tp_size = tp_rank_size()  # (0, 1) in a process without model-parallel groups
@@ -360,16 +433,22 @@ def install_dump(model, settings: Optional[DumpSettings] = None) -> Optional[Sta
         log.warning("eagle3_ops: %s: no boundary of %s can be recorded on this rank; dump off", ENV_DUMP_STATES,
                     type(model).__name__)
         return None
-    inner.__dict__[_STATE_ATTR] = recorder
-    _recorders.append(recorder)
-    atexit.register(recorder.write)
     itemsize = torch.empty((), dtype=next(inner.parameters()).dtype).element_size()
-    mib = settings.tokens * len(recorder.boundaries) * recorder.hidden_size * itemsize / 2**20
-    log.info("eagle3_ops: %s=%s: recording the first %d prefill tokens of %s at boundaries %s%s "
+    # values, plus token ids and next tokens (int64 each) per token
+    nbytes = settings.tokens * (len(recorder.boundaries) * recorder.hidden_size * itemsize + 16)
+    problem = _room_problem(settings, nbytes) if tp_rank == 0 else None  # only rank 0 keeps values
+    if problem is not None:
+        for h in recorder.handles:
+            h.remove()
+        log.error("eagle3_ops: %s=%s: %s; the states dump is off", ENV_DUMP_STATES, settings.path, problem)
+        return None
+    through = "" if settings.target == Path(os.path.abspath(settings.path)) else \
+        f" (a symlink: the file written is {settings.target})"
+    log.info("eagle3_ops: %s=%s%s: recording the first %d prefill tokens of %s at boundaries %s%s "
              "(post all-reduce, TP rank %s keeps them: up to %.1f MiB host memory%s)", ENV_DUMP_STATES,
-             settings.path, settings.tokens, type(model).__name__, recorder.boundaries,
+             settings.path, through, settings.tokens, type(model).__name__, recorder.boundaries,
              f", not reachable here: {unreachable}" if unreachable else "", 0,
-             mib if tp_rank == 0 else 0.0, _prefill_graph_note())
+             nbytes / 2**20 if tp_rank == 0 else 0.0, _prefill_graph_note())
     return recorder
 
 

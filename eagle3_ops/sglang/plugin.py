@@ -160,18 +160,11 @@ def _around_alloc_full_buffer(original, self, output, size, *args, **kwargs):
 
 
 def _install_dump(model) -> None:
-    """The engine-side STATES dump for ``doctor --replay`` (EAGLE3_OPS_DUMP_STATES; off by default)."""
-    from ..doctor.states import DumpSettings, StatesSettingError
+    """The engine-side STATES dump for ``doctor --replay`` (EAGLE3_OPS_DUMP_STATES; off by default).
+    A bad EAGLE3_OPS_DUMP_* value is one ERROR line and the dump stays off (dump_states.install_dump)."""
+    from .dump_states import install_dump
 
-    try:
-        settings = DumpSettings.from_env()
-    except StatesSettingError as e:
-        log.error("eagle3_ops: %s; the states dump is off", e)
-        return
-    if settings is not None:
-        from .dump_states import install_dump
-
-        install_dump(model, settings)
+    install_dump(model)
 
 
 def _around_final_norm(original, *args, **kwargs):

@@ -167,11 +167,27 @@ def test_cli_json_shape(tmp_path):
     assert [c["rows"] for c in data["choices"] if c["op"] == "draft_fc"] == [1, 8]
 
 
-@pytest.mark.parametrize("argv,message", [(["--hidden", "16", "--captures", "3", "--rows", "0,4"], "--rows"),
-                                          (["--hidden", "16", "--captures", "3", "--out-features", "30", "--tp", "4"],
-                                           "does not split evenly"),
-                                          (["--hidden", "0", "--captures", "3"], "--hidden=0")])
+@pytest.mark.parametrize("argv,message", [
+    (["--hidden", "16", "--captures", "3", "--rows", "0,4"], "error: --rows='0,4'"),
+    (["--hidden", "16", "--captures", "3", "--rows", "4,\u00b2"], "error: --rows="),
+    (["--hidden", "16", "--captures", "3", "--out-features", "30", "--tp", "4"], "does not split evenly"),
+    (["--hidden", "0", "--captures", "3"], "argument --hidden: expected a whole number from 1 to 2147483648, got '0'"),
+    (["--hidden", "1" * 30, "--captures", "3"], "argument --hidden: expected a whole number"),
+    (["--hidden", "\u00b9\u2076", "--captures", "3"], "argument --hidden: expected a whole number"),
+    (["--hidden", "16", "--captures", "3", "--reps", "1e3"], "argument --reps: expected a whole number")])
 def test_cli_bad_arguments_exit_2(argv, message, capsys):
-    assert qualify.main(argv) == 2
+    from eagle3_ops.__main__ import main
+
+    assert main(["qualify", *argv]) == 2
     err = capsys.readouterr().err
-    assert err.startswith("error: ") and message in err
+    assert message in err and "Traceback" not in err
+
+
+def test_cli_a_problem_too_large_for_memory_is_one_line_exit_3(capsys):
+    """The issue's `qualify --hidden 1000000000`: refused before anything is allocated."""
+    from eagle3_ops.__main__ import main
+
+    assert main(["qualify", "--hidden", "1000000000", "--captures", "3"]) == 3
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and err.startswith("error: qualifying at --hidden 1000000000")
+    assert "GiB of cpu memory" in err and "GiB is available" in err

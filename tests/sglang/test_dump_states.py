@@ -9,6 +9,8 @@
   the wiring the draft was trained on.
 """
 import json
+import os
+import stat
 
 import pytest
 import torch
@@ -149,7 +151,7 @@ def test_dump_skips_verify_decode_and_cached_prefixes(sglang_cpu, dump_env):
 
 @pytest.mark.parametrize("env,needle", [
     ({"EAGLE3_OPS_DUMP_TOKENS": "abc"}, "EAGLE3_OPS_DUMP_TOKENS='abc'"),
-    ({"EAGLE3_OPS_DUMP_TOKENS": "0"}, "positive whole number"),
+    ({"EAGLE3_OPS_DUMP_TOKENS": "0"}, "a whole number of prefill tokens from 1 to 1048576"),
     ({"EAGLE3_OPS_DUMP_BOUNDARIES": "some"}, "EAGLE3_OPS_DUMP_BOUNDARIES='some'"),
 ])
 def test_bad_dump_settings_are_named_and_leave_the_dump_off(sglang_cpu, dump_env, monkeypatch, caplog, env,
@@ -196,3 +198,138 @@ def test_replay_on_engine_dump_finds_the_trained_wiring(sglang_cpu, dump_env, tm
     assert rep["replay"]["configured"]["boundaries"] == [2, 4, 6]
     assert rep["replay"]["best"]["boundaries"] == [3, 5, 7] and rep["replay"]["best"]["ids"] == [2, 4, 6]
     assert any(f["code"] == "E_REPLAY_BETTER_WIRING" for f in rep["findings"])
+
+
+# ---- settings checked at start-up for what they are used for (eagle3_ops.settings.output_file_problem) -----
+def _error_lines(caplog):
+    return [r.getMessage() for r in caplog.records if r.levelno >= 40 and r.name.startswith("eagle3_ops")]
+
+
+def test_a_dump_path_that_cannot_take_the_file_is_refused_at_start_up(sglang_cpu, dump_env, monkeypatch, caplog,
+                                                                     tmp_path):
+    """/dev/full (a device: the old dump accepted it and lost the recording at exit, or as root
+    replaced the device node), a FIFO, a directory, a folder where no file can be created: one
+    ERROR line each at configuration time, the dump off, the path untouched."""
+    from eagle3_ops import settings
+    from eagle3_ops.sglang.dump_states import dump_state
+
+    h = sglang_cpu
+    model = h.sglang_model("llama", h.FAMILIES["llama"].make_config(), torch.float32, seed=5)
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    unwritable = "/sys" if os.geteuid() == 0 else str(tmp_path / "ro")  # root writes through mode bits
+    if os.geteuid() != 0:
+        os.mkdir(unwritable, 0o555)
+    for path, needle in (("/dev/full", "/dev/full is a character device, not a regular file (it is never replaced)"),
+                         (str(fifo), "is a FIFO"), (str(tmp_path), "is a directory"),
+                         (os.path.join(unwritable, "s.safetensors"), "cannot create a file in")):
+        monkeypatch.setenv("EAGLE3_OPS_DUMP_STATES", path)
+        settings._reported.clear()
+        caplog.clear()
+        with caplog.at_level("ERROR", logger="eagle3_ops"):
+            h.configure_capture(model, [0, 1])
+        assert dump_state(model) is None, path
+        lines = _error_lines(caplog)
+        assert len(lines) == 1 and f"EAGLE3_OPS_DUMP_STATES={path!r} is not usable" in lines[0], lines
+        assert needle in lines[0] and lines[0].endswith("the states dump is off (nothing is recorded; serving is "
+                                                        "unaffected)"), lines
+    assert stat.S_ISFIFO(os.stat(fifo).st_mode) and stat.S_ISCHR(os.stat("/dev/full").st_mode)
+
+
+def test_a_recording_too_large_for_memory_or_disk_is_refused_at_start_up(sglang_cpu, dump_env, monkeypatch, caplog):
+    from eagle3_ops.sglang import dump_states
+
+    h = sglang_cpu
+    cfg = h.FAMILIES["llama"].make_config()
+    model = h.sglang_model("llama", cfg, torch.float32, seed=5)
+    path = dump_env(tokens=1_000_000, boundaries="all")  # 1e6 x 5 boundaries x 64 x 4 bytes: about 1.2 GiB
+    for room, needle in (((2**20, None), "of host memory and 1.0 MiB is available (lower EAGLE3_OPS_DUMP_TOKENS or "
+                                         "leave EAGLE3_OPS_DUMP_BOUNDARIES at auto)"),
+                         ((None, 2**20), f"of disk and {path.parent} has 1.0 MiB free")):
+        monkeypatch.setattr(dump_states, "_available_bytes", lambda folder, room=room: room)
+        caplog.clear()
+        with caplog.at_level("ERROR", logger="eagle3_ops"):
+            h.configure_capture(model, [0, 1])
+        assert dump_states.dump_state(model) is None
+        lines = _error_lines(caplog)
+        assert len(lines) == 1 and "recording up to 1000000 prefill tokens needs up to" in lines[0], lines
+        assert needle in lines[0] and lines[0].endswith("the states dump is off"), lines
+        assert all(not layer._forward_pre_hooks for layer in model.model.layers)  # nothing left behind
+
+
+def test_a_symlink_is_written_through_and_stays(sglang_cpu, dump_env, monkeypatch, caplog, tmp_path):
+    h = sglang_cpu
+    cfg = h.FAMILIES["llama"].make_config()
+    model = h.sglang_model("llama", cfg, torch.float32, seed=5)
+    (tmp_path / "real").mkdir()
+    target = tmp_path / "real" / "states.safetensors"
+    target.write_bytes(b"an older recording")
+    link = tmp_path / "link.safetensors"
+    link.symlink_to(target)
+    dump_env(tokens=sum(map(len, PROMPTS)))
+    monkeypatch.setenv("EAGLE3_OPS_DUMP_STATES", str(link))
+    with caplog.at_level("INFO", logger="eagle3_ops.sglang"):
+        h.configure_capture(model, [0, 1])
+        _extend(h, model, cfg, torch.float32, PROMPTS)
+    assert any(f"(a symlink: the file written is {target})" in r.getMessage() for r in caplog.records)
+    assert link.is_symlink() and os.readlink(link) == str(target)
+    states = read_states(link, num_layers=cfg.num_hidden_layers, hidden_size=cfg.hidden_size)
+    assert [p["input_ids"].tolist() for p in states.prompts] == PROMPTS
+    assert sorted(os.listdir(target.parent)) == ["states.safetensors"]  # no temporary left
+
+
+def test_the_target_is_checked_again_when_written(sglang_cpu, dump_env, monkeypatch, caplog):
+    """Between start-up and the write at exit the path became a FIFO: refused, the FIFO untouched;
+    a write that fails part-way (a full disk) leaves the old file and no temporary."""
+    import safetensors.torch
+    from safetensors import SafetensorError
+
+    from eagle3_ops.sglang.dump_states import dump_state
+
+    h = sglang_cpu
+    cfg = h.FAMILIES["llama"].make_config()
+    path = dump_env(tokens=1000)
+    for case in ("fifo", "disk full"):
+        model = h.sglang_model("llama", cfg, torch.float32, seed=5)
+        h.configure_capture(model, [0, 1])
+        rec = dump_state(model)
+        _extend(h, model, cfg, torch.float32, PROMPTS)  # under the budget: written at exit
+        if case == "fifo":
+            os.mkfifo(path)
+        else:
+            path.write_bytes(b"an older recording")
+
+            def full_disk(tensors, filename, metadata=None):
+                open(filename, "wb").write(b"\0" * 64)
+                raise SafetensorError("Error while serializing: I/O error: No space left on device (os error 28)")
+
+            monkeypatch.setattr(safetensors.torch, "save_file", full_disk)
+        caplog.clear()
+        with caplog.at_level("ERROR", logger="eagle3_ops.sglang"):
+            assert rec.write() is None
+        (line,) = _error_lines(caplog)
+        assert f"could not write {path}" in line
+        assert ("is a FIFO, not a regular file (it is never replaced)" if case == "fifo" else
+                "No space left on device") in line, line
+        if case == "fifo":
+            assert stat.S_ISFIFO(os.stat(path).st_mode)
+            path.unlink()
+        else:
+            assert path.read_bytes() == b"an older recording"
+        assert sorted(os.listdir(path.parent)) == ([] if case == "fifo" else ["states.safetensors"])
+
+
+def test_the_demo_finishes_its_stock_half_when_the_plugin_refuses_a_setting(sglang_cpu, monkeypatch, capsys, caplog):
+    """`EAGLE3_OPS_SGLANG_MAX_TOKENS=abc python -m eagle3_ops demo`: the message once, then the target
+    compared stock against stock (and said so), the draft's fc still patched; no AttributeError."""
+    from eagle3_ops.demos.sglang_demo import run_sglang_demo
+
+    monkeypatch.setenv("EAGLE3_OPS_SGLANG_MAX_TOKENS", "abc")
+    with caplog.at_level("ERROR", logger="eagle3_ops"):
+        rows = run_sglang_demo(hidden_size=64, prompt_len=8, batch=2, draft_tokens=2)
+    lines = _error_lines(caplog)
+    assert len(lines) == 1 and "EAGLE3_OPS_SGLANG_MAX_TOKENS='abc' is not valid" in lines[0], lines
+    assert [r["plugin does"] for r in rows] == ["nothing: left stock (see the log above)"] * 2 + [
+        "fc block -> eagle3::draft_fc", "unchanged (no fc)"]
+    assert all(r["outputs match"] == "yes" for r in rows)
+    assert "capture buffer: none (the plugin left the target stock)" in capsys.readouterr().out
