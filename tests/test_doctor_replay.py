@@ -127,3 +127,32 @@ def test_draft_module_matches_sglang_layer_math():
     ref = m.lm_head(rms(y + res, m.norm.weight))
     with torch.no_grad():
         torch.testing.assert_close(m(aux, emb), ref)
+
+
+def test_replay_reads_only_the_embedding_rows_it_needs(tmp_path):
+    """A draft with its own embedding (hidden size != the target's) holds, for a replay, only the rows of
+    the tokens the states contain (read as safetensors slices): the same embeddings as the whole matrix."""
+    from safetensors.torch import save_file
+
+    from eagle3_ops.doctor.configs import TensorInfo, load_rows
+
+    gen = torch.Generator().manual_seed(4)
+    full = torch.randn(50, 8, generator=gen)
+    save_file({"model.embed_tokens.weight": full}, str(tmp_path / "model.safetensors"))
+    info = TensorInfo("embed_tokens.weight", "model.embed_tokens.weight", (50, 8), "F32",
+                      str(tmp_path / "model.safetensors"))
+    ids = torch.tensor([[7, 3, 3, 41], [0, 7, 49, 12]])
+    subset = torch.unique(ids)
+    rows = load_rows(info, subset)
+    assert torch.equal(rows, full[subset])
+    spec = DraftSpec(hidden_size=8, target_hidden_size=16, num_aux=3, vocab_size=50, draft_vocab_size=10)
+    draft = Eagle3Draft(spec, embedding_rows=subset.numel())
+    assert draft.embed_tokens.weight.shape == (subset.numel(), 8)  # not the vocabulary
+    draft.use_embedding_rows(subset, rows)
+    assert torch.equal(draft.embed(ids), full[ids])
+    try:
+        draft.embed(torch.tensor([5]))
+    except ValueError as e:
+        assert "not loaded" in str(e)
+    else:
+        raise AssertionError("a token whose row was not loaded must not embed silently")

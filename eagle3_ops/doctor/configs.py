@@ -506,6 +506,26 @@ def _bin_headers(f: str) -> Dict[str, TensorInfo]:
     return out
 
 
+def load_rows(info: TensorInfo, rows: "torch.Tensor") -> "torch.Tensor":
+    """Rows ``rows`` (sorted token ids) of one 2-D tensor, reading only those rows where the file
+    allows it (safetensors slices; a .bin checkpoint is memory-mapped)."""
+    import torch
+
+    rows = rows.long()
+    try:
+        if info.file.endswith(".bin"):
+            sd = torch.load(info.file, map_location="cpu", mmap=True, weights_only=True)
+            return sd[info.raw_name].index_select(0, rows).clone()
+        from safetensors import safe_open
+
+        with safe_open(info.file, framework="pt") as st:
+            sl = st.get_slice(info.raw_name)
+            return torch.stack([sl[int(r):int(r) + 1][0] for r in rows.tolist()]) if rows.numel() else \
+                torch.empty((0,) + tuple(info.shape[1:]))
+    except Exception as e:
+        raise DoctorInputError(f"draft: cannot load rows of {info.raw_name} from {info.file}: {e}") from None
+
+
 def load_tensors(infos: Dict[str, TensorInfo], names) -> Dict[str, "torch.Tensor"]:
     """Load only the named tensors (canonical names) from their files."""
     import torch

@@ -187,11 +187,16 @@ class _Layer(nn.Module):
 class Eagle3Draft(nn.Module):
     """First draft step of an EAGLE-3 draft: ``forward(aux [T, K*H_t], embeds [T, H]) -> logits``."""
 
-    def __init__(self, spec: DraftSpec):
+    def __init__(self, spec: DraftSpec, embedding_rows: Optional[int] = None):
+        """``embedding_rows``: how many rows of the embedding to hold (default: the vocabulary). A replay
+        that needs only some tokens' rows (or none: the target's embeddings serve) holds only those and
+        maps token ids to them with :meth:`use_embedding_rows`."""
         super().__init__()
         self.spec = spec
         s = spec
-        self.embed_tokens = nn.Embedding(s.vocab_size, s.hidden_size)
+        self.embed_tokens = nn.Embedding(s.vocab_size if embedding_rows is None else max(int(embedding_rows), 1),
+                                         s.hidden_size)
+        self.token_rows: Optional[torch.Tensor] = None  # token id -> row of embed_tokens (None: the identity)
         in_f = s.num_aux * s.target_hidden_size
         self.fc = nn.Linear(in_f, s.hidden_size, bias=s.fc_bias)
         self.input_norm = RMSNorm(in_f, s.rms_norm_eps) if s.norm_before_fc else None
@@ -223,6 +228,25 @@ class Eagle3Draft(nn.Module):
             hidden, residual = layer(positions, embeds, hidden, residual)
         hidden = self.norm(hidden + residual)
         return self.lm_head(hidden)
+
+    def use_embedding_rows(self, token_ids: torch.Tensor, rows: torch.Tensor) -> None:
+        """``embed_tokens`` holds ``rows`` (one per entry of ``token_ids``) of the checkpoint's embedding."""
+        if tuple(rows.shape) != tuple(self.embed_tokens.weight.shape):
+            raise ValueError(f"embedding rows of shape {tuple(rows.shape)} do not fit {tuple(self.embed_tokens.weight.shape)}")
+        with torch.no_grad():
+            self.embed_tokens.weight.copy_(rows.to(self.embed_tokens.weight.dtype))
+        index = torch.full((self.spec.vocab_size,), -1, dtype=torch.long)
+        index[token_ids.long()] = torch.arange(token_ids.numel())
+        self.token_rows = index
+
+    def embed(self, ids: torch.Tensor) -> torch.Tensor:
+        """The draft's own embedding of token ``ids`` (through the held rows when only some are held)."""
+        if self.token_rows is None:
+            return self.embed_tokens(ids)
+        rows = self.token_rows.to(ids.device)[ids]
+        if bool((rows < 0).any()):
+            raise ValueError("a token whose embedding row was not loaded")
+        return self.embed_tokens(rows)
 
     def draft_to_target(self, draft_ids: torch.Tensor) -> torch.Tensor:
         return draft_ids + self.d2t[draft_ids]

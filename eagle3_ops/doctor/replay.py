@@ -69,8 +69,12 @@ def load_states(path, target) -> States:
     return States.from_file(f)
 
 
-def build_draft(report: Report, weights: Dict[str, TensorInfo]) -> Eagle3Draft:
-    """Instantiate the plain-PyTorch draft from the checkpoint (shapes from weights, rest from config)."""
+def build_draft(report: Report, weights: Dict[str, TensorInfo], token_ids: Optional[torch.Tensor] = None
+                ) -> Eagle3Draft:
+    """Instantiate the plain-PyTorch draft from the checkpoint (shapes from weights, rest from config).
+    ``token_ids``: the tokens the replay will embed; the draft's own embedding (a vocabulary x hidden
+    matrix, gigabytes for a large target) is then read only at those rows, and not at all where the
+    target's embeddings serve (SGLang replaces the draft's with the target's when the hidden sizes match)."""
     draft, target = report.draft, report.target
     lc = draft.layer_config
     # Replay runs a llama_eagle3 draft (SGLang's and vLLM's names): another architecture would be scored by a
@@ -121,8 +125,21 @@ def build_draft(report: Report, weights: Dict[str, TensorInfo]) -> Eagle3Draft:
                      fc_norm="fc_norm.0.weight" in weights, fc_bias="fc.bias" in weights,
                      norm_before_residual=draft.norm_before_residual,
                      tie_word_embeddings=draft.tie_word_embeddings and lm is None)
-    model = Eagle3Draft(spec)
-    tensors = load_tensors(weights, list(weights))
+    uses_target = hidden == target.hidden_size
+    tied = spec.tie_word_embeddings and "embed_tokens.weight" in weights  # lm_head IS the embedding: all rows
+    subset = None
+    if not tied and "embed_tokens.weight" in weights:
+        if uses_target:
+            subset = torch.zeros(0, dtype=torch.long)
+        elif token_ids is not None:
+            subset = torch.unique(token_ids.long().reshape(-1))
+    model = Eagle3Draft(spec, embedding_rows=None if subset is None else subset.numel())
+    names = [n for n in weights if not (subset is not None and n == "embed_tokens.weight")]
+    tensors = load_tensors(weights, names)
+    if subset is not None and subset.numel():
+        from .configs import load_rows
+
+        model.use_embedding_rows(subset, load_rows(weights["embed_tokens.weight"], subset))
     try:
         missing = model.load_checkpoint(tensors)
     except ValueError as e:
@@ -133,8 +150,8 @@ def build_draft(report: Report, weights: Dict[str, TensorInfo]) -> Eagle3Draft:
     if "d2t" not in tensors:
         model.d2t.zero_()
     # SGLang replaces the draft's embedding with the target's (set_embed) unless the hidden sizes differ.
-    model.uses_target_embeddings = hidden == target.hidden_size
-    if not model.uses_target_embeddings and "embed_tokens.weight" not in tensors:
+    model.uses_target_embeddings = uses_target
+    if not model.uses_target_embeddings and "embed_tokens.weight" not in weights:
         raise DoctorInputError(f"replay: the draft's hidden size {hidden} differs from the target's "
                                f"{target.hidden_size}, so it needs its own embed_tokens.weight, which is missing")
     return model.eval()
@@ -163,7 +180,7 @@ def score(model: Eagle3Draft, states: States, boundaries: List[int], max_tokens:
         if model.uses_target_embeddings:
             embeds = g["bounds"][0][:rows, 1:n + 1]
         else:
-            embeds = model.embed_tokens(ids[:rows, 1:n + 1])
+            embeds = model.embed(ids[:rows, 1:n + 1])
         logits = model(aux, embeds)
         pred = model.draft_to_target(logits.argmax(-1))
         out.append((pred == labels[:rows, :n]).reshape(-1))
@@ -226,12 +243,14 @@ def run_replay(report: Report, weights: Dict[str, TensorInfo], states_path, *, m
         report.add("info", "I_REPLAY_SKIPPED", f"Replay skipped: {why}.")
         return
     states = load_states(states_path, report.target)
-    model = build_draft(report, weights).to(device)
+    model = build_draft(report, weights, token_ids=torch.cat([g["ids"].reshape(-1) for g in states.groups])
+                        if states.groups else None).to(device)
     if device != "cpu":
         for g in states.groups:
-            for k in ("ids", "hidden", "last", "next"):
+            for k in ("ids", "next"):
                 if g[k] is not None:
                     g[k] = g[k].to(device)
+            g["bounds"] = {b: t.to(device) for b, t in g["bounds"].items()}
     with _cpu_threads(device, model.spec.hidden_size):
         _replay(report, model, states, margin=margin, max_tokens=max_tokens, sweep=sweep)
 
