@@ -23,8 +23,8 @@ the output is non-empty): :func:`capture`, :func:`fused_add_rmsnorm_capture`, :f
   built cubins' registers and shared memory (:data:`SKINNY_REGISTERS`, ``skinny_model.shared_bytes``);
   the op clamps the count to its launch contract exactly as ``skinny_model.split_shape`` does;
 * the workspace: strided 1-D arguments are copied into its first regions
-  (``fc_rules.unit_stride_copies``), the rest goes to the op, which carves its split-K partials /
-  sums of squares or its prepared input from it (``eagle3_cuda::draft_fc_workspace_bytes`` says how
+  (``fc_rules.unit_stride_copies``), the rest goes to the op, which carves its split-K partials,
+  norm pre-pass sums and x*g, or its prepared input from it (``eagle3_cuda::draft_fc_workspace_bytes`` says how
   many bytes).
 """
 from __future__ import annotations
