@@ -84,6 +84,11 @@ def kernels_from_cubins(so: str, dtype: str = "BFloat16") -> Dict[str, Dict[int,
     usage = sass.resource_usage(subprocess.run([tool, "-res-usage", so], capture_output=True, text=True,
                                                check=True).stdout)
     code = sass.parse_sass(subprocess.run([tool, "-sass", so], capture_output=True, text=True, check=True).stdout)
+    return kernels_from(usage, code, dtype)
+
+
+def kernels_from(usage: dict, code: dict, dtype: str = "BFloat16") -> Dict[str, Dict[int, skinny_model.Kernel]]:
+    """The same from parsed ``cuobjdump -res-usage`` / ``-sass`` (sass.resource_usage / parse_sass)."""
     out: Dict[str, Dict[int, skinny_model.Kernel]] = {}
     for (arch, fn), ins in code.items():
         m = _SKINNY.search(fn)
