@@ -47,7 +47,9 @@ MARGIN = 1.05          # a candidate must be at least 5% faster than stock to re
 # Part of the cache key: bump whenever the candidates or the acceptance rules change, so that plans
 # cached by an older version are measured again instead of bypassing the new rules.
 # 2: folded candidates; the target norm bitwise against stock.
-RULES_VERSION = 2
+# 3: the CUDA skinny kernels v2 (issue 21: cp.async ring, norm pre-pass, new split planner): plans
+#    measured on the v1 kernels must not stand for them.
+RULES_VERSION = 3
 DEFAULT_BUCKETS = (1, 4, 16, 64, 128, 512, 2048)   # decode / verify / prefill row counts
 TOL = {"draft_fc": testing.MATMUL_TOL, "fused_add_rmsnorm_capture": testing.NORM_TOL}
 
