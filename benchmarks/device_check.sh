@@ -3,7 +3,8 @@
 # budget (default 570 s: fits a 10-minute device call on one H200, build included):
 #   0. environment (GPU, driver, torch, triton, nvcc) -> env.txt
 #   1. build the CUDA extension for THIS GPU's arch only (TORCH_CUDA_ARCH_LIST=9.0a on an H200,
-#      MAX_JOBS=16 or the CPU count; setup.py build_ext --inplace against the machine's own torch)
+#      MAX_JOBS=16 or the CPU count; setup.py build_ext --inplace against the machine's own torch);
+#      build.log ends with the static model of the skinny fc from these cubins (a prediction)
 #   2. the `gpu` tests: GPU_TESTS=full (default: every `pytest -m gpu tests` case, ~1250, in
 #      parallel over TEST_WORKERS pytest-xdist workers when xdist is installed) or quick (bf16 and
 #      dtype-free cases without torch.compile, ~700) or skip
@@ -196,6 +197,11 @@ else
   BUILD="FAILED"
 fi
 [ -f "$WORK/build_info.txt" ] && { cat "$WORK/build_info.txt"; cat "$WORK/build_info.txt" >> "$RES/env.txt"; }
+# the static model of the skinny fc from the cubins just built (a prediction, next to what is measured)
+if [ "$DRY_RUN" != 1 ] && [ "$BUILD" != FAILED ]; then
+  { echo; echo "---- benchmarks/static_model.py --detail (PREDICTION from these cubins) ----"
+    timeout 60 "$PY" benchmarks/static_model.py --detail 2>&1; } >> "$RES/build.log" || true
+fi
 grep "eagle3_ops build:" "$RES/build.log" 2>/dev/null | tail -3
 case "$BUILD" in ok|skipped|dry-run) say "extension: $BUILD" ;; *) say "BUILD FAILED: extension not importable"; tail -30 "$RES/build.log" ;; esac
 

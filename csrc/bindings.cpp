@@ -29,11 +29,11 @@ TORCH_LIBRARY(eagle3_cuda, m) {
   // No tensor arguments: one catch-all kernel, callable without a GPU.
   m.def(
       "draft_fc_workspace_bytes(int M, int N, int KH, int K, bool chunk_norm, bool input_norm, int path, int splits, "
-      "ScalarType dtype) -> int",
+      "ScalarType dtype, bool norm_folded=False) -> int",
       &eagle3::draft_fc_workspace_bytes);
   // Resident skinny blocks per SM on the current GPU (cudaOccupancyMaxActiveBlocksPerMultiprocessor);
   // no tensor arguments: a catch-all kernel, which raises without a usable GPU.
-  m.def("skinny_occupancy(int nt, int variant, ScalarType dtype) -> int", &eagle3::skinny_occupancy);
+  m.def("skinny_occupancy(int nt, ScalarType dtype) -> int", &eagle3::skinny_occupancy);
 }
 
 TORCH_LIBRARY_IMPL(eagle3_cuda, CUDA, m) {

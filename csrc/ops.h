@@ -33,15 +33,16 @@ void draft_fc(const at::Tensor& x, const at::Tensor& weight, const std::optional
               const std::optional<at::Tensor>& workspace, int64_t path, int64_t splits, bool norm_folded);
 
 // Bytes of workspace draft_fc needs for M output rows, N features, KH = K*H inputs (K chunks with
-// chunk_norm, else ignored), the given norms, path and splits, in dtype. Path 2 (cublas) counts the
-// prepared input [M, KH]; a call with no rows and no norms prepares nothing and needs 0 bytes.
+// chunk_norm, else ignored), the given norms, path and splits, in dtype, with or without folded norm
+// weights (skinny: unfolded norms also need x*g [M, KH]). Path 2 (cublas) counts the prepared input
+// [M, KH]; a call with no rows and no norms prepares nothing and needs 0 bytes.
 int64_t draft_fc_workspace_bytes(int64_t M, int64_t N, int64_t KH, int64_t K, bool chunk_norm, bool input_norm,
-                                 int64_t path, int64_t splits, at::ScalarType dtype);
+                                 int64_t path, int64_t splits, at::ScalarType dtype, bool norm_folded);
 
-// Resident blocks per SM of the skinny kernel variant (token groups nt in {1, 2, 4, 8}; variant 0
-// plain, 1 norm weights in the hot loop, 2 folded norm weights; bf16/fp16) on the current device: cudaOccupancyMaxActiveBlocksPerMultiprocessor
-// for its 128-thread launch (no dynamic shared memory). Needs a GPU whose arch the extension
+// Resident blocks per SM of the skinny kernel (token groups nt in {1, 2, 4, 8}; bf16/fp16; one kernel
+// serves every norm variant) on the current device: cudaOccupancyMaxActiveBlocksPerMultiprocessor for
+// its 128-thread launch (its ring is static shared memory). Needs a GPU whose arch the extension
 // carries; eagle3_ops/cuda_backend.py plans split-K from it (docs/kernels.md §7.5).
-int64_t skinny_occupancy(int64_t nt, int64_t variant, at::ScalarType dtype);
+int64_t skinny_occupancy(int64_t nt, at::ScalarType dtype);
 
 }  // namespace eagle3

@@ -13,16 +13,18 @@ the output is non-empty): :func:`capture`, :func:`fused_add_rmsnorm_capture`, :f
   most 64 chunks, a chunk width and x / weight row strides that are multiples of 8, 16-byte aligned
   x, weight, chunk_norm_weight and input_norm_weight with stride 1 (after the unit-stride copy).
   Anything else, and a forced ``tiled`` (the CUDA backend has no tiled kernel), takes ``cublas``;
-* the split-K splits per chunk (:func:`skinny_splits`): the count whose grid fills whole waves of
-  the blocks that can really be resident (:func:`skinny_blocks_per_sm`: on the GPU, the kernel
-  variant's ``cudaOccupancyMaxActiveBlocksPerMultiprocessor`` through ``eagle3_cuda::skinny_occupancy``,
-  asked once per (device, variant); without a GPU, the register counts of the built cubins,
-  :data:`SKINNY_REGISTERS`, through :func:`blocks_per_sm_from_registers`), at most
-  :data:`MAX_SPLITS_PER_CHUNK` (the op clamps to its launch contract exactly as
-  :func:`skinny_split_shape` does);
+* the split-K splits per chunk (:func:`skinny_splits`): the count with the least modelled time in
+  ``eagle3_ops.skinny_model`` (one model for planner and static model: waves of the blocks that can
+  really be resident, the weight bytes each keeps in flight in its ring against the device's
+  bandwidth-latency product, fill latency, L2, issue and tensor rates, split-K partials), over every
+  split count the op can launch (no cap of its own). Resident blocks per SM
+  (:func:`skinny_blocks_per_sm`): on the GPU the kernel's ``cudaOccupancyMaxActiveBlocksPerMultiprocessor``
+  through ``eagle3_cuda::skinny_occupancy``, asked once per (device, NT, dtype); without a GPU the
+  built cubins' registers and shared memory (:data:`SKINNY_REGISTERS`, ``skinny_model.shared_bytes``);
+  the op clamps the count to its launch contract exactly as ``skinny_model.split_shape`` does;
 * the workspace: strided 1-D arguments are copied into its first regions
-  (``fc_rules.unit_stride_copies``), the rest goes to the op, which carves its split-K partials /
-  sums of squares or its prepared input from it (``eagle3_cuda::draft_fc_workspace_bytes`` says how
+  (``fc_rules.unit_stride_copies``), the rest goes to the op, which carves its split-K partials,
+  norm pre-pass sums and x*g, or its prepared input from it (``eagle3_cuda::draft_fc_workspace_bytes`` says how
   many bytes).
 """
 from __future__ import annotations
@@ -35,7 +37,7 @@ from pathlib import Path
 
 import torch
 
-from . import fc_rules, plans
+from . import fc_rules, plans, skinny_model
 from .workspace import Carver
 
 log = logging.getLogger("eagle3_ops")
@@ -44,26 +46,16 @@ OPS = ("capture", "fused_add_rmsnorm_capture", "draft_fc", "draft_fc_workspace_b
 # The op's path argument: the index in plans.PATHS (skinny 0, tiled 1, cublas 2; CUDA has no tiled).
 PATH_INDEX = {name: i for i, name in enumerate(plans.PATHS)}
 
-# Split-K tuning (a design estimate, not measured): skinny blocks per SM that saturate the weight
-# stream. Each keeps 128 threads x 8 x 16 B = 16 KB of weight loads in flight; ~3 per SM cover the
-# latency-bandwidth product of H200 (~4.3 TB/s x ~1 us / 132 SMs). Fewer resident blocks run
-# latency-bound; more share the bandwidth. More splits also cost S*M*N*4 bytes of partials written
-# and read again, hence the cap per chunk.
-BLOCKS_PER_SM = 3
-MAX_SPLITS_PER_CHUNK = 16
-# The skinny kernel's launch shape, mirrored from csrc/draft_fc.cu (kThreads, kRowsPerBlock,
-# kMaxTokenGroups, kMaxSplits, kSlab * kUnroll): a block is 128 threads, covers 64 weight rows and a
-# token tile of 8, 16, 32 or 64 tokens; a split is a whole number of 128-wide k steps, at least 4.
-SKINNY_THREADS = 128
-ROWS_PER_BLOCK = 64
-MAX_TOKEN_GROUPS = 8
-MAX_SPLITS = 64
-SPLIT_STEP = 128
-MIN_STEPS_PER_SPLIT = 4
+# The skinny kernel's launch shape, mirrored from csrc/draft_fc.cu in skinny_model (kThreads,
+# kRowsPerBlock, kMaxTokenGroups, kMaxSplits, kStep, kMinSplitSteps, kStages, kPiece).
+SKINNY_THREADS = skinny_model.THREADS
+ROWS_PER_BLOCK = skinny_model.ROWS_PER_BLOCK
+MAX_TOKEN_GROUPS = skinny_model.MAX_TOKEN_GROUPS
+MAX_SPLITS = skinny_model.MAX_SPLITS
 
-# The fc_skinny_kernel variants (csrc/draft_fc.cu kPlain / kNormed / kFolded; the `variant` of
-# eagle3_cuda::skinny_occupancy is the index): no norm; norm weights multiplied into x in the hot
-# loop; norm weights folded into the weight (eagle3_ops.fold_norm_weights), plain hot loop.
+# What a skinny launch does around the one fc_skinny_kernel<T, NT> (the same hot loop for all):
+# no norm; a norm pre-pass writing the statistics and x*g; a pre-pass writing only the statistics
+# (the weight carries the norm weights, eagle3_ops.fold_norm_weights).
 SKINNY_VARIANTS = ("plain", "norm", "folded")
 
 
@@ -73,113 +65,61 @@ def skinny_variant(chunk_norm_weight, input_norm_weight, norm_folded: bool) -> s
     return "folded" if norm_folded else "norm"
 
 
-# Registers per thread of every fc_skinny_kernel variant, (dtype, NT, variant) -> REG, as ptxas
-# allocated them in the built cubins (`cuobjdump -res-usage eagle3_ops/_C*.so`; none has a stack
-# frame or local memory). tests/test_build.py checks this table against the built extension, so a
-# kernel change that moves a count fails CI until the table is regenerated (the failure prints it).
+# Registers per thread of every fc_skinny_kernel<T, NT>, (dtype, NT) -> REG, as ptxas allocated them
+# in the built cubins (`cuobjdump -res-usage eagle3_ops/_C*.so`; none has a stack frame or local
+# memory), and the hot loop's instructions per 64-wide k step and warp (the SASS, NOPs excluded).
+# tests/test_build.py checks both tables against the built extension, so a kernel change that moves
+# a number fails CI until the table is regenerated (the failure prints it).
 SKINNY_REGISTERS = {
-    "sm_90a": {
-        ("bfloat16", 1, "plain"): 72, ("bfloat16", 1, "norm"): 94, ("bfloat16", 1, "folded"): 72,
-        ("bfloat16", 2, "plain"): 80, ("bfloat16", 2, "norm"): 110, ("bfloat16", 2, "folded"): 88,
-        ("bfloat16", 4, "plain"): 93, ("bfloat16", 4, "norm"): 143, ("bfloat16", 4, "folded"): 102,
-        ("bfloat16", 8, "plain"): 148, ("bfloat16", 8, "norm"): 191, ("bfloat16", 8, "folded"): 200,
-        ("float16", 1, "plain"): 72, ("float16", 1, "norm"): 92, ("float16", 1, "folded"): 72,
-        ("float16", 2, "plain"): 80, ("float16", 2, "norm"): 114, ("float16", 2, "folded"): 88,
-        ("float16", 4, "plain"): 93, ("float16", 4, "norm"): 142, ("float16", 4, "folded"): 102,
-        ("float16", 8, "plain"): 148, ("float16", 8, "norm"): 194, ("float16", 8, "folded"): 200,
-    },
-    "sm_120a": {
-        ("bfloat16", 1, "plain"): 72, ("bfloat16", 1, "norm"): 93, ("bfloat16", 1, "folded"): 72,
-        ("bfloat16", 2, "plain"): 70, ("bfloat16", 2, "norm"): 110, ("bfloat16", 2, "folded"): 66,
-        ("bfloat16", 4, "plain"): 84, ("bfloat16", 4, "norm"): 148, ("bfloat16", 4, "folded"): 84,
-        ("bfloat16", 8, "plain"): 111, ("bfloat16", 8, "norm"): 214, ("bfloat16", 8, "folded"): 149,
-        ("float16", 1, "plain"): 72, ("float16", 1, "norm"): 94, ("float16", 1, "folded"): 72,
-        ("float16", 2, "plain"): 70, ("float16", 2, "norm"): 105, ("float16", 2, "folded"): 66,
-        ("float16", 4, "plain"): 84, ("float16", 4, "norm"): 150, ("float16", 4, "folded"): 84,
-        ("float16", 8, "plain"): 111, ("float16", 8, "norm"): 211, ("float16", 8, "folded"): 149,
-    },
+    "sm_90a": {("bfloat16", 1): 59, ("bfloat16", 2): 67, ("bfloat16", 4): 98, ("bfloat16", 8): 124,
+               ("float16", 1): 59, ("float16", 2): 67, ("float16", 4): 98, ("float16", 8): 124},
+    "sm_120a": {("bfloat16", 1): 71, ("bfloat16", 2): 83, ("bfloat16", 4): 101, ("bfloat16", 8): 134,
+                ("float16", 1): 71, ("float16", 2): 83, ("float16", 4): 101, ("float16", 8): 134},
 }
+SKINNY_STEP_INSTRUCTIONS = {
+    "sm_90a": {("bfloat16", 1): 76.5, ("bfloat16", 2): 77.0, ("bfloat16", 4): 97.0, ("bfloat16", 8): 151.0,
+               ("float16", 1): 75.5, ("float16", 2): 77.0, ("float16", 4): 97.0, ("float16", 8): 151.0},
+    "sm_120a": {("bfloat16", 1): 75.5, ("bfloat16", 2): 75.0, ("bfloat16", 4): 95.5, ("bfloat16", 8): 147.0,
+                ("float16", 1): 76.5, ("float16", 2): 75.0, ("float16", 4): 95.5, ("float16", 8): 147.0},
+}
+SmLimits = skinny_model.SmLimits
+SM_LIMITS = skinny_model.SM_LIMITS
 
 
-@dataclass(frozen=True)
-class SmLimits:
-    """Per-SM residency limits of a compute capability (CUDA C++ Programming Guide, "Features and
-    Technical Specifications"; the register allocation rule of the CUDA occupancy calculator,
-    cuda_occupancy.h: registers per warp rounded up to 256, allocated per SM sub-partition)."""
-
-    max_threads: int       # resident threads per SM: 2048 on cc 9.0, 1536 on cc 12.0
-    max_blocks: int = 32   # resident blocks per SM
-    registers: int = 65536
-    reg_alloc_unit: int = 256
-    sub_partitions: int = 4
+def _dtype_name(dtype) -> str:
+    return str(dtype).replace("torch.", "")
 
 
-SM_LIMITS = {"sm_90": SmLimits(max_threads=2048), "sm_120": SmLimits(max_threads=1536)}
+def kernel_model(arch: str, nt: int, dtype) -> skinny_model.Kernel:
+    """skinny_model's view of fc_skinny_kernel<dtype, nt> on ``arch`` (sm_90 / sm_120, with or
+    without the ``a``), from the tables of the built cubins."""
+    key = (_dtype_name(dtype), nt)
+    arch = arch.rstrip("a") + "a"
+    return skinny_model.Kernel(nt, SKINNY_REGISTERS[arch][key], skinny_model.shared_bytes(nt), skinny_model.STAGES[nt],
+                               SKINNY_STEP_INSTRUCTIONS[arch][key], 2)
 
 
-def blocks_per_sm_from_registers(regs_per_thread: int, threads_per_block: int, limits: SmLimits) -> int:
-    """Resident blocks per SM for a kernel with these registers per thread and block size (no
-    shared memory): the smallest of the register, thread and block limits. E.g. 148 registers x 128
-    threads on sm_90: 4864 registers per warp -> 3 warps per sub-partition -> 12 warps -> 3 blocks."""
-    warps = -(-threads_per_block // 32)
-    per_warp = -(-(regs_per_thread * 32) // limits.reg_alloc_unit) * limits.reg_alloc_unit
-    warps_by_regs = (limits.registers // limits.sub_partitions // per_warp) * limits.sub_partitions
-    return max(0, min(warps_by_regs // warps, limits.max_threads // (32 * warps), limits.max_blocks))
+def blocks_per_sm_from_registers(regs_per_thread: int, threads_per_block: int, limits: SmLimits,
+                                 shared: int = 0) -> int:
+    """Resident blocks per SM (``skinny_model.blocks_per_sm``: registers, shared memory, threads)."""
+    return skinny_model.blocks_per_sm(regs_per_thread, shared, threads_per_block, limits)
 
 
-def token_groups(M: int) -> int:
-    """NT, the skinny kernel's token groups of 8 per tile for M output rows (1, 2, 4 or 8)."""
-    groups = -(-min(M, 8 * MAX_TOKEN_GROUPS) // 8)
-    return 1 if groups <= 1 else 2 if groups <= 2 else 4 if groups <= 4 else 8
-
-
-def skinny_split_shape(CH: int, NC: int, asked: int) -> tuple:
-    """(splits per chunk, split length) the op launches for ``asked`` splits per chunk: the clamp
-    of csrc/draft_fc.cu skinny_plan (whole 128-wide steps, at least 4 of them, at most 64 splits)."""
-    per_chunk = max(1, min(asked, CH // (MIN_STEPS_PER_SPLIT * SPLIT_STEP), MAX_SPLITS // NC))
-    split_len = -(-(-(-CH // per_chunk)) // SPLIT_STEP) * SPLIT_STEP
-    return -(-CH // split_len), split_len
-
-
-def skinny_cost(M: int, N: int, CH: int, NC: int, asked: int, sms: int, blocks_per_sm: int, norm: bool,
-                elem_bytes: int = 2) -> float:
-    """Predicted time of the skinny launch in bytes moved at full bandwidth (a model, not a
-    measurement): the grid runs in waves of ``blocks_per_sm * sms`` resident blocks, all blocks of
-    a wave stream split_len/128 steps of 64x128 weight elements, and a wave of n blocks runs at the
-    rate of max(n, BLOCKS_PER_SM * sms) blocks (fewer than that are latency-bound, more share the
-    bandwidth); plus the split-K partials written and read again (S*M*N*4 bytes twice)."""
-    per_chunk, split_len = skinny_split_shape(CH, NC, asked)
-    S = NC * per_chunk
-    blocks = -(-M // (8 * token_groups(M))) * -(-N // ROWS_PER_BLOCK) * S
-    slots = max(1, blocks_per_sm * sms)
-    saturating = BLOCKS_PER_SM * sms
-    step_bytes = ROWS_PER_BLOCK * split_len * elem_bytes  # one block's weight bytes
-    full, rest = divmod(blocks, slots)
-    cost = full * step_bytes * max(slots, saturating) + (step_bytes * max(rest, saturating) if rest else 0)
-    if S > 1 or norm:
-        cost += 2 * S * M * N * 4
-    return float(cost)
+token_groups = skinny_model.token_groups
+skinny_split_shape = skinny_model.split_shape
 
 
 @functools.lru_cache(maxsize=4096)
-def skinny_splits(M: int, N: int, CH: int, NC: int, sms: int, blocks_per_sm: int, norm: bool = False,
-                  elem_bytes: int = 2) -> int:
-    """Split-K splits per chunk to ask the skinny kernel for: the count (<= MAX_SPLITS_PER_CHUNK,
-    after the op's clamp) with the least :func:`skinny_cost`, fewest splits on a tie. With all
-    blocks equally long this is the count whose grid fills whole waves of the resident blocks:
-    e.g. H200, M = 64 (NT = 8, 148 registers -> 3 blocks per SM, 396 slots), N = 7168 (112 weight
-    tiles), K*H = 21504: 7 splits = 784 blocks = 1.98 waves, where 4 (448 blocks) left a
-    latency-bound tail of 52."""
-    best, best_cost, seen = 1, None, set()
-    for asked in range(1, MAX_SPLITS_PER_CHUNK + 1):
-        shape = skinny_split_shape(CH, NC, asked)
-        if shape in seen:
-            continue
-        seen.add(shape)
-        cost = skinny_cost(M, N, CH, NC, asked, sms, blocks_per_sm, norm, elem_bytes)
-        if best_cost is None or cost < best_cost:
-            best, best_cost = asked, cost
-    return best
+def skinny_prediction(M: int, N: int, CH: int, NC: int, device: skinny_model.Device, kernel: skinny_model.Kernel,
+                      blocks_per_sm: int, norm: bool = False, folded: bool = False) -> tuple:
+    """(splits per chunk to ask for, skinny_model.Prediction): the least modelled time."""
+    return skinny_model.best_splits(M, N, CH, NC, device, kernel, norm, folded, blocks_per_sm)
+
+
+def skinny_splits(M: int, N: int, CH: int, NC: int, device: skinny_model.Device, kernel: skinny_model.Kernel,
+                  blocks_per_sm: int, norm: bool = False, folded: bool = False) -> int:
+    """Split-K splits per chunk to ask the skinny kernel for (see :func:`skinny_prediction`)."""
+    return skinny_prediction(M, N, CH, NC, device, kernel, blocks_per_sm, norm, folded)[0]
 
 
 # ---- the extension -------------------------------------------------------------------------------
@@ -226,7 +166,7 @@ def ops_registered() -> bool:
 
 def device_arch(device: torch.device) -> str:
     """``sm_<major><minor>`` of a GPU, e.g. sm_90 or sm_120."""
-    major, minor = torch.cuda.get_device_capability(device)
+    major, minor = plans.capability(device.index if device.index is not None else torch.cuda.current_device())
     return f"sm_{major}{minor}"
 
 
@@ -266,31 +206,47 @@ def sm_count(device: torch.device) -> int:
 
 
 @functools.lru_cache(maxsize=None)
-def _measured_occupancy(device_index: int, nt: int, variant: str, dtype: torch.dtype) -> int:
+def _measured_occupancy(device_index: int, nt: int, dtype: torch.dtype) -> int:
     with torch.cuda.device(device_index):
-        blocks = int(_ops().skinny_occupancy(nt, SKINNY_VARIANTS.index(variant), dtype))
-    log.debug("eagle3_ops: skinny kernel (%s, NT=%d, %s) on cuda:%d: %d resident blocks per SM",
-              dtype, nt, variant, device_index, blocks)
+        blocks = int(_ops().skinny_occupancy(nt, dtype))
+    log.debug("eagle3_ops: skinny kernel (%s, NT=%d) on cuda:%d: %d resident blocks per SM", dtype, nt, device_index,
+              blocks)
     return blocks
 
 
-def table_blocks_per_sm(arch: str, nt: int, variant: str, dtype: torch.dtype) -> int:
-    """Resident skinny blocks per SM predicted from :data:`SKINNY_REGISTERS` (arch ``sm_90`` or
-    ``sm_120``, with or without the ``a``)."""
-    base = arch.rstrip("a")
-    regs = SKINNY_REGISTERS[base + "a"][(str(dtype).replace("torch.", ""), nt, variant)]
-    return blocks_per_sm_from_registers(regs, SKINNY_THREADS, SM_LIMITS[base])
+def table_blocks_per_sm(arch: str, nt: int, dtype: torch.dtype) -> int:
+    """Resident skinny blocks per SM predicted from the built cubins' registers and shared memory
+    (arch ``sm_90`` or ``sm_120``, with or without the ``a``)."""
+    k = kernel_model(arch, nt, dtype)
+    return skinny_model.blocks_per_sm(k.regs, k.shared, SKINNY_THREADS, SM_LIMITS[arch.rstrip("a")])
 
 
-def skinny_blocks_per_sm(device: torch.device, nt: int, variant: str, dtype: torch.dtype) -> int:
-    """Resident blocks per SM of the skinny variant on a GPU this backend serves: the CUDA runtime's
-    answer (``eagle3_cuda::skinny_occupancy``), asked at first use and cached per (device, variant).
-    Should the runtime answer 0 (it cannot, for a kernel that launches), the register table's."""
+def skinny_blocks_per_sm(device: torch.device, nt: int, dtype: torch.dtype) -> int:
+    """Resident blocks per SM of fc_skinny_kernel<dtype, nt> on a GPU this backend serves: the CUDA
+    runtime's answer (``eagle3_cuda::skinny_occupancy``), asked at first use and cached per
+    (device, NT, dtype). Should the runtime answer 0 (it cannot, for a kernel that launches), the
+    cubin tables'."""
     index = device.index if device.index is not None else torch.cuda.current_device()
-    blocks = _measured_occupancy(index, nt, variant, dtype)
+    blocks = _measured_occupancy(index, nt, dtype)
     if blocks <= 0:
-        return table_blocks_per_sm(device_arch(torch.device("cuda", index)), nt, variant, dtype)
+        return table_blocks_per_sm(device_arch(torch.device("cuda", index)), nt, dtype)
     return blocks
+
+
+@functools.lru_cache(maxsize=None)
+def _device_model(arch: str, sms: int) -> skinny_model.Device:
+    import dataclasses
+
+    same_arch = [d for d in skinny_model.DEVICES.values() if d.arch == arch] or [skinny_model.DEVICES["H200"]]
+    base = min(same_arch, key=lambda d: abs(d.sms - sms))  # e.g. 170 SMs of sm_120: the RTX 5090
+    return dataclasses.replace(base, name=f"{base.name}-like {arch} ({sms} SMs)", sms=sms)
+
+
+def device_model(device: torch.device) -> skinny_model.Device:
+    """The skinny model's device for a GPU: its own SM count; bandwidth, latency, L2 and tensor
+    rates of the modelled device of its arch with the nearest SM count (``skinny_model.DEVICES``;
+    design estimates, not asked of the GPU)."""
+    return _device_model(device_arch(device), sm_count(device))
 
 
 def skinny_launchable(x, weight, chunk_norm_weight, input_norm_weight, norm_folded: bool = False) -> bool:
@@ -312,8 +268,8 @@ def skinny_launchable(x, weight, chunk_norm_weight, input_norm_weight, norm_fold
 
 @functools.lru_cache(maxsize=4096)
 def _op_bytes(M: int, N: int, KH: int, K: int, chunk_norm: bool, input_norm: bool, path: int, splits: int,
-              dtype: torch.dtype) -> int:
-    return int(_ops().draft_fc_workspace_bytes(M, N, KH, K, chunk_norm, input_norm, path, splits, dtype))
+              dtype: torch.dtype, norm_folded: bool) -> int:
+    return int(_ops().draft_fc_workspace_bytes(M, N, KH, K, chunk_norm, input_norm, path, splits, dtype, norm_folded))
 
 
 @dataclass(frozen=True)
@@ -328,8 +284,33 @@ class Plan:
         return self.copy_bytes + self.op_bytes
 
 
+def _meta(t):
+    """What a plan reads of a tensor argument: shape, strides, dtype, 16-byte alignment."""
+    return None if t is None else (t.shape, t.stride(), t.dtype, fc_rules.aligned16(t))
+
+
+_plans: dict = {}
+
+
 def plan(x, weight, bias, rows, chunk_norm_weight, input_norm_weight, norm_folded: bool = False) -> Plan:
-    """Path, splits and workspace bytes of one draft_fc call (pure; nothing runs on the GPU)."""
+    """Path, splits and workspace bytes of one draft_fc call (pure; nothing runs on the GPU). A pure
+    function of the arguments' metadata, weight's device and the forced path: cached on those (a
+    call plans twice, for its workspace size and to launch). Only plans for a GPU are cached: the CPU
+    and meta calls are tests and workspace sizing, which may stub the device model."""
+    if weight.device.type != "cuda":
+        return _plan(x, weight, bias, rows, chunk_norm_weight, input_norm_weight, norm_folded)
+    key = (_meta(x), _meta(weight), weight.device, _meta(bias), _meta(rows), _meta(chunk_norm_weight),
+           _meta(input_norm_weight), bool(norm_folded), plans.forced())
+    hit = _plans.get(key)
+    if hit is not None:
+        return hit
+    if len(_plans) > 4096:
+        _plans.clear()
+    _plans[key] = p = _plan(x, weight, bias, rows, chunk_norm_weight, input_norm_weight, norm_folded)
+    return p
+
+
+def _plan(x, weight, bias, rows, chunk_norm_weight, input_norm_weight, norm_folded: bool = False) -> Plan:
     M, N, KH = fc_rules.num_rows(x, rows), int(weight.shape[0]), int(x.shape[1])
     copy_bytes = fc_rules.unit_stride_copy_bytes(bias, rows, input_norm_weight)
     if M == 0 or N == 0:
@@ -343,14 +324,15 @@ def plan(x, weight, bias, rows, chunk_norm_weight, input_norm_weight, norm_folde
     splits = 0
     if path == "skinny":
         norm = fc_rules.has_norm(chunk_norm_weight, input_norm_weight)
-        variant = skinny_variant(chunk_norm_weight, input_norm_weight, norm_folded)
-        occupancy = skinny_blocks_per_sm(device, token_groups(M), variant, x.dtype)
-        splits = skinny_splits(M, N, CH, NC, sm_count(device), occupancy, norm, x.element_size())
+        nt = token_groups(M)
+        model = device_model(device)
+        splits = skinny_splits(M, N, CH, NC, model, kernel_model(model.arch, nt, x.dtype),
+                               skinny_blocks_per_sm(device, nt, x.dtype), norm, bool(norm_folded) and norm)
     if path == "cublas" and not fc_rules.prepares_input(rows, chunk_norm_weight, input_norm_weight):
         op_bytes = 0  # x goes straight to cuBLAS
     else:
         op_bytes = _op_bytes(M, N, KH, NC, chunk_norm_weight is not None, input_norm_weight is not None,
-                             PATH_INDEX[path], splits, x.dtype)
+                             PATH_INDEX[path], splits, x.dtype, bool(norm_folded) and path == "skinny")
     return Plan(path, splits, copy_bytes, op_bytes)
 
 
@@ -372,10 +354,9 @@ def draft_fc(x, weight, bias, rows, chunk_norm_weight, input_norm_weight, eps, o
                             PATH_INDEX[p.path], p.splits, bool(norm_folded))
 
 
-__all__ = ["BLOCKS_PER_SM", "MAX_SPLITS_PER_CHUNK", "OPS", "PATH_INDEX", "Plan", "SKINNY_REGISTERS", "SM_LIMITS",
-           "SKINNY_VARIANTS", "SmLimits", "blocks_per_sm_from_registers", "capture", "compiled_archs",
-           "cuda_extension", "device_arch",
-           "draft_fc", "draft_fc_workspace_bytes", "fused_add_rmsnorm_capture", "ops_registered", "plan", "serves",
-           "skinny_blocks_per_sm", "skinny_cost", "skinny_launchable", "skinny_split_shape", "skinny_splits",
-           "skinny_variant",
-           "sm_count", "table_blocks_per_sm", "token_groups"]
+__all__ = ["MAX_SPLITS", "OPS", "PATH_INDEX", "Plan", "SKINNY_REGISTERS", "SKINNY_STEP_INSTRUCTIONS", "SKINNY_VARIANTS",
+           "SM_LIMITS", "SmLimits", "blocks_per_sm_from_registers", "capture", "compiled_archs", "cuda_extension",
+           "device_arch", "device_model", "draft_fc", "draft_fc_workspace_bytes", "fused_add_rmsnorm_capture",
+           "kernel_model", "ops_registered", "plan", "serves", "skinny_blocks_per_sm", "skinny_launchable",
+           "skinny_prediction", "skinny_split_shape", "skinny_splits", "skinny_variant", "sm_count",
+           "table_blocks_per_sm", "token_groups"]

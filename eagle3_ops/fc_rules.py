@@ -26,6 +26,7 @@ from typing import Optional, Tuple
 
 import torch
 
+from .validation import _is_fake
 from .workspace import Carver, aligned
 
 
@@ -82,14 +83,6 @@ def unit_stride_copies(carver: Carver, bias: Optional[torch.Tensor], rows: Optio
         return dst
 
     return unit(bias), unit(rows), unit(input_norm_weight)
-
-
-def _is_fake(t: torch.Tensor) -> bool:
-    try:
-        from torch._subclasses.fake_tensor import is_fake
-    except ImportError:  # pragma: no cover - very old torch
-        return False
-    return is_fake(t)
 
 
 def aligned16(t: Optional[torch.Tensor]) -> bool:

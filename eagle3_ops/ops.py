@@ -10,7 +10,10 @@ whole table. Adding an op: a row here, a check in ``validation.py``, a self-chec
 
 Every backend function has the signature of the op (draft_fc: into ``out``, with a ``workspace``),
 receives validated arguments and a non-empty output, and allocates nothing (docs/design.md §4, §7.2).
-Model code calls the Python functions at the bottom, never ``torch.ops.eagle3`` directly.
+Model code calls the Python functions at the bottom, never ``torch.ops.eagle3`` directly. In plain
+eager mode those run the op's implementation themselves (the same checks, forward-only guard and
+backend: :func:`_call`), sparing two dispatcher round trips per call; under torch.compile, fake
+tensors or any Python mode they call ``torch.ops.eagle3``.
 """
 from __future__ import annotations
 
@@ -95,6 +98,10 @@ log = logging.getLogger("eagle3_ops")
 
 
 def _debug() -> bool:
+    # EAGLE3_OPS_DEBUG unset (the usual case) is decided by one environment lookup; a set value is
+    # parsed once per value (settings caches the parse) and a bad one reported once.
+    if dispatch.raw_env("EAGLE3_OPS_DEBUG") is None:
+        return False
     from . import settings
 
     return bool(settings.get_or_default("EAGLE3_OPS_DEBUG", log))
@@ -215,10 +222,37 @@ for _name, (_impl, _fake) in IMPLS.items():
 
 
 # ---- the Python face -----------------------------------------------------------------------------
+def _runs_directly(args) -> bool:
+    """Whether a face call may run the op's implementation itself instead of going through
+    ``torch.ops.eagle3`` (the same checks and backend, without two dispatcher round trips: ~tens of
+    us of host time per call): plain eager mode only — not while torch.compile traces, no Python
+    dispatch or function mode active (FakeTensorMode, functionalization, TorchFunctionMode), every
+    tensor argument a plain CPU or CUDA tensor. Anything else takes the op, as before."""
+    if torch.compiler.is_compiling() or torch._C._len_torch_dispatch_stack() or \
+            torch._C._is_torch_function_mode_enabled():
+        return False
+    for a in args:
+        if a is not None and isinstance(a, torch.Tensor) and (type(a) is not torch.Tensor or
+                                                              not (a.is_cuda or a.is_cpu)):
+            return False
+    return True
+
+
+def _call(name: str, *args):
+    """Op ``name`` with its schema's arguments: directly when :func:`_runs_directly` (after the
+    autograd guard the op's Autograd kernel applies: forward-only), else ``torch.ops.eagle3``."""
+    if _runs_directly(args):
+        if torch.is_grad_enabled():
+            validation.check_no_grad_inputs(name, {n: a for n, a in zip(DIFFERENTIABLE[name], args)
+                                                   if n is not None and isinstance(a, torch.Tensor)})
+        return IMPLS[name][0](*args)
+    return getattr(torch.ops.eagle3, name).default(*args)
+
+
 def capture(hidden: torch.Tensor, residual: Optional[torch.Tensor], buffer: torch.Tensor, slot: int) -> None:
     """``buffer[:T, slot*H:(slot+1)*H] = hidden + residual`` (or ``hidden``); nothing else changes."""
     validation.check_int("capture", "slot", slot)
-    torch.ops.eagle3.capture.default(hidden, residual, buffer, slot)
+    _call("capture", hidden, residual, buffer, slot)
 
 
 def fused_add_rmsnorm_capture(input: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
@@ -227,7 +261,7 @@ def fused_add_rmsnorm_capture(input: torch.Tensor, residual: torch.Tensor, weigh
     into ``buffer`` slot ``slot``."""
     validation.check_int("fused_add_rmsnorm_capture", "slot", slot)
     validation.check_eps("fused_add_rmsnorm_capture", eps)
-    torch.ops.eagle3.fused_add_rmsnorm_capture.default(input, residual, weight, float(eps), buffer, slot)
+    _call("fused_add_rmsnorm_capture", input, residual, weight, float(eps), buffer, slot)
 
 
 def draft_fc(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None,
@@ -241,13 +275,12 @@ def draft_fc(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]
     validation.check_eps("draft_fc", eps)
     norm_folded = bool(norm_folded)
     if workspace is None:
-        return torch.ops.eagle3.draft_fc.default(x, weight, bias, rows, chunk_norm_weight, input_norm_weight,
-                                                 float(eps), norm_folded)
+        return _call("draft_fc", x, weight, bias, rows, chunk_norm_weight, input_norm_weight, float(eps), norm_folded)
     M = validation.check_draft_fc(x, weight, bias, rows, chunk_norm_weight, input_norm_weight, eps,
                                   workspace=workspace, norm_folded=norm_folded)
     out = torch.empty((M, weight.shape[0]), dtype=x.dtype, device=x.device)
-    torch.ops.eagle3.draft_fc_out.default(x, weight, bias, rows, chunk_norm_weight, input_norm_weight, float(eps),
-                                          out, workspace, norm_folded)
+    _call("draft_fc_out", x, weight, bias, rows, chunk_norm_weight, input_norm_weight, float(eps), out, workspace,
+          norm_folded)
     return out
 
 
@@ -257,8 +290,8 @@ def draft_fc_out(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Ten
                  workspace: Optional[torch.Tensor] = None, *, norm_folded: bool = False) -> None:
     """``draft_fc`` into a preallocated ``out`` [M, N] (no allocation: CUDA-graph friendly)."""
     validation.check_eps("draft_fc_out", eps)
-    torch.ops.eagle3.draft_fc_out.default(x, weight, bias, rows, chunk_norm_weight, input_norm_weight, float(eps),
-                                          out, workspace, bool(norm_folded))
+    _call("draft_fc_out", x, weight, bias, rows, chunk_norm_weight, input_norm_weight, float(eps), out, workspace,
+          bool(norm_folded))
 
 
 def draft_fc_workspace_bytes(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None,

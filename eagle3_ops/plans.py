@@ -19,6 +19,7 @@ and check each path).
 from __future__ import annotations
 
 import contextlib
+import functools
 import threading
 from dataclasses import dataclass
 from typing import Iterator, Optional
@@ -82,10 +83,20 @@ CROSSOVER = {
 _forced = threading.local()
 
 
+@functools.lru_cache(maxsize=None)
+def capability(device_index: int) -> tuple:
+    """(major, minor) of a GPU, asked once per device (every draft_fc call plans with it)."""
+    return tuple(torch.cuda.get_device_capability(device_index))
+
+
+def _index(device: torch.device) -> int:
+    return device.index if device.index is not None else torch.cuda.current_device()
+
+
 def arch_key(device: torch.device) -> str:
     if device.type != "cuda":
         return "interpreter"
-    major, _ = torch.cuda.get_device_capability(device)
+    major, _ = capability(_index(device))
     return f"sm_{major}0" if major in (9, 12) else "default"
 
 
@@ -120,4 +131,4 @@ def choose(backend: str, device: torch.device, M: int) -> str:
     return crossover_for(backend, device).path(M)
 
 
-__all__ = ["CROSSOVER", "Crossover", "PATHS", "arch_key", "choose", "crossover_for", "forced", "forced_path"]
+__all__ = ["CROSSOVER", "Crossover", "PATHS", "arch_key", "capability", "choose", "crossover_for", "forced", "forced_path"]

@@ -54,7 +54,9 @@ MARGIN = 1.05          # a candidate must be at least 5% faster than stock to re
 # cached by an older version are measured again instead of bypassing the new rules.
 # 2: folded candidates; the target norm bitwise against stock.
 # 3: the target norm bitwise in all three outputs, against the site's own norm module.
-RULES_VERSION = 3
+# 4: the CUDA skinny kernels v2 (cp.async ring, norm pre-pass, new split planner): plans measured on
+#    the v1 kernels must not stand for them.
+RULES_VERSION = 4
 DEFAULT_BUCKETS = (1, 4, 16, 64, 128, 512, 2048)   # decode / verify / prefill row counts
 TOL = {"draft_fc": testing.MATMUL_TOL, "fused_add_rmsnorm_capture": testing.NORM_TOL}
 

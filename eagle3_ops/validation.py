@@ -95,13 +95,31 @@ def _matrix_box(t: torch.Tensor, row_stride: int):
 
 
 def _is_fake(t: torch.Tensor) -> bool:
+    """Whether t is a FakeTensor (or wraps one: a functional tensor of a fake). A plain tensor that
+    is no functional wrapper never is: the usual case, decided in ~0.2 us instead of ~3 us."""
+    if type(t) is torch.Tensor and not torch._is_functional_tensor(t):
+        return False
     from torch._subclasses.fake_tensor import is_fake
 
     return bool(is_fake(t))
 
 
+def _storage_ptr(t: torch.Tensor):
+    """The address of t's storage for a plain CPU/CUDA tensor (None otherwise: meta, fake,
+    functional, no storage): tensors on two different storages never overlap."""
+    if type(t) is not torch.Tensor or t.is_meta or torch._is_functional_tensor(t):
+        return None
+    try:
+        return t.untyped_storage().data_ptr()
+    except (RuntimeError, NotImplementedError):
+        return None
+
+
 def overlaps(a: torch.Tensor, b: torch.Tensor) -> bool:
     """Whether two views may share an element (see the module docstring)."""
+    pa, pb = _storage_ptr(a), _storage_ptr(b)
+    if pa is not None and pb is not None and pa != pb:  # the usual case, decided in ~1 us
+        return False
     if a.numel() == 0 or b.numel() == 0 or a.device != b.device or a.device.type == "meta":
         return False
     if _is_fake(a) or _is_fake(b):  # tracing (torch.compile, fake impls): decided by the real call
@@ -125,25 +143,24 @@ def overlaps(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 
 def check_writes(op: str, written: dict, read: dict) -> None:
-    """Every written tensor: no internal overlap, no requires_grad, no overlap with any other argument."""
-    for name, t in written.items():
-        if t is None:
-            continue
+    """Every written tensor: no internal overlap, no requires_grad, no overlap with any other argument.
+    O(number of arguments^2) storage comparisons, each O(1) (no element is read)."""
+    writes = [(n, t) for n, t in written.items() if t is not None]
+    for name, t in writes:
         if t.requires_grad:
             _fail(op, f"{name} requires grad: eagle3 ops write it in place and are forward-only "
                       f"(pass a tensor that does not require grad, e.g. under torch.no_grad())")
-        if t.numel() > 1 and t.device.type != "meta" and not _is_fake(t) and torch._debug_has_internal_overlap(t) == 1:
+        if t.numel() > 1 and not t.is_meta and not _is_fake(t) and torch._debug_has_internal_overlap(t) == 1:
             _fail(op, f"{name} has overlapping elements (an expanded or zero-stride view, strides "
                       f"{tuple(t.stride())}); it must not write one memory location twice")
-    names = [n for n, t in written.items() if t is not None]
-    others = {**{n: t for n, t in written.items() if t is not None}, **{n: t for n, t in read.items() if t is not None}}
-    for name in names:
-        for other, t in others.items():
+    others = writes + [(n, t) for n, t in read.items() if t is not None]
+    for name, w in writes:
+        for other, t in others:
             if other == name:
                 continue
-            if t is written[name]:
+            if t is w:
                 _fail(op, f"{name} and {other} are the same tensor; they must be distinct memory")
-            if overlaps(written[name], t):
+            if overlaps(w, t):
                 _fail(op, f"{name} overlaps {other} in memory; a written tensor must not share memory with "
                           f"another argument")
 
@@ -309,6 +326,6 @@ def check_host_rows_in_range(x: torch.Tensor, rows: Optional[torch.Tensor], op: 
     if rows is None or rows.device.type != "cpu" or rows.numel() == 0:
         return
     R = x.shape[0]
-    lo, hi = int(rows.min()), int(rows.max())
+    lo, hi = (int(v) for v in torch.aminmax(rows))  # one pass over the indices
     if lo < 0 or hi >= R:
         _fail(op, f"rows out of range: indices span [{lo}, {hi}], expected within [0, {R}) (x has {R} rows)")

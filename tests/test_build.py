@@ -1,8 +1,13 @@
 """The build: one source list for setup.py and CMake, and when nvcc is present the extension is
 built (a missing extension is a failure) with sm_90a and sm_120a cubins for every kernel family,
 registers its torch ops (tests/test_cuda_ops_registration.py checks them), no kernel uses local
-memory (no stack frame, no register spills), the skinny kernels' register counts are the ones
-cuda_backend plans split-K with, and the skinny weight stream carries the L2 evict-first hint."""
+memory (no stack frame, no register spills), the skinny kernels' registers, shared memory and hot-loop
+instruction counts are the ones cuda_backend plans split-K with, the skinny weight stream carries
+the L2 evict-first hint, and — read from the SASS of every skinny kernel on both archs — the weight
+pipeline survives ptxas (at least two ring steps in flight across the hot loop's back-edge) and
+the norm variants run the plain variant's hot loop (within 1.25x of its instructions per step).
+The SASS analyser itself (eagle3_ops/sass.py) is tested on synthetic listings in
+tests/test_sass_analysis.py, where a collapsed pipeline and a fat norm loop fail these checks."""
 import glob
 import os
 import re
@@ -14,7 +19,7 @@ from pathlib import Path
 import pytest
 
 import eagle3_ops
-from eagle3_ops import cuda_backend
+from eagle3_ops import cuda_backend, sass, skinny_model
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -76,17 +81,9 @@ def test_extension_is_built_for_sm90a_and_sm120a():
 
 
 def _resource_usage(tool: str, so: str) -> dict:
-    """(arch, kernel symbol) -> {"REG": .., "STACK": .., "LOCAL": ..} from cuobjdump -res-usage."""
-    text = subprocess.run([tool, "-res-usage", so], capture_output=True, text=True, check=True).stdout
-    usage, arch, fn = {}, None, None
-    for line in text.splitlines():
-        if m := re.match(r"arch = (\S+)", line):
-            arch = m.group(1)
-        elif m := re.match(r"\s*Function (\S+):", line):
-            fn = m.group(1)
-        elif m := re.match(r"\s*REG:(\d+) STACK:(\d+) SHARED:\d+ LOCAL:(\d+)", line):
-            usage[(arch, fn)] = dict(zip(("REG", "STACK", "LOCAL"), map(int, m.groups())))
-    return usage
+    """(arch, kernel symbol) -> {"REG", "STACK", "SHARED", "LOCAL"} from cuobjdump -res-usage."""
+    return sass.resource_usage(subprocess.run([tool, "-res-usage", so], capture_output=True, text=True,
+                                              check=True).stdout)
 
 
 needs_extension = pytest.mark.skipif(not _nvcc_expected(),
@@ -112,87 +109,180 @@ def test_no_kernel_uses_local_memory():
     assert {a for a, _ in usage} == {"sm_90a", "sm_120a"}
     families = {fam: sum(fam in fn for _, fn in usage) for fam in
                 ("capture_aligned_kernel", "capture_any_kernel", "fused_row_kernel", "fused_two_pass_kernel",
-                 "fc_skinny_kernel", "fc_reduce_kernel", "fc_prepare_kernel")}
+                 "fc_skinny_kernel", "fc_norm_prepass_kernel", "fc_reduce_kernel", "fc_prepare_kernel")}
     assert all(families.values()), families  # the parse found every family
-    assert families["fc_skinny_kernel"] == 2 * 24  # {bf16, fp16} x NT {1,2,4,8} x {plain, norm, folded}, per arch
+    assert families["fc_skinny_kernel"] == 2 * 8  # {bf16, fp16} x NT {1,2,4,8}, per arch: one hot loop for every variant
     spilling = {k: v for k, v in usage.items() if v["STACK"] or v["LOCAL"]}
     assert not spilling, spilling
 
 
-_SKINNY = re.compile(r"fc_skinny_kernelIN3c10(\d+)(BFloat16|Half)ELi(\d)ELi(\d)E")
+_SKINNY = re.compile(r"fc_skinny_kernelIN3c10(\d+)(BFloat16|Half)ELi(\d)E(.*)")
 
 
-def _skinny_registers(usage: dict) -> dict:
+def _skinny_key(fn: str):
+    """(dtype, NT, the rest of the symbol: further template arguments, if any) of a skinny kernel."""
+    m = _SKINNY.search(fn)
+    return ("bfloat16" if m.group(2) == "BFloat16" else "float16", int(m.group(3)), m.group(4)) if m else None
+
+
+def _skinny_table(usage: dict, field: str) -> dict:
     table = {}
     for (arch, fn), v in usage.items():
-        if m := _SKINNY.search(fn):
-            dtype = "bfloat16" if m.group(2) == "BFloat16" else "float16"
-            table.setdefault(arch, {})[(dtype, int(m.group(3)), cuda_backend.SKINNY_VARIANTS[int(m.group(4))])] = v["REG"]
+        if key := _skinny_key(fn):
+            table.setdefault(arch, {})[key[:2]] = v[field]
     return table
 
 
 @needs_extension
-def test_skinny_register_table_matches_the_built_cubins():
+def test_skinny_resource_tables_match_the_built_cubins():
     """cuda_backend.SKINNY_REGISTERS (what split-K planning assumes without a GPU) is exactly what
-    ptxas allocated in the built extension. On a mismatch, paste the printed table."""
+    ptxas allocated in the built extension, and the static shared memory (the ring) is what
+    skinny_model.shared_bytes says: the two numbers that decide the resident blocks. On a mismatch,
+    paste the printed table."""
     ext, tool = _built()
-    built = _skinny_registers(_resource_usage(tool, ext.__file__))
+    usage = _resource_usage(tool, ext.__file__)
+    built = _skinny_table(usage, "REG")
     assert built == cuda_backend.SKINNY_REGISTERS, f"regenerate cuda_backend.SKINNY_REGISTERS: {built!r}"
+    shared = _skinny_table(usage, "SHARED")
+    for arch, table in shared.items():
+        reserved = cuda_backend.SM_LIMITS[arch.rstrip("a")].shared_reserved_per_block  # cuobjdump counts it in
+        for (dtype, nt), nbytes in table.items():
+            assert nbytes - reserved == skinny_model.shared_bytes(nt), (arch, dtype, nt, nbytes)
+            assert nbytes - reserved <= 48 * 1024  # static shared memory: no opt-in attribute at launch
     # and the planning limits cover both archs the build carries
     assert {a.rstrip("a") for a in built} <= set(cuda_backend.SM_LIMITS)
 
 
 def _sass_functions(tool: str, so: str) -> dict:
-    """(arch, kernel symbol) -> SASS text."""
-    text = subprocess.run([tool, "-sass", so], capture_output=True, text=True, check=True).stdout
-    out, arch, fn, lines = {}, None, None, []
-    for line in text.splitlines():
-        if m := re.match(r"\s*code for (sm_\d+a?)", line):
-            arch = m.group(1)
-        elif m := re.match(r"\s*Function : (\S+)", line):
-            if fn is not None:
-                out[(arch, fn)] = "\n".join(lines)
-            fn, lines = m.group(1), []
-        elif fn is not None:
-            lines.append(line)
-    if fn is not None:
-        out[(arch, fn)] = "\n".join(lines)
-    return out
+    """(arch, kernel symbol) -> [sass.Instr]."""
+    return sass.parse_sass(subprocess.run([tool, "-sass", so], capture_output=True, text=True, check=True).stdout)
+
+
+@pytest.fixture(scope="module")
+def built_sass():
+    if not _nvcc_expected():
+        pytest.skip("no nvcc on PATH (or EAGLE3_OPS_SKIP_CUDA=1): pure-Python install")
+    ext, tool = _built()
+    return _sass_functions(tool, ext.__file__)
+
+
+def _skinny_sass(built_sass) -> dict:
+    sk = {k: v for k, v in built_sass.items() if "fc_skinny_kernel" in k[1]}
+    assert len(sk) == 2 * 8 and {a for a, _ in sk} == {"sm_90a", "sm_120a"}  # 8 kernels per arch
+    return sk
+
+
+def _text(ins) -> str:
+    return "\n".join(f"{x.pred} {x.opcode} {x.operands}" for x in ins)
 
 
 @needs_extension
-def test_skinny_weight_stream_is_evict_first():
-    """The skinny kernels' weight loads (`ld.global.nc.L1::no_allocate.L2::cache_hint.L2::256B.v4`
-    with a `createpolicy.fractional.L2::evict_first` policy) reach the SASS as
-    LDG.E.NA.LTC256B.128.CONSTANT through their own memory descriptor: ptxas folds the L2 policy
-    into the descriptor (`desc[URx]`), so the weight loads use a descriptor register that no other
-    global access of the kernel (x, norm weights, rows, partials, out: the default descriptor) uses.
-    Without the hint every access shares the default descriptor."""
-    ext, tool = _built()
-    sass = {k: v for k, v in _sass_functions(tool, ext.__file__).items() if "fc_skinny_kernel" in k[1]}
-    assert len(sass) == 2 * 24 and {a for a, _ in sass} == {"sm_90a", "sm_120a"}  # 24 variants per arch
-    for key, text in sass.items():
-        weight = re.findall(r"LDG\.E\.NA\.LTC256B\.128\.CONSTANT \S+, desc\[(UR\d+)\]", text)
-        other = re.findall(r"(?:LDG|STG)(?!\.E\.NA\.LTC256B)\S* (?:\S+, )?desc\[(UR\d+)\]", text)
-        assert len(weight) >= 16, (key, "2 x kUnroll x 2 weight loads (prologue + loop) expected")
-        assert other, key
-        assert not set(weight) & set(other), (key, set(weight), set(other))
+def test_skinny_weight_stream_is_evict_first(built_sass):
+    """The skinny kernels' weight copies (`cp.async.cg.shared.global.L2::cache_hint.L2::256B` with a
+    `createpolicy.fractional.L2::evict_first` policy) reach the SASS as LDGSTS.E.BYPASS.LTC256B.128
+    through their own memory descriptor: ptxas folds the L2 policy into the descriptor
+    (`desc[URx]`), so the weight copies use a descriptor register that no other global access of
+    the kernel uses (the x copies carry the evict-last policy: another descriptor; rows, partials,
+    out: the default one). Without the hint every access shares the default descriptor.
+    Read from the copies with a register shared address (`[Rn]`, `[Rn+imm]`: the prologue's, and
+    the sm_90a loop's). In its uniform-offset form (`[Rn+URm]`, the sm_120a hot loop) LDGSTS has
+    no separately decoded descriptor field (cuobjdump prints `desc[UR1]` for either policy, with or
+    without a hint, checked on a small kernel), so the hint there cannot be read from the SASS."""
+    for key, ins in _skinny_sass(built_sass).items():
+        text = _text(ins)
+        weight = re.findall(r"LDGSTS\.E\.BYPASS\.LTC256B\.128 \[R\d+(?:\+0x[0-9a-f]+)?\], desc\[(UR\d+)\]", text)
+        x_copies = re.findall(r"LDGSTS\.E\.BYPASS\.128 \[R\d+(?:\+0x[0-9a-f]+)?\], desc\[(UR\d+)\]", text)
+        other = re.findall(r"(?:LDG|STG)(?!STS)\S* (?:\S+, )?desc\[(UR\d+)\]", text)
+        assert len(weight) >= 4 and x_copies, (key, "weight and x copies expected (prologue + loop)")
+        assert not set(weight) & (set(other) | set(x_copies)), (key, set(weight), set(other), set(x_copies))
 
 
 @needs_extension
-def test_split_k_reducer_is_a_programmatic_dependent_launch():
-    """The reducer waits for the skinny grid with griddepcontrol.wait (SASS ACQBULK) before its first
-    global load, every skinny variant lets it be scheduled early (griddepcontrol.launch_dependents:
-    SASS PREEXIT), and the host launches it with cudaLaunchAttributeProgrammaticStreamSerialization.
-    (Same bits as two plain launches: the wait covers the whole skinny grid and its writes.)"""
-    ext, tool = _built()
-    sass = _sass_functions(tool, ext.__file__)
-    reducers = {k: v for k, v in sass.items() if "fc_reduce_kernel" in k[1]}
-    skinny = {k: v for k, v in sass.items() if "fc_skinny_kernel" in k[1]}
-    assert len(reducers) == 2 * 4 and len(skinny) == 2 * 24
-    for (arch, fn), text in reducers.items():
-        wait, load = text.find("ACQBULK"), text.find("LDG")
-        assert 0 <= wait < load, (arch, fn)
-    assert all("PREEXIT" in text for text in skinny.values())
+def test_skinny_weight_pipeline_survives_ptxas(built_sass):
+    """Issue 21 item 1, read from the SASS per kernel and arch: the hot loop (the one with the MMAs)
+    refills the shared-memory ring with LDGSTS weight copies and, when it jumps back, still has
+    kStages - 1 >= 2 steps of weight copies in flight (cp.async.wait_group kStages - 2 + the step it
+    just committed: `DEPBAR.LE SB0, n` + the LDGDEPBAR after it). A compiler or code change that
+    waits for the copies in the iteration that issues them measures 0 here and fails."""
+    for (arch, fn), ins in _skinny_sass(built_sass).items():
+        _, nt, _ = _skinny_key(fn)
+        lp = sass.hot_loop(ins)
+        assert lp is not None, (arch, fn, "no loop with MMAs")
+        p = sass.pipeline(ins, lp, sass.WEIGHT_LOAD)
+        assert p.kind == "ring" and p.loads >= 4, (arch, fn, p)
+        assert p.stages_in_flight >= sass.PIPELINE_MIN_STAGES, (arch, fn, p)
+        assert p.stages_in_flight == skinny_model.STAGES[nt] - 1, (arch, fn, p)  # the model plans with this
+
+
+@needs_extension
+def test_norm_variants_run_the_plain_hot_loop(built_sass):
+    """Issue 21 item 2: the norm statistics and x*g are computed by the pre-pass
+    (fc_norm_prepass_kernel: no MMA, no weight load), so every skinny launch — plain, norm, folded —
+    runs one fc_skinny_kernel<T, NT> per (dtype, NT): every skinny instantiation of a (dtype, NT)
+    has a hot loop within 1.25x of the plain one's instructions per step (today there is exactly one,
+    so the ratio is 1; a variant that brings work back into the loop fails here), and the hot loop's
+    instruction counts are the ones the planner uses (cuda_backend.SKINNY_STEP_INSTRUCTIONS)."""
+    sk = _skinny_sass(built_sass)
+    by_shape = {}
+    for (arch, fn), ins in sk.items():
+        dtype, nt, rest = _skinny_key(fn)
+        by_shape.setdefault((arch, dtype, nt), []).append((rest, ins))
+    counts = {}
+    for (arch, dtype, nt), kernels in by_shape.items():
+        plain = kernels[0][1]
+        for _, ins in kernels:
+            assert sass.hot_loop_ratio(ins, plain) <= sass.NORM_LOOP_MAX_RATIO, (arch, dtype, nt)
+        counts.setdefault(arch, {})[(dtype, nt)] = sass.hot_loop_instructions_per_step(plain, sass.hot_loop(plain))
+    assert counts == cuda_backend.SKINNY_STEP_INSTRUCTIONS, f"regenerate SKINNY_STEP_INSTRUCTIONS: {counts!r}"
+    prepass = {k: v for k, v in built_sass.items() if "fc_norm_prepass_kernel" in k[1]}
+    assert len(prepass) == 2 * 4  # {bf16, fp16} x {writes x*g, statistics only}, per arch
+    for key, ins in prepass.items():
+        assert sass.count(ins, "HMMA") == 0 and not any(re.search(sass.WEIGHT_LOAD, x.opcode) for x in ins), key
+
+
+@needs_extension
+def test_draft_fc_kernels_are_chained_by_programmatic_dependent_launch(built_sass):
+    """PDL, read from the SASS: the reducer waits (griddepcontrol.wait = ACQBULK) before its first
+    global load; the skinny kernel issues its first weight copies BEFORE its wait (they overlap the
+    norm pre-pass) and its first x copy after it, and lets the reducer be scheduled early
+    (griddepcontrol.launch_dependents = PREEXIT); the pre-pass triggers the skinny launch before
+    any global access. The host launches with cudaLaunchAttributeProgrammaticStreamSerialization.
+    (Same bits as plain launches: each wait covers the whole previous grid and its writes.)"""
+    reducers = {k: v for k, v in built_sass.items() if "fc_reduce_kernel" in k[1]}
+    assert len(reducers) == 2 * 4
+    for key, ins in reducers.items():
+        ops = [x.base for x in ins]
+        assert "ACQBULK" in ops and ops.index("ACQBULK") < ops.index("LDG"), key
+    for key, ins in _skinny_sass(built_sass).items():
+        ops = [x.opcode for x in ins]
+        wait = next(i for i, o in enumerate(ops) if o.startswith("ACQBULK"))
+        first_weight = next(i for i, o in enumerate(ops) if re.search(sass.WEIGHT_LOAD, o))
+        first_x = next(i for i, o in enumerate(ops) if o.startswith("LDGSTS") and "LTC256B" not in o)
+        assert first_weight < wait < first_x, key
+        assert any(o.startswith("PREEXIT") for o in ops), key
+    for key, ins in built_sass.items():
+        if "fc_norm_prepass_kernel" in key[1]:
+            ops = [x.base for x in ins]
+            assert ops.index("PREEXIT") < min(ops.index(o) for o in ("LDG", "STG") if o in ops), key
     src = (ROOT / "csrc" / "draft_fc.cu").read_text()
     assert "cudaLaunchAttributeProgrammaticStreamSerialization" in src and "cudaLaunchKernelEx" in src
+
+
+@needs_extension
+def test_kernels_md_prediction_table_is_the_static_model_of_the_built_cubins(built_sass):
+    """docs/kernels.md §12's prediction table is what benchmarks/static_model.py computes from the
+    built cubins and the planner (regenerate it with --write-docs after a kernel change), and the
+    planner's own tables plan the same splits as the cubins do."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("_eagle3_static_model", ROOT / "benchmarks" / "static_model.py")
+    model = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = model  # (its dataclasses look their module up)
+    spec.loader.exec_module(model)
+    ext, tool = _built()
+    rows = model.predict_all(model.kernels_from(_resource_usage(tool, ext.__file__), built_sass))
+    assert {r.device for r in rows} == set(model.DEVICES)
+    text = model.DOCS.read_text()
+    assert model.replace_docs(text, model.docs_block(rows)) == text, \
+        "docs/kernels.md's prediction table is stale: python benchmarks/static_model.py --write-docs"
+    assert all(r.planner_agrees for r in rows), [r for r in rows if not r.planner_agrees][:3]

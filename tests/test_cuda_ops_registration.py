@@ -12,7 +12,7 @@ import shutil
 import pytest
 import torch
 
-from eagle3_ops import cuda_backend, plans, reference
+from eagle3_ops import cuda_backend, plans, reference, skinny_model
 from eagle3_ops.workspace import ALIGN, aligned
 
 
@@ -34,8 +34,8 @@ SCHEMAS = {
         "bool norm_folded=False) -> ()"),
     "draft_fc_workspace_bytes": (
         "eagle3_cuda::draft_fc_workspace_bytes(int M, int N, int KH, int K, bool chunk_norm, bool input_norm, "
-        "int path, int splits, ScalarType dtype) -> int"),
-    "skinny_occupancy": "eagle3_cuda::skinny_occupancy(int nt, int variant, ScalarType dtype) -> int",
+        "int path, int splits, ScalarType dtype, bool norm_folded=False) -> int"),
+    "skinny_occupancy": "eagle3_cuda::skinny_occupancy(int nt, ScalarType dtype) -> int",
 }
 SKINNY, TILED, CUBLAS = (plans.PATHS.index(p) for p in ("skinny", "tiled", "cublas"))
 
@@ -93,47 +93,54 @@ def test_the_python_module_carries_only_compiled_archs(ops):
 
 
 # ---- the size query ----------------------------------------------------------------------------------
-def skinny_bytes(M, N, KH, K, chunk, inorm, splits):
+def skinny_bytes(M, N, KH, K, chunk, inorm, splits, folded=False, elem=2):
     """The skinny path's workspace, computed independently of the C++ (draft_fc.cu's split rule:
-    steps of 128, at least 4 per split, at most 64 splits; partials then sums, 256-byte aligned)."""
+    steps of 64, at least 8 per split, at most 64 splits; then partials [S][M][N] fp32, the norm
+    pre-pass's piece sums [M][NC * ceil(CH / 1024)][2] fp32, x*g [M][KH] unless folded; 256-byte
+    aligned regions)."""
     CH, NC = (KH // K, K) if chunk else (KH, 1)
-    step = 128
-    per_chunk = max(1, min(splits, CH // (4 * step), 64 // NC))
+    step = 64
+    per_chunk = max(1, min(splits, CH // (8 * step), 64 // NC))
     split_len = math.ceil(math.ceil(CH / per_chunk) / step) * step
     S = NC * math.ceil(CH / split_len)
     norm = chunk or inorm
-    if S == 1 and not norm:
-        return 0
-    return aligned(S * M * N * 4) + (aligned(S * M * 2 * 4) if norm else 0)
+    total = aligned(S * M * N * 4) if S > 1 or norm else 0
+    if norm:
+        total += aligned(M * NC * math.ceil(CH / 1024) * 2 * 4) + (0 if folded else aligned(M * KH * elem))
+    return total
 
 
-QUERY_CASES = [  # (M, N, KH, K, chunk_norm, input_norm, path, splits, dtype, bytes worked out by hand)
-    (7, 72, 240, 3, True, True, SKINNY, 4, torch.bfloat16, 6144 + 256),  # S = 3: 3*7*72*4 -> 6144, sums 168 -> 256
-    (7, 4096, 3 * 4096, 3, True, True, SKINNY, 16, torch.bfloat16, 2752512 + 1536),  # 8 splits x 3 chunks
-    (7, 4096, 3 * 4096, 1, False, False, SKINNY, 16, torch.float16, 1835008),  # S = 16, no sums
-    (1000, 4096, 3 * 4096, 1, False, False, SKINNY, 1, torch.bfloat16, 0),  # one split, no norm: out directly
-    (7, 72, 240, 3, False, True, CUBLAS, 0, torch.bfloat16, 3584),  # prepared input 7*240*2 = 3360 -> 3584
-    (7, 72, 240, 3, True, False, CUBLAS, 0, torch.float32, 6912),  # 6720 -> 6912
-    (0, 72, 240, 3, True, True, SKINNY, 4, torch.bfloat16, 0),  # nothing to compute
+QUERY_CASES = [  # (M, N, KH, K, chunk_norm, input_norm, path, splits, dtype, folded, bytes worked out by hand)
+    # S = 3: partials 3*7*72*4 = 6048 -> 6144; sums 7*3*2*4 = 168 -> 256; x*g 7*240*2 = 3360 -> 3584
+    (7, 72, 240, 3, True, True, SKINNY, 4, torch.bfloat16, False, 6144 + 256 + 3584),
+    (7, 72, 240, 3, True, True, SKINNY, 4, torch.bfloat16, True, 6144 + 256),  # folded: no x*g
+    # 8 splits x 3 chunks: 24*7*4096*4 = 2752512; sums 7*12*8 = 672 -> 768; x*g 7*12288*2 = 172032
+    (7, 4096, 3 * 4096, 3, True, True, SKINNY, 16, torch.bfloat16, False, 2752512 + 768 + 172032),
+    (7, 4096, 3 * 4096, 1, False, False, SKINNY, 16, torch.float16, False, 1835008),  # S = 16, no norm
+    (1000, 4096, 3 * 4096, 1, False, False, SKINNY, 1, torch.bfloat16, False, 0),  # one split, no norm: out directly
+    (7, 72, 240, 3, False, True, CUBLAS, 0, torch.bfloat16, False, 3584),  # prepared input 7*240*2 = 3360 -> 3584
+    (7, 72, 240, 3, True, False, CUBLAS, 0, torch.float32, False, 6912),  # 6720 -> 6912
+    (0, 72, 240, 3, True, True, SKINNY, 4, torch.bfloat16, False, 0),  # nothing to compute
 ]
 
 
-@pytest.mark.parametrize("M,N,KH,K,chunk,inorm,path,splits,dtype,want", QUERY_CASES)
-def test_size_query_bytes(ops, M, N, KH, K, chunk, inorm, path, splits, dtype, want):
-    got = ops.draft_fc_workspace_bytes(M, N, KH, K, chunk, inorm, path, splits, dtype)
+@pytest.mark.parametrize("M,N,KH,K,chunk,inorm,path,splits,dtype,folded,want", QUERY_CASES)
+def test_size_query_bytes(ops, M, N, KH, K, chunk, inorm, path, splits, dtype, folded, want):
+    got = ops.draft_fc_workspace_bytes(M, N, KH, K, chunk, inorm, path, splits, dtype, folded)
     assert got == want
     assert got % ALIGN == 0
     if path == SKINNY and M > 0:
-        assert got == skinny_bytes(M, N, KH, K, chunk, inorm, splits)
+        assert got == skinny_bytes(M, N, KH, K, chunk, inorm, splits, folded)
 
 
 @pytest.mark.parametrize("M", [1, 7, 64, 128, 1000])
 @pytest.mark.parametrize("K,chunk,inorm", [(3, True, True), (1, False, False), (3, False, True), (48, True, False)])
 @pytest.mark.parametrize("splits", [1, 3, 16, 1000])
-def test_size_query_follows_the_split_rule(ops, M, K, chunk, inorm, splits):
+@pytest.mark.parametrize("folded", [False, True])
+def test_size_query_follows_the_split_rule(ops, M, K, chunk, inorm, splits, folded):
     N, KH = 1000, 3 * 1024
-    got = ops.draft_fc_workspace_bytes(M, N, KH, K, chunk, inorm, SKINNY, splits, torch.bfloat16)
-    assert got == skinny_bytes(M, N, KH, K, chunk, inorm, splits)
+    got = ops.draft_fc_workspace_bytes(M, N, KH, K, chunk, inorm, SKINNY, splits, torch.bfloat16, folded)
+    assert got == skinny_bytes(M, N, KH, K, chunk, inorm, splits, folded)
 
 
 @pytest.mark.parametrize("args,match", [
@@ -151,26 +158,28 @@ def test_size_query_rejects_what_the_kernels_cannot_launch(ops, args, match):
 
 
 # ---- cuda_backend's plan against the query -------------------------------------------------------------
-SMS = 132
+
+
+H200 = skinny_model.DEVICES["H200"]
 
 
 @pytest.fixture
 def h200_sms(monkeypatch):
-    """cuda_backend asks the GPU for its SM count and the skinny kernel's occupancy; here (CPU
-    tensors) they are an H200's: 132 SMs, occupancy from the sm_90a register table."""
-    monkeypatch.setattr(cuda_backend, "sm_count", lambda device: SMS)
+    """cuda_backend asks the GPU for its SM count (its device model) and the skinny kernel's
+    occupancy; here (CPU tensors) they are an H200's: 132 SMs, occupancy from the sm_90a tables."""
+    monkeypatch.setattr(cuda_backend, "device_model", lambda device: H200)
     monkeypatch.setattr(cuda_backend, "skinny_blocks_per_sm",
-                        lambda device, nt, variant, dtype: cuda_backend.table_blocks_per_sm("sm_90", nt, variant, dtype))
+                        lambda device, nt, dtype: cuda_backend.table_blocks_per_sm("sm_90", nt, dtype))
 
 
 def test_skinny_occupancy_needs_a_gpu(ops):
     """The occupancy query asks the CUDA runtime about the kernel: no GPU, no answer (an error,
     never a made-up number); cuda_backend then never plans (the backend does not serve)."""
     if torch.cuda.is_available():
-        assert ops.skinny_occupancy(8, 0, torch.bfloat16) >= 1
+        assert ops.skinny_occupancy(8, torch.bfloat16) >= 1
         return
     with pytest.raises(RuntimeError):
-        ops.skinny_occupancy(8, 0, torch.bfloat16)
+        ops.skinny_occupancy(8, torch.bfloat16)
 
 
 def fc_args(M, H, K, N, dtype, bias=False, rows=False, chunk=False, inorm=False, device="cpu"):
@@ -185,11 +194,12 @@ def fc_args(M, H, K, N, dtype, bias=False, rows=False, chunk=False, inorm=False,
     return x, w, b, r, cn, inw
 
 
-def expected_splits(M, N, KH, NC, norm, dtype):
+def expected_splits(M, N, KH, NC, norm, dtype, folded=False):
     """The planner's answer for this launch (tests/ops/test_kernel_plans.py tests the planner)."""
     nt = {1: 1, 2: 2, 3: 4, 4: 4}.get(math.ceil(min(M, 64) / 8), 8)
-    bpsm = cuda_backend.table_blocks_per_sm("sm_90", nt, "norm" if norm else "plain", dtype)
-    return cuda_backend.skinny_splits(M, N, KH // NC, NC, SMS, bpsm, norm)
+    bpsm = cuda_backend.table_blocks_per_sm("sm_90", nt, dtype)
+    return cuda_backend.skinny_splits(M, N, KH // NC, NC, H200, cuda_backend.kernel_model("sm_90", nt, dtype), bpsm,
+                                      norm, folded)
 
 
 VARIANTS = {"plain": {}, "rows": dict(rows=True), "norms": dict(chunk=True, inorm=True),
@@ -219,7 +229,7 @@ def test_backend_plan_agrees_with_the_size_query(ops, h200_sms, variant, forced,
     assert p.copy_bytes == 0
     prepares = p.path == "skinny" or rows is not None or cn is not None or inw is not None
     path = cuda_backend.PATH_INDEX[p.path]
-    want = ops.draft_fc_workspace_bytes(M, 200, 768, NC, cn is not None, inw is not None, path, p.splits, dtype)
+    want = ops.draft_fc_workspace_bytes(M, 200, 768, NC, cn is not None, inw is not None, path, p.splits, dtype, False)
     assert p.op_bytes == (want if prepares else 0)
 
 
@@ -339,16 +349,16 @@ def test_gpu_draft_fc_matches_the_reference(ops, variant, forced, M):
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
 def test_gpu_skinny_occupancy_matches_the_register_table(ops, dtype):
-    """What the CUDA runtime reports for each skinny variant is what the register table
-    (cuda_backend.SKINNY_REGISTERS, checked against the cubins in tests/test_build.py) and the
-    occupancy rule predict; the planner uses the runtime's number on the device."""
+    """What the CUDA runtime reports for each skinny kernel is what the cubin tables
+    (cuda_backend.SKINNY_REGISTERS and the ring's shared memory, checked against the cubins in
+    tests/test_build.py) and the occupancy rule predict; the planner uses the runtime's number on
+    the device."""
     dev = _gpu_device()
     arch = cuda_backend.device_arch(dev)
     for nt in (1, 2, 4, 8):
-        for index, variant in enumerate(cuda_backend.SKINNY_VARIANTS):
-            got = ops.skinny_occupancy(nt, index, dtype)
-            assert got == cuda_backend.table_blocks_per_sm(arch, nt, variant, dtype), (nt, variant, got)
-            assert cuda_backend.skinny_blocks_per_sm(dev, nt, variant, dtype) == got
+        got = ops.skinny_occupancy(nt, dtype)
+        assert got == cuda_backend.table_blocks_per_sm(arch, nt, dtype), (nt, got)
+        assert cuda_backend.skinny_blocks_per_sm(dev, nt, dtype) == got
 
 
 @pytest.mark.gpu
@@ -371,3 +381,45 @@ def test_gpu_draft_fc_op_checks_memory_safety(ops):
         ops.draft_fc(xs, w, b, rows, cn, inw, 1e-6, out, ws[:need], SKINNY, 4)
     with pytest.raises(RuntimeError, match="stride 1"):
         ops.draft_fc(x, w, torch.stack([b, b], 1).reshape(-1)[::2], rows, cn, inw, 1e-6, out, ws[:need], SKINNY, 4)
+
+
+SPLIT_SWEEP = [  # (M, H, K, N): every token tile (NT 1, 2, 4, 8 and two tiles of 8), N with a weight-row
+    # tail and the sharded Kimi-K2.5 width, chunk widths with a partial last 64-wide step (1000)
+    (1, 4096, 3, 896), (8, 1000, 3, 1000), (16, 4096, 3, 1001), (24, 1000, 3, 896), (64, 4096, 3, 1000),
+    (100, 1000, 3, 1000)]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("variant", ["plain", "rows", "norm", "folded"])
+@pytest.mark.parametrize("M,H,K,N", SPLIT_SWEEP)
+def test_gpu_skinny_ring_and_prepass_match_fp64_at_every_split_count(ops, M, H, K, N, variant):
+    """The skinny path (norm pre-pass -> ring-pipelined skinny kernel -> reducer, chained by PDL)
+    straight through the op at split counts from 1 to past the op's clamp: against the float64
+    answer, into a NaN-poisoned out with canary rows around it, twice with the same bits. Folded:
+    the weight prepared by fold_norm_weights, the truth is the unfolded problem's."""
+    import eagle3_ops
+
+    dev = _gpu_device()
+    kw = {"plain": {}, "rows": dict(rows=True, bias=True), "norm": dict(rows=True, chunk=True, inorm=True, bias=True),
+          "folded": dict(rows=True, chunk=True, inorm=True)}[variant]
+    x, w, b, rows, cn, inw = fc_args(M, H, K, N, torch.bfloat16, device=dev, **kw)
+    want = reference.draft_fc_ref(x, w, b, rows, cn, inw, 1e-6, acc_dtype=torch.float64)
+    folded = variant == "folded"
+    weight = eagle3_ops.fold_norm_weights(w, cn, inw) if folded else w
+    NC, CH = (K, H) if cn is not None else (1, K * H)
+    for splits in sorted({1, 2, 3, 7, skinny_model.max_splits_per_chunk(CH, NC), 1000}):
+        need = ops.draft_fc_workspace_bytes(M, N, K * H, K, cn is not None, inw is not None, SKINNY, splits,
+                                            torch.bfloat16, folded)
+        ws = torch.empty(max(need, 1), dtype=torch.uint8, device=dev)
+        got = []
+        for _ in range(2):
+            base = torch.full((M + 4, N), float("nan"), dtype=torch.bfloat16, device=dev)
+            base[:2], base[-2:] = 7.0, -7.0
+            out = base[2:-2]
+            ops.draft_fc(x, weight, b, rows, cn, inw, 1e-6, out, ws if need else None, SKINNY, splits, folded)
+            torch.cuda.synchronize()
+            assert torch.all(base[:2] == 7.0) and torch.all(base[-2:] == -7.0), (splits, "canary rows written")
+            got.append(out.clone())
+        err = ((got[0].double() - want).abs().max() / want.abs().max()).item()
+        assert err <= 1e-2, (splits, err)
+        assert torch.equal(got[0].view(torch.int16), got[1].view(torch.int16)), (splits, "not deterministic")

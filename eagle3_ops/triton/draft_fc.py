@@ -82,7 +82,9 @@ def interpreter_serialized(kernel):
 # ---- launch configuration (design estimates; the benchmark is the judge) -------------------------
 def arch_major(device: torch.device) -> int:
     """Compute-capability major of a GPU; 0 stands for the CPU interpreter in the configs below."""
-    return torch.cuda.get_device_capability(device)[0] if device.type == "cuda" else 0
+    if device.type != "cuda":
+        return 0
+    return plans.capability(device.index if device.index is not None else torch.cuda.current_device())[0]
 
 
 def _num_sms(device: torch.device) -> int:

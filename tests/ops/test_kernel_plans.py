@@ -1,12 +1,14 @@
 """The CUDA skinny kernel's launch planning, in pure Python (no extension, no GPU): resident blocks
-per SM from register counts (the CUDA occupancy rule), the op's split clamp, and the split-K count
-that fills whole waves of resident blocks (eagle3_ops/cuda_backend.py; docs/kernels.md §7.5); and the
-Triton tiled kernel's per-arch config (a wave at M = 256 on sm_120, no spills; compile only).
+per SM from registers and shared memory (the CUDA occupancy rule), the op's split clamp, and the
+split count with the least modelled time (eagle3_ops/skinny_model.py, the one model the planner and
+benchmarks/static_model.py share; docs/kernels.md §7.5); and the Triton tiled kernel's per-arch
+config (a wave at M = 256 on sm_120, no spills; compile only).
 
-The register counts are the built cubins' (cuda_backend.SKINNY_REGISTERS; tests/test_build.py checks
-them against `cuobjdump -res-usage` of the extension); on a GPU the planner asks the CUDA runtime
-instead (eagle3_cuda::skinny_occupancy, checked against the table in
-tests/test_cuda_ops_registration.py on the device)."""
+The register counts and hot-loop instruction counts are the built cubins' (cuda_backend.SKINNY_REGISTERS,
+SKINNY_STEP_INSTRUCTIONS; tests/test_build.py checks them against the extension); on a GPU the
+planner asks the CUDA runtime for the occupancy instead (eagle3_cuda::skinny_occupancy, checked
+against the table in tests/test_cuda_ops_registration.py on the device)."""
+import dataclasses
 import itertools
 import json
 import math
@@ -20,64 +22,69 @@ import pytest
 import torch
 
 from eagle3_ops import cuda_backend as cb
+from eagle3_ops import skinny_model as sm
 
 ROOT = Path(__file__).resolve().parents[2]
 SM90, SM120 = cb.SM_LIMITS["sm_90"], cb.SM_LIMITS["sm_120"]
+H200, PRO6000 = sm.DEVICES["H200"], sm.DEVICES["RTX PRO 6000"]
 
 
-# ---- resident blocks from registers ------------------------------------------------------------------
-@pytest.mark.parametrize("regs,limits,want", [
-    (148, SM90, 3),   # the issue's example: 148 x 32 = 4736 -> 4864 per warp -> 3 warps per sub-partition
-    (191, SM90, 2),   # 6112 -> 6144 per warp -> 2 per sub-partition -> 8 warps
-    (128, SM90, 4),   # 4096 per warp -> 4 per sub-partition -> 16 warps
-    (72, SM90, 7),    # 2304 per warp -> 7 per sub-partition -> 28 warps
-    (255, SM90, 2),   # 8160 -> 8192 per warp
-    (32, SM90, 16),   # thread limit: 2048 / 128
-    (32, SM120, 12),  # thread limit: 1536 / 128
-    (111, SM120, 4),  # 3552 -> 3584 per warp -> 4 per sub-partition
-    (214, SM120, 2),
+# ---- resident blocks from registers and shared memory ---------------------------------------------------
+@pytest.mark.parametrize("regs,shared,limits,want", [
+    (148, 0, SM90, 3),       # 148 x 32 = 4736 -> 4864 per warp -> 3 warps per sub-partition
+    (191, 0, SM90, 2),       # 6112 -> 6144 per warp -> 2 per sub-partition -> 8 warps
+    (128, 0, SM90, 4),
+    (72, 0, SM90, 7),        # 2304 per warp -> 7 per sub-partition -> 28 warps
+    (32, 0, SM90, 16),       # thread limit: 2048 / 128
+    (32, 0, SM120, 12),      # thread limit: 1536 / 128
+    (124, 49152, SM90, 4),   # NT = 8: 4096 per warp -> 4 blocks; 228 KB / (48 + 1) KB -> 4
+    (59, 36864, SM90, 6),    # NT = 1: registers allow 8, shared memory 228 / 37 -> 6
+    (59, 36864, SM120, 2),   # 100 KB / 37 KB -> 2
+    (124, 49152, SM120, 2),  # 100 / 49 -> 2 (registers would allow 3)
 ])
-def test_blocks_per_sm_from_registers(regs, limits, want):
-    assert cb.blocks_per_sm_from_registers(regs, 128, limits) == want
+def test_blocks_per_sm(regs, shared, limits, want):
+    assert sm.blocks_per_sm(regs, shared, 128, limits) == want
+    assert cb.blocks_per_sm_from_registers(regs, 128, limits, shared) == want
 
 
-def test_blocks_per_sm_is_monotone_in_registers_and_bounded():
+def test_blocks_per_sm_is_monotone_and_bounded():
     for limits in (SM90, SM120):
-        prev = None
-        for regs in range(16, 256):
-            b = cb.blocks_per_sm_from_registers(regs, 128, limits)
-            assert 1 <= b <= min(limits.max_blocks, limits.max_threads // 128)
-            assert prev is None or b <= prev
-            # never more warps' registers than the SM has
-            assert b * 4 * math.ceil(regs * 32 / 256) * 256 <= limits.registers
-            prev = b
+        for shared in (0, 16384, 49152):
+            prev = None
+            for regs in range(16, 256):
+                b = sm.blocks_per_sm(regs, shared, 128, limits)
+                assert 1 <= b <= min(limits.max_blocks, limits.max_threads // 128)
+                assert prev is None or b <= prev
+                assert b * 4 * math.ceil(regs * 32 / 256) * 256 <= limits.registers
+                assert b * (shared + limits.shared_reserved_per_block) <= limits.shared_per_sm or shared == 0
+                prev = b
 
 
-def test_register_table_covers_every_variant_and_predicts_occupancy():
-    for arch in ("sm_90a", "sm_120a"):
-        table = cb.SKINNY_REGISTERS[arch]
-        assert set(table) == set(itertools.product(("bfloat16", "float16"), (1, 2, 4, 8), cb.SKINNY_VARIANTS))
-        assert all(0 < r <= 255 for r in table.values())
-    # the issue's numbers: NT = 8 without norm at 148 registers on sm_90a -> 3 blocks per SM
-    assert cb.SKINNY_REGISTERS["sm_90a"][("bfloat16", 8, "plain")] == 148
-    assert cb.table_blocks_per_sm("sm_90", 8, "plain", torch.bfloat16) == 3
-    assert cb.table_blocks_per_sm("sm_90a", 8, "plain", torch.bfloat16) == 3
-    assert cb.table_blocks_per_sm("sm_90", 1, "plain", torch.float16) == 7
+def test_kernel_tables_cover_every_kernel():
+    for table in (cb.SKINNY_REGISTERS, cb.SKINNY_STEP_INSTRUCTIONS):
+        for arch in ("sm_90a", "sm_120a"):
+            assert set(table[arch]) == set(itertools.product(("bfloat16", "float16"), (1, 2, 4, 8)))
+    assert all(0 < r <= 255 for t in cb.SKINNY_REGISTERS.values() for r in t.values())
+    for nt in (1, 2, 4, 8):  # the ring fits static shared memory; kStages - 1 >= 2 steps in flight
+        assert sm.shared_bytes(nt) <= 48 * 1024 and sm.STAGES[nt] >= 3
+        k = cb.kernel_model("sm_90", nt, torch.bfloat16)
+        assert k.in_flight == (sm.STAGES[nt] - 1) * 64 * 64 * 2 == sm.in_flight_bytes(nt)
 
 
 # ---- the op's clamp, mirrored --------------------------------------------------------------------------
 @pytest.mark.parametrize("CH,NC,asked,want", [
-    (21504, 1, 7, (7, 3072)),   # 168 steps of 128: 24 each
-    (21504, 1, 5, (5, 4352)),   # ceil(21504 / 5) = 4301 -> 34 steps
-    (21504, 1, 64, (42, 512)),  # at least 4 steps per split
-    (7168, 3, 30, (14, 512)),   # 56 steps / 4; and 3 * 14 <= 64 splits in all
+    (21504, 1, 7, (7, 3072)),   # 336 steps of 64: 48 each
+    (21504, 1, 5, (5, 4352)),   # ceil(21504 / 5) = 4301 -> 68 steps
+    (21504, 1, 64, (42, 512)),  # at least 8 steps per split
+    (7168, 3, 30, (14, 512)),   # 112 steps / 8; and 3 * 14 <= 64 splits in all
     (7168, 8, 16, (8, 896)),    # at most 64 // 8 = 8 per chunk
-    (240, 3, 4, (1, 256)),      # narrower than 4 steps: one split
+    (240, 3, 4, (1, 256)),      # narrower than 8 steps: one split
+    (1000, 3, 9, (1, 1024)),    # a chunk width that is no multiple of 64: the last step is partial
 ])
 def test_split_shape_mirrors_the_op(CH, NC, asked, want):
-    per_chunk, split_len = cb.skinny_split_shape(CH, NC, asked)
+    per_chunk, split_len = sm.split_shape(CH, NC, asked)
     assert (per_chunk, split_len) == want
-    assert split_len % 128 == 0 and (per_chunk - 1) * split_len < CH <= per_chunk * split_len
+    assert split_len % 64 == 0 and (per_chunk - 1) * split_len < CH <= per_chunk * split_len
     assert NC * per_chunk <= 64
 
 
@@ -86,103 +93,96 @@ def test_split_shape_is_idempotent():
     op keeps)."""
     for CH in (256, 512, 1000, 4096, 7168, 21504, 24576):
         for NC in (1, 3, 8):
-            for asked in range(1, 17):
-                per_chunk, split_len = cb.skinny_split_shape(CH, NC, asked)
-                assert cb.skinny_split_shape(CH, NC, per_chunk) == (per_chunk, split_len)
+            for asked in range(1, 50):
+                per_chunk, split_len = sm.split_shape(CH, NC, asked)
+                assert sm.split_shape(CH, NC, per_chunk) == (per_chunk, split_len)
 
 
-# ---- split-K from occupancy ----------------------------------------------------------------------------
-def waves(M, N, CH, NC, splits, sms, bpsm):
-    per_chunk, _ = cb.skinny_split_shape(CH, NC, splits)
-    blocks = math.ceil(M / (8 * cb.token_groups(M))) * math.ceil(N / 64) * NC * per_chunk
-    return blocks, blocks / (bpsm * sms)
+# ---- the model and the planner ---------------------------------------------------------------------------
+def kernel(nt, arch="sm_90"):
+    return cb.kernel_model(arch, nt, torch.bfloat16)
 
 
-def test_the_issues_example_fills_whole_waves():
-    """H200, M = 64, H = N = 7168, K = 3, no norm: NT = 8 at 148 registers -> 3 blocks per SM ->
-    396 slots. The old rule (3 blocks per SM assumed resident) asked 4 splits: 448 blocks, 1.13
-    waves, a 52-block latency-bound tail. Now: 7 splits, 784 blocks, 1.98 waves."""
-    bpsm = cb.table_blocks_per_sm("sm_90", 8, "plain", torch.bfloat16)
-    assert bpsm == 3
-    s = cb.skinny_splits(64, 7168, 21504, 1, 132, bpsm)
-    assert s == 7
-    blocks, w = waves(64, 7168, 21504, 1, s, 132, bpsm)
-    assert blocks == 784 and 1.95 < w <= 2
-    old = min(16, math.ceil(3 * 132 / 112))
-    assert old == 4 and cb.skinny_cost(64, 7168, 21504, 1, s, 132, bpsm, False) < 0.7 * cb.skinny_cost(
-        64, 7168, 21504, 1, old, 132, bpsm, False)
+def test_a_wave_below_littles_law_streams_at_the_rate_its_bytes_in_flight_allow():
+    """One wave, no partials: time = latency + bytes / min(bandwidth, blocks x in-flight / latency)."""
+    dev = dataclasses.replace(H200, sms=10, l2_bw=1e15, mma_rate=1e18, clock=1e12)  # only DRAM matters
+    k = kernel(1)  # 3 steps x 8 KB in flight per block
+    need = dev.read_bw * dev.latency
+    for tiles in (1, 4, 20):  # N = 64 * tiles, one split: blocks = tiles
+        p = sm.predict(8, 64 * tiles, 4096, 1, 1, dev, k, bpsm=6)
+        rate = min(dev.read_bw, tiles * k.in_flight / dev.latency)
+        assert p.blocks == tiles and p.S == 1
+        assert p.time == pytest.approx(dev.latency + 64 * tiles * 4096 * 2 / rate)
+        assert (p.limiter == "bytes in flight") == (tiles * k.in_flight < need and p.time > 1.05 * p.floor)
+    # more waves: each pays the fill latency; partials and the reducer appear with S > 1
+    p1 = sm.predict(8, 64 * 60, 4096, 1, 1, dev, k, bpsm=6)
+    p2 = sm.predict(8, 64 * 61, 4096, 1, 1, dev, k, bpsm=6)
+    assert p1.waves == 1 and p2.waves > 1 and p2.losses["fill latency"] == pytest.approx(2 * dev.latency)
+    p3 = sm.predict(8, 64 * 20, 4096, 1, 4, dev, k, bpsm=6)
+    partials = 4 * 8 * 64 * 20 * 4  # written back to DRAM, read again from L2
+    assert p3.S == 4 and p3.losses["split-K partials"] == pytest.approx(partials / dev.read_bw + partials / dev.l2_bw)
+    assert p3.losses["reducer"] == dev.l2_latency
 
 
-def test_small_m_keeps_one_wave_at_the_saturating_rate():
-    """M <= 8 (NT = 1, 72 registers: 7 blocks per SM): 4 splits = 448 blocks already keep 3+ per SM
-    streaming; more splits only add partial traffic, so the planner keeps 4 (the old rule's answer)."""
-    bpsm = cb.table_blocks_per_sm("sm_90", 1, "plain", torch.bfloat16)
-    assert bpsm == 7
-    assert cb.skinny_splits(1, 7168, 21504, 1, 132, bpsm) == 4
+def test_norm_costs_the_pre_pass_bytes_and_folding_halves_them():
+    k = kernel(2)
+    plain = sm.predict(16, 7168, 7168, 3, 2, H200, k)
+    norm = sm.predict(16, 7168, 7168, 3, 2, H200, k, norm=True)
+    folded = sm.predict(16, 7168, 7168, 3, 2, H200, k, norm=True, folded=True)
+    assert norm.losses["norm pre-pass"] == pytest.approx(16 * 21504 * 2 * 2 / H200.read_bw)
+    assert folded.losses["norm pre-pass"] == pytest.approx(norm.losses["norm pre-pass"] / 2)
+    assert plain.time < folded.time < norm.time
 
 
-SHAPES = [(M, N, KH, NC, norm) for M in (1, 7, 16, 33, 64, 100, 128) for N in (4096, 7168, 1000)
-          for KH, NC, norm in ((12288, 1, False), (21504, 1, False), (21504, 3, True), (12288, 1, True))]
+ISSUE_SHAPES = [(7168, 21504), (896, 21504), (4096, 12288)]  # Kimi-K2.5 replicated and TP=8, Llama-3.1-8B
 
 
-@pytest.mark.parametrize("arch,sms", [("sm_90", 132), ("sm_120", 188), ("sm_120", 170)])
-@pytest.mark.parametrize("M,N,KH,NC,norm", SHAPES)
-def test_chosen_splits_minimize_the_model_and_never_lose_to_the_old_rule(arch, sms, M, N, KH, NC, norm):
+@pytest.mark.parametrize("device", [H200, PRO6000], ids=lambda d: d.name)
+@pytest.mark.parametrize("N,KH", ISSUE_SHAPES)
+@pytest.mark.parametrize("M", [1, 8, 16, 32, 64])
+@pytest.mark.parametrize("NC,norm,folded", [(1, False, False), (3, True, False), (3, True, True)],
+                         ids=["plain", "norm", "folded"])
+def test_the_plan_minimizes_the_model_and_fills_littles_law(device, N, KH, M, NC, norm, folded):
+    """The planner's choice is the least modelled time over every split shape the op can launch
+    (fewest splits on a tie), and — no cap of its own — it is never limited by bytes in flight
+    when a launchable split count would fill the bandwidth-latency product (issue 21 item 3: N = 896
+    was capped at 224 blocks, ~2.5 MB against ~4.3 MB on H200). (When L2 traffic binds, M = 64 on
+    H200, fewer blocks are as fast and the planner takes them.)"""
     CH = KH // NC
-    bpsm = cb.table_blocks_per_sm(arch, cb.token_groups(M), "norm" if norm else "plain", torch.bfloat16)
-    s = cb.skinny_splits(M, N, CH, NC, sms, bpsm, norm)
-    assert 1 <= s <= cb.MAX_SPLITS_PER_CHUNK
-
-    def cost(k):
-        return cb.skinny_cost(M, N, CH, NC, k, sms, bpsm, norm)
-
-    assert all(cost(s) <= cost(k) for k in range(1, cb.MAX_SPLITS_PER_CHUNK + 1))
-    # the old rule: enough blocks for 3 per SM, whatever the registers allow
-    tiles = math.ceil(M / (8 * cb.token_groups(M))) * math.ceil(N / 64) * NC
-    old = min(cb.MAX_SPLITS_PER_CHUNK, math.ceil(cb.BLOCKS_PER_SM * sms / tiles))
-    assert cost(s) <= cost(old)
-    # fewest splits among the equally good ones
-    assert all(cost(k) > cost(s) for k in range(1, s) if cb.skinny_split_shape(CH, NC, k) !=
-               cb.skinny_split_shape(CH, NC, s))
+    k = kernel(sm.token_groups(M), device.arch)
+    asked, best = sm.best_splits(M, N, CH, NC, device, k, norm, folded)
+    shapes = {sm.split_shape(CH, NC, a): a for a in range(sm.max_splits_per_chunk(CH, NC), 0, -1)}
+    times = {shape: sm.predict(M, N, CH, NC, a, device, k, norm, folded).time for shape, a in shapes.items()}
+    assert best.time == pytest.approx(min(times.values()))
+    assert all(t > best.time * (1 - 1e-9) for shape, t in times.items() if shape[0] < best.splits_per_chunk)
+    reachable = max(sm.predict(M, N, CH, NC, a, device, k, norm, folded).in_flight for a in shapes.values())
+    short = best.in_flight < device.bytes_in_flight_needed <= reachable
+    assert not (short and best.limiter == "bytes in flight"), best
+    assert cb.skinny_splits(M, N, CH, NC, device, k, best.blocks_per_sm, norm, folded) == asked
 
 
-def test_cost_model_counts_waves_and_partials():
-    """One wave of exactly the saturating count moves the weight once; a tail wave of a few blocks
-    costs a whole saturating wave; partials cost S*M*N*4 bytes twice."""
-    sms, bpsm = 10, 3
-    # 30 weight tiles x 1 split = 30 blocks = one full wave of 30 slots, CH = 512: one 512-long split
-    base = cb.skinny_cost(8, 30 * 64, 512, 1, 1, sms, bpsm, False)
-    assert base == 30 * 64 * 512 * 2  # the weight, no partials (S = 1, no norm)
-    # 31 tiles: a second wave of one block, paid as a saturating wave of 30
-    assert cb.skinny_cost(8, 31 * 64, 512, 1, 1, sms, bpsm, False) == 2 * base
-    # with a norm the partials are written and read once more even with one split
-    assert cb.skinny_cost(8, 30 * 64, 512, 1, 1, sms, bpsm, True) == base + 2 * 8 * 30 * 64 * 4
+def test_the_issues_small_n_shape_is_no_longer_short_of_littles_law():
+    """Kimi-K2.5 at TP = 8 (N = 896 rows per rank, K*H = 21504), M = 1 on H200: the old cap of 16
+    splits per chunk gave 14 x 16 = 224 blocks; now the planner may use up to the op's 42 and the
+    ring keeps 24 KB per block in flight: the first wave holds at least the ~4.3 MB Little's law
+    asks for."""
+    k = kernel(1)
+    asked, p = sm.best_splits(1, 896, 21504, 1, H200, k)
+    assert p.in_flight >= H200.bytes_in_flight_needed
+    assert p.blocks > 14 * 16 or p.in_flight >= H200.bytes_in_flight_needed
 
 
-def test_fewer_resident_blocks_than_saturating_make_every_wave_latency_bound():
-    """NT = 8 with norms (191 registers on sm_90a: 2 blocks per SM, 264 slots below the 396 that
-    saturate): every wave costs a saturating wave, so the planner fills the waves of 264: H = 7168,
-    K = 3 chunks, M = 64: 3 splits per chunk = 1008 blocks = 3.82 waves (the old rule's 2 per chunk:
-    672 blocks = 2.55 waves, the third half empty)."""
-    bpsm = cb.table_blocks_per_sm("sm_90", 8, "norm", torch.bfloat16)
-    assert bpsm == 2
-    s = cb.skinny_splits(64, 7168, 7168, 3, 132, bpsm, True)
-    blocks, w = waves(64, 7168, 7168, 3, s, 132, bpsm)
-    assert (s, blocks) == (3, 1008) and 3.8 < w < 4
-    assert cb.skinny_cost(64, 7168, 7168, 3, 3, 132, bpsm, True) < cb.skinny_cost(64, 7168, 7168, 3, 2, 132, bpsm, True)
-
-
-def test_plan_asks_the_occupancy_of_the_variant_it_launches(monkeypatch):
-    """cuda_backend.plan passes (NT, variant, dtype) of the launch to skinny_blocks_per_sm and plans
-    with its answer on weight's device (x may be a meta tensor)."""
+def test_plan_uses_the_device_model_the_occupancy_and_the_kernel_of_its_launch(monkeypatch):
+    """cuda_backend.plan passes (NT, dtype) of the launch to skinny_blocks_per_sm, the device's model
+    and the variant (norm, folded) to the model, on weight's device (x may be a meta tensor)."""
     asked = []
 
-    def fake_bpsm(device, nt, variant, dtype):
-        asked.append((device.type, nt, variant, dtype))
-        return 3
+    def fake_bpsm(device, nt, dtype):
+        asked.append((device.type, nt, dtype))
+        return 4
 
     monkeypatch.setattr(cb, "skinny_blocks_per_sm", fake_bpsm)
-    monkeypatch.setattr(cb, "sm_count", lambda device: 132)
+    monkeypatch.setattr(cb, "device_model", lambda device: H200)
     monkeypatch.setattr(cb, "_op_bytes", lambda *a: 0)  # the size query is the extension's (not needed here)
     from eagle3_ops import plans
 
@@ -193,11 +193,17 @@ def test_plan_asks_the_occupancy_of_the_variant_it_launches(monkeypatch):
         p = cb.plan(x, w, None, None, None, None)
         pn = cb.plan(x, w, None, None, cn, None)
         pf = cb.plan(x, w, None, None, cn, None, norm_folded=True)
-    assert asked == [("meta", 8, "plain", torch.bfloat16), ("meta", 8, "norm", torch.bfloat16),
-                     ("meta", 8, "folded", torch.bfloat16)]
-    assert p.path == "skinny" and p.splits == cb.skinny_splits(64, 7168, 21504, 1, 132, 3)
-    assert pn.splits == cb.skinny_splits(64, 7168, 7168, 3, 132, 3, True)
-    assert pf.path == "skinny" and pf.splits == pn.splits
+    assert asked == [("meta", 8, torch.bfloat16)] * 3
+    k = cb.kernel_model("sm_90", 8, torch.bfloat16)
+    assert p.path == "skinny" and p.splits == cb.skinny_splits(64, 7168, 21504, 1, H200, k, 4)
+    assert pn.splits == cb.skinny_splits(64, 7168, 7168, 3, H200, k, 4, True)
+    assert pf.path == "skinny" and pf.splits == cb.skinny_splits(64, 7168, 7168, 3, H200, k, 4, True, True)
+
+
+def test_device_model_of_a_gpu_takes_its_sm_count_and_the_nearest_modelled_device():
+    assert cb._device_model("sm_90", 132).read_bw == H200.read_bw and cb._device_model("sm_90", 114).sms == 114
+    assert cb._device_model("sm_120", 170).mma_rate == sm.DEVICES["RTX 5090"].mma_rate
+    assert cb._device_model("sm_120", 188).l2_bw == PRO6000.l2_bw
 
 
 

@@ -1,0 +1,255 @@
+"""The CUDA skinny draft fc's performance model: ONE model, used by the split planner
+(``cuda_backend.skinny_splits``) and printed by the static model (``benchmarks/static_model.py``,
+which fills it from the built cubins). Pure Python, no torch. **A model, not a measurement**: every
+device number below is a datasheet figure or a design estimate (docs/kernels.md §1, §7.5); the
+qualification in front of every kernel (design.md §14) measures on the device and overrules it.
+
+What it models (csrc/draft_fc.cu, docs/kernels.md §7): the grid runs in waves of the blocks that
+can be resident (registers, shared memory, threads: :func:`blocks_per_sm`). Each block streams
+its split of 64 weight rows through a ring of ``stages`` steps of 64 k, so it keeps
+``(stages - 1)`` steps = ``(stages - 1) * 8 KB`` of weight requests in flight. A wave of ``n``
+blocks then reads DRAM at ``min(bandwidth, n * in_flight / latency)`` (Little's law) after one
+latency to fill; it is also bounded by what the SMs can issue (instructions per step from the
+SASS), by the tensor rate (``mma.sync``), and by L2 -> SM traffic (the weight plus the x tile each
+block copies: at 64 tokens per tile x is as many bytes as the weight). Around the waves: the norm
+pre-pass's bytes (its latency overlaps the skinny kernel's first weight requests by PDL), the
+split-K partials (written back to DRAM, read again from L2 by the reducer) and the reducer's
+dependent L2 round trip (its launch overlaps the skinny grid's tail by PDL).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Dict, Optional, Tuple
+
+# ---- the kernel's launch shape (csrc/draft_fc.cu; tests/test_build.py checks what the cubins say) --
+THREADS = 128            # kThreads: 4 warps
+ROWS_PER_BLOCK = 64      # kRowsPerBlock
+MAX_TOKEN_GROUPS = 8     # kMaxTokenGroups: token tile of 8, 16, 32 or 64 tokens
+MAX_SPLITS = 64          # kMaxSplits
+SPLIT_STEP = 64          # kStep: k per ring step
+MIN_STEPS_PER_SPLIT = 8  # kMinSplitSteps
+PIECE = 1024             # kPiece: elements per norm pre-pass block
+STAGES = {1: 4, 2: 4, 4: 4, 8: 3}  # kStages<NT>
+
+
+def token_groups(M: int) -> int:
+    """NT, the skinny kernel's token groups of 8 per tile for M output rows (1, 2, 4 or 8)."""
+    groups = -(-min(M, 8 * MAX_TOKEN_GROUPS) // 8)
+    return 1 if groups <= 1 else 2 if groups <= 2 else 4 if groups <= 4 else 8
+
+
+def shared_bytes(nt: int) -> int:
+    """Static shared memory of fc_skinny_kernel<T, nt> (kSkinnySharedBytes): the ring's weight
+    tiles [64][64] and x tiles [8 nt][64], 16-byte chunks."""
+    return STAGES[nt] * (ROWS_PER_BLOCK * SPLIT_STEP // 8 + 8 * nt * SPLIT_STEP // 8) * 16
+
+
+def in_flight_bytes(nt: int, elem_bytes: int = 2) -> int:
+    """Weight bytes one block keeps requested while it multiplies a step: stages - 1 steps."""
+    return (STAGES[nt] - 1) * ROWS_PER_BLOCK * SPLIT_STEP * elem_bytes
+
+
+def split_shape(CH: int, NC: int, asked: int) -> Tuple[int, int]:
+    """(splits per chunk, split length) the op launches for ``asked`` splits per chunk: the clamp of
+    csrc/draft_fc.cu skinny_plan (whole 64-wide steps, at least 8 of them, at most 64 splits)."""
+    per_chunk = max(1, min(asked, CH // (MIN_STEPS_PER_SPLIT * SPLIT_STEP), MAX_SPLITS // NC))
+    split_len = -(-(-(-CH // per_chunk)) // SPLIT_STEP) * SPLIT_STEP
+    return -(-CH // split_len), split_len
+
+
+def max_splits_per_chunk(CH: int, NC: int) -> int:
+    """The most splits per chunk the op's clamp allows (asking for more launches this many)."""
+    return split_shape(CH, NC, 1 << 30)[0]
+
+
+# ---- devices ---------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class SmLimits:
+    """Per-SM residency limits of a compute capability (CUDA C++ Programming Guide, "Features and
+    Technical Specifications"; the register allocation rule of the CUDA occupancy calculator,
+    cuda_occupancy.h: registers per warp rounded up to 256, allocated per SM sub-partition; 1 KB of
+    shared memory reserved per block)."""
+
+    max_threads: int          # resident threads per SM: 2048 on cc 9.0, 1536 on cc 12.0
+    shared_per_sm: int        # bytes: 228 KB on cc 9.0, 100 KB on cc 12.0
+    max_blocks: int = 32
+    registers: int = 65536
+    reg_alloc_unit: int = 256
+    sub_partitions: int = 4
+    shared_reserved_per_block: int = 1024
+
+
+SM_LIMITS = {"sm_90": SmLimits(max_threads=2048, shared_per_sm=228 * 1024),
+             "sm_120": SmLimits(max_threads=1536, shared_per_sm=100 * 1024)}
+
+
+def blocks_per_sm(regs_per_thread: int, shared: int, threads_per_block: int, limits: SmLimits) -> int:
+    """Resident blocks per SM: the smallest of the register, shared memory, thread and block limits.
+    E.g. 124 registers x 128 threads, 48 KB shared on sm_90: 3968 -> 4096 registers per warp -> 4
+    warps per sub-partition -> 4 blocks; 228 KB / 49 KB -> 4 blocks."""
+    warps = -(-threads_per_block // 32)
+    per_warp = -(-(regs_per_thread * 32) // limits.reg_alloc_unit) * limits.reg_alloc_unit
+    warps_by_regs = (limits.registers // limits.sub_partitions // per_warp) * limits.sub_partitions
+    by_shared = limits.shared_per_sm // (shared + limits.shared_reserved_per_block) if shared else limits.max_blocks
+    return max(0, min(warps_by_regs // warps, limits.max_threads // (32 * warps), limits.max_blocks, by_shared))
+
+
+@dataclass(frozen=True)
+class Device:
+    """What the model needs of a GPU. Sources: ``read_bw`` as docs/kernels.md §1 (H200: ~90% of the
+    4.8 TB/s datasheet, a design estimate; sm_120: the 1792 GB/s datasheet); ``latency`` a design
+    estimate of loaded DRAM latency (~1 us, docs/kernels.md §7.5); ``l2_bw`` (L2 -> SM) and
+    ``l2_latency`` design estimates, no datasheet gives them; ``mma_rate`` the dense bf16 rate with fp32 accumulate that
+    mma.sync is assumed to reach (sm_90: ~2/3 of the 989 TFLOP/s datasheet, wgmma being the rest;
+    sm_120: docs/kernels.md §1); ``clock`` the boost clock of the datasheets."""
+
+    name: str
+    arch: str       # "sm_90" or "sm_120"
+    sms: int
+    read_bw: float  # bytes/s
+    latency: float  # s
+    l2_bw: float    # bytes/s
+    mma_rate: float  # FLOP/s
+    clock: float    # Hz
+    l2_latency: float = 0.5e-6  # s, one dependent L2 round trip under load
+
+    @property
+    def limits(self) -> SmLimits:
+        return SM_LIMITS[self.arch]
+
+    @property
+    def bytes_in_flight_needed(self) -> float:
+        """Little's law: what the whole GPU must keep requested to stream at ``read_bw``."""
+        return self.read_bw * self.latency
+
+
+DEVICES = {
+    "H200": Device("H200", "sm_90", 132, 4.3e12, 1.0e-6, 7.0e12, 650e12, 1.98e9),
+    "RTX PRO 6000": Device("RTX PRO 6000", "sm_120", 188, 1.79e12, 1.0e-6, 5.0e12, 500e12, 2.6e9),
+    "RTX 5090": Device("RTX 5090", "sm_120", 170, 1.79e12, 1.0e-6, 4.5e12, 210e12, 2.4e9),
+}
+
+
+@dataclass(frozen=True)
+class Kernel:
+    """What the model needs of one fc_skinny_kernel<T, NT> build: from the cubins
+    (``cuobjdump -res-usage`` and the SASS hot loop) or from cuda_backend's tables of them."""
+
+    nt: int
+    regs: int
+    shared: int
+    stages: int
+    instructions_per_step: float  # per warp and 64-wide k step, the hot loop's issue count
+    elem_bytes: int = 2
+
+    @property
+    def in_flight(self) -> int:
+        return (self.stages - 1) * ROWS_PER_BLOCK * SPLIT_STEP * self.elem_bytes
+
+
+@dataclass
+class Prediction:
+    time: float                 # s, the whole call (pre-pass, skinny, reducer)
+    floor: float                # s, the weight read at read_bw
+    limiter: str                # the largest loss (see LOSSES)
+    losses: Dict[str, float] = field(default_factory=dict)  # s above the floor, by cause
+    splits_per_chunk: int = 0
+    split_len: int = 0
+    S: int = 0
+    blocks: int = 0
+    blocks_per_sm: int = 0
+    waves: float = 0.0
+    in_flight: float = 0.0      # bytes requested by the first wave's blocks
+
+    @property
+    def fraction(self) -> float:
+        """Predicted fraction of the read bandwidth: floor / time."""
+        return self.floor / self.time if self.time > 0 else 0.0
+
+
+LOSSES = ("fill latency", "bytes in flight", "L2 bandwidth", "issue rate", "tensor rate", "split-K partials",
+          "norm pre-pass", "reducer")
+
+
+def predict(M: int, N: int, CH: int, NC: int, asked: int, device: Device, kernel: Kernel, norm: bool = False,
+            folded: bool = False, bpsm: Optional[int] = None) -> Prediction:
+    """The modelled time of one skinny draft fc call asking ``asked`` splits per chunk (see the
+    module doc). ``bpsm`` overrides the resident blocks per SM (the CUDA runtime's answer on a GPU)."""
+    e = kernel.elem_bytes
+    per_chunk, split_len = split_shape(CH, NC, asked)
+    S = NC * per_chunk
+    KH = NC * CH
+    tiles_m = -(-M // (8 * kernel.nt))
+    tiles_n = -(-N // ROWS_PER_BLOCK)
+    blocks = tiles_m * tiles_n * S
+    if bpsm is None:
+        bpsm = blocks_per_sm(kernel.regs, kernel.shared, THREADS, device.limits)
+    bpsm = max(1, bpsm)
+    slots = bpsm * device.sms
+    weight = N * KH * e
+    floor = weight / device.read_bw
+    # per block (averages over the grid): DRAM weight bytes (token tiles of one weight tile share it
+    # through L2: blockIdx.x is the fastest axis), L2 -> SM bytes (weight + x tile), steps, FLOPs
+    dram_blk = weight / (tiles_n * S)
+    l2_blk = dram_blk + 8 * kernel.nt * (KH / S) * e
+    steps_blk = KH / S / SPLIT_STEP
+    flops_blk = 2 * 8 * kernel.nt * ROWS_PER_BLOCK * (KH / S)
+    losses = {k: 0.0 for k in LOSSES}
+    total = 0.0
+    full, rest = divmod(blocks, slots)
+    first_wave = min(blocks, slots)
+    for n, count_ in ((slots, full), (rest, 1 if rest else 0)):
+        if not count_:
+            continue
+        dram = n * dram_blk / tiles_m
+        rate = min(device.read_bw, n * kernel.in_flight / device.latency)
+        t_mem = device.latency + dram / rate
+        per_sm = -(-n // device.sms)
+        t_l2 = n * l2_blk / device.l2_bw
+        t_issue = per_sm * steps_blk * kernel.instructions_per_step / device.clock  # 4 warps on 4 schedulers
+        t_mma = per_sm * flops_blk / (device.mma_rate / device.sms)
+        t_wave = max(t_mem, t_l2, t_issue, t_mma)
+        ideal = dram / device.read_bw
+        if t_wave == t_mem:
+            losses["fill latency"] += count_ * device.latency
+            losses["bytes in flight"] += count_ * (dram / rate - ideal)
+        else:
+            name = {t_l2: "L2 bandwidth", t_issue: "issue rate", t_mma: "tensor rate"}[t_wave]
+            losses[name] += count_ * (t_wave - ideal)
+        total += count_ * t_wave
+    if S > 1 or norm:
+        partial = S * M * N * 4
+        losses["split-K partials"] = partial / device.read_bw + partial / device.l2_bw
+        losses["reducer"] = device.l2_latency
+    if norm:
+        losses["norm pre-pass"] = M * KH * e * (1 if folded else 2) / device.read_bw
+    time = total + losses["split-K partials"] + losses["reducer"] + losses["norm pre-pass"]
+    limiter = max(LOSSES, key=lambda k: losses[k])
+    if time - floor < 0.05 * time:
+        limiter = "DRAM bandwidth"
+    return Prediction(time, floor, limiter, losses, per_chunk, split_len, S, blocks, bpsm, blocks / slots,
+                      first_wave * kernel.in_flight)
+
+
+def best_splits(M: int, N: int, CH: int, NC: int, device: Device, kernel: Kernel, norm: bool = False,
+                folded: bool = False, bpsm: Optional[int] = None) -> Tuple[int, Prediction]:
+    """(splits per chunk to ask for, its prediction): the least modelled time over every split
+    shape the op's clamp can launch (no other cap), fewest splits on a tie."""
+    best = None
+    seen = set()
+    for asked in range(1, max_splits_per_chunk(CH, NC) + 1):
+        shape = split_shape(CH, NC, asked)
+        if shape in seen:
+            continue
+        seen.add(shape)
+        p = predict(M, N, CH, NC, asked, device, kernel, norm, folded, bpsm)
+        if best is None or p.time < best[1].time * (1 - 1e-9):
+            best = (asked, p)
+    return best
+
+
+__all__ = ["DEVICES", "Device", "Kernel", "LOSSES", "MAX_SPLITS", "MAX_TOKEN_GROUPS",
+           "MIN_STEPS_PER_SPLIT", "PIECE", "Prediction", "ROWS_PER_BLOCK", "SM_LIMITS", "SPLIT_STEP", "STAGES",
+           "SmLimits", "THREADS", "best_splits", "blocks_per_sm", "in_flight_bytes", "max_splits_per_chunk",
+           "predict", "shared_bytes", "split_shape", "token_groups"]
