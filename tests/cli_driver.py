@@ -10,9 +10,29 @@ CASES: [{"argv": [...], "env": {...}, "stdout": "closed" | "file"}]; RESULTS: pe
 closed pipe at its first line (as ``| head -c0`` does), not only at exit.
 """
 import json
+import logging
 import os
 import sys
 import tempfile
+
+
+def _logging_state():
+    """What a command may configure on the way (importing SGLang installs a root handler with its own
+    timestamped format): put back after each case, so the next one logs as a fresh process would."""
+    loggers = [logging.getLogger()] + [lg for lg in logging.Logger.manager.loggerDict.values()
+                                       if isinstance(lg, logging.Logger)]
+    return [(lg, list(lg.handlers), lg.level, lg.propagate) for lg in loggers]
+
+
+def _restore_logging(state):
+    known = {id(lg) for lg, *_ in state}
+    for lg, handlers, level, propagate in state:
+        lg.handlers[:] = handlers
+        lg.setLevel(level)
+        lg.propagate = propagate
+    for lg in logging.Logger.manager.loggerDict.values():  # loggers created during the case
+        if isinstance(lg, logging.Logger) and id(lg) not in known:
+            lg.handlers[:] = []
 
 
 def run_case(case, main):
@@ -21,6 +41,7 @@ def run_case(case, main):
     settings._reported.clear()  # once-per-process messages: each case is a fresh command
     qualify_cache._noted.clear()
     old_env = dict(os.environ)
+    logging_state = _logging_state()
     os.environ.update(case.get("env", {}))
     saved_out, saved_err = os.dup(1), os.dup(2)
     err_file = tempfile.TemporaryFile()
@@ -59,6 +80,7 @@ def run_case(case, main):
         os.close(saved_err)
         os.environ.clear()
         os.environ.update(old_env)
+        _restore_logging(logging_state)
     err_file.seek(0)
     out_file.seek(0)
     return {"rc": rc, "stderr": err_file.read().decode(errors="replace"),

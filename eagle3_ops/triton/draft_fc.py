@@ -383,10 +383,13 @@ def tiled_config(arch: int, itemsize: int) -> dict:
     # sm_120 (188 / 170 SMs, mma.sync, 64K registers for 1-2 programs): 128 x 64 tiles. 128 x 128
     # needed 255 registers and spilled with rows and norms (compile-checked), and at M = 256,
     # N = 7168 gave 112 programs, 0.6 of a wave; 128 x 64 holds 140 registers without a spill and
-    # gives 224 programs (>= one wave), still reading the weight once per 128 tokens.
-    # (tests/ops/test_kernel_plans.py compile-checks both archs.)
+    # gives 224 programs (>= one wave), still reading the weight once per 128 tokens. Two stages on
+    # sm_120: under SGLang, FlashInfer points Triton's Blackwell ptxas at the CUDA toolkit's
+    # (TRITON_PTXAS_BLACKWELL_PATH), and CUDA 13.0's ptxas gives 3 or 4 stages a 24-byte stack frame
+    # (128 registers); 2 stages hold 142 registers, no stack, with either ptxas.
+    # (tests/ops/test_kernel_plans.py compile-checks both archs, with each ptxas Triton may use.)
     bm, bn, bk = (128, 64, 64) if arch == 12 else (128, 128, 64)
-    stages = _stages(arch, (bm + bn) * bk * itemsize, max_stages=4)
+    stages = _stages(arch, (bm + bn) * bk * itemsize, max_stages=2 if arch == 12 else 4)
     return dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=8, num_warps=8, num_stages=stages)
 
 
