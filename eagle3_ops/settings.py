@@ -18,6 +18,7 @@ variable                           accepted                    a bad value means
 ``EAGLE3_OPS_DUMP_STATES``         a file path (default off)   the states dump is off
 ``EAGLE3_OPS_DUMP_TOKENS``         1 .. 1048576 (tokens)       the states dump is off
 ``EAGLE3_OPS_DUMP_BOUNDARIES``     auto|all (default auto)     the states dump is off
+``EAGLE3_OPS_WIRING_CHECK``        on/off words (default on)   the live wiring check stays off
 =================================  ==========================  =========================================
 
 Each setting has a ``kind`` (``switch``, ``count``, ``choice``, ``output-file``) that decides its
@@ -174,6 +175,8 @@ SETTINGS: Dict[str, Setting] = {s.name: s for s in (
                          "symlink is followed) in an existing folder where files can be created", _DUMP_OFF),
     _count_setting("EAGLE3_OPS_DUMP_TOKENS", 2048, 1, MAX_TOKENS_LIMIT, "prefill tokens", " (default 2048)",
                    _DUMP_OFF),
+    _switch_setting("EAGLE3_OPS_WIRING_CHECK", True,
+                    "the live wiring check stays off (the draft is served as configured; nothing is checked)"),
     _choice_setting("EAGLE3_OPS_DUMP_BOUNDARIES", "auto", ("auto", "all"),
                     "auto (each configured boundary and its neighbours, the embeddings, the last layer's output) "
                     "or all", _DUMP_OFF),

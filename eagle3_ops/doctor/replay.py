@@ -69,6 +69,23 @@ def load_states(path, target) -> States:
     return States.from_file(f)
 
 
+def unsupported_draft(draft, weights: Dict[str, TensorInfo]) -> Optional[str]:
+    """Why replay cannot run this draft (its architecture), or None. Replay runs a llama_eagle3 draft
+    (SGLang's and vLLM's names): another architecture would be scored by a model it is not, ranking
+    wirings by noise."""
+    lc = draft.layer_config
+    archs, layer_type = draft.architectures, str(lc.get("model_type", ""))
+    if (any(a in ("LlamaForCausalLMEagle3", "Eagle3LlamaForCausalLM") for a in archs)
+            or (draft.dialect == "speculators" and layer_type == "llama")  # Eagle3Speculator over a llama layer
+            or (not archs and "layers.0.self_attn.q_proj.weight" in weights)):  # no architectures, llama tensors
+        return None
+    this = ", ".join(archs) if archs else ("of unknown architecture (no architectures in config.json, no "
+                                           "midlayer.* / layers.0.* llama_eagle3 tensors)")
+    if draft.dialect == "speculators":
+        this += f" with a {layer_type or 'untyped'} transformer_layer_config"
+    return f"replay runs LlamaForCausalLMEagle3 drafts only; this draft is {this}"
+
+
 def build_draft(report: Report, weights: Dict[str, TensorInfo], token_ids: Optional[torch.Tensor] = None
                 ) -> Eagle3Draft:
     """Instantiate the plain-PyTorch draft from the checkpoint (shapes from weights, rest from config).
@@ -77,17 +94,9 @@ def build_draft(report: Report, weights: Dict[str, TensorInfo], token_ids: Optio
     target's embeddings serve (SGLang replaces the draft's with the target's when the hidden sizes match)."""
     draft, target = report.draft, report.target
     lc = draft.layer_config
-    # Replay runs a llama_eagle3 draft (SGLang's and vLLM's names): another architecture would be scored by a
-    # model it is not, ranking wirings by noise.
-    archs, layer_type = draft.architectures, str(lc.get("model_type", ""))
-    if not (any(a in ("LlamaForCausalLMEagle3", "Eagle3LlamaForCausalLM") for a in archs)
-            or (draft.dialect == "speculators" and layer_type == "llama")  # Eagle3Speculator over a llama layer
-            or (not archs and "layers.0.self_attn.q_proj.weight" in weights)):  # no architectures, llama tensors
-        this = ", ".join(archs) if archs else ("of unknown architecture (no architectures in config.json, no "
-                                               "midlayer.* / layers.0.* llama_eagle3 tensors)")
-        if draft.dialect == "speculators":
-            this += f" with a {layer_type or 'untyped'} transformer_layer_config"
-        raise DoctorInputError(f"replay runs LlamaForCausalLMEagle3 drafts only; this draft is {this}")
+    why = unsupported_draft(draft, weights)
+    if why is not None:
+        raise DoctorInputError(why)
     act = lc.get("hidden_act") or "silu"  # Llama's default
     if not isinstance(act, str) or act not in ACTIVATIONS:
         raise DoctorInputError(f"replay: the draft's hidden_act {act!r} is not supported (supported: "

@@ -105,8 +105,21 @@ class _Accumulator:
 
 
 class StatesRecorder:
-    def __init__(self, lm, inner, settings: DumpSettings, boundaries: List[int], tp_rank: int, tp_size: int):
+    """Records, during serving, SGLang's own captures at ``boundaries`` for the first ``settings.tokens``
+    prefill tokens of sequences that start at position 0 and have at least ``min_prompt_tokens`` tokens,
+    in forwards of at least ``min_forward_tokens`` tokens. ``on_written(path or None)`` is called once
+    the recording is written (rank 0: the file; other ranks: None). ``label`` names the feature in its
+    log lines (the states dump, or the live wiring check)."""
+
+    def __init__(self, lm, inner, settings: DumpSettings, boundaries: List[int], tp_rank: int, tp_size: int,
+                 *, min_prompt_tokens: int = 2, min_forward_tokens: int = 0, close_after: Optional[int] = None,
+                 on_written=None, label: str = ENV_DUMP_STATES):
         self.lm, self.inner, self.settings = lm, inner, settings
+        self.min_prompt_tokens, self.min_forward_tokens = max(2, int(min_prompt_tokens)), int(min_forward_tokens)
+        self.on_written, self.label = on_written, label
+        # the recording closes after the forward that brings it to this many tokens (default: the budget);
+        # every rank counts the same rows, so every rank closes after the same forward
+        self.close_after = settings.tokens if close_after is None else min(int(close_after), settings.tokens)
         self.num_layers = int(len(inner.layers)) if not hasattr(inner, "config") else \
             int(getattr(inner.config, "num_hidden_layers", len(inner.layers)))
         self.hidden_size = int(lm.config.hidden_size) if hasattr(lm, "config") else int(inner.config.hidden_size)
@@ -119,6 +132,8 @@ class StatesRecorder:
         self.missing_boundaries: set = set()
         self.done = False
         self.handles = []
+        self.unreachable: List[int] = []
+        self.max_bytes = 0
         self.lock = threading.Lock()
 
     # ---- per forward -------------------------------------------------------------------------------
@@ -143,10 +158,12 @@ class StatesRecorder:
         prefix = getattr(fb, "extend_prefix_lens_cpu", None)
         if ids is None or lens is None or prefix is None or sum(int(x) for x in lens) != ids.shape[0]:
             return skip
+        if ids.shape[0] < self.min_forward_tokens:
+            return skip
         rows, kept, start, budget = [], [], 0, self.remaining
         for n, p in zip(lens, prefix):
             n, p = int(n), int(p)
-            if p == 0 and budget > 0 and n >= 2:  # a sequence from its first token (no cached prefix)
+            if p == 0 and budget > 0 and n >= self.min_prompt_tokens:  # a sequence from its first token
                 take = min(n, budget)
                 rows.append(torch.arange(start, start + take))
                 kept.append(take)
@@ -155,6 +172,10 @@ class StatesRecorder:
         if not rows:
             return skip
         return _Forward(fb, torch.cat(rows), kept, int(ids.shape[0]))
+
+    def wants(self, forward_batch) -> bool:
+        """Whether this forward would be recorded (read from the batch's CPU fields; no side effect)."""
+        return self._plan(forward_batch).rows is not None
 
     def record(self, boundary: int, value) -> None:
         cur = getattr(_tls, "forward", None)
@@ -177,7 +198,7 @@ class StatesRecorder:
         nxt = self._greedy_next(normed, cur)
         if not self.keep_values:  # a rank > 0 takes part in the all-gathers only; it stops when rank 0 does
             self.remaining -= int(cur.rows.numel())
-            if self.remaining <= 0:
+            if self._full():
                 self.write()
             return
         ids = cur.forward_batch.input_ids.index_select(0, cur.rows.to(cur.forward_batch.input_ids.device)).cpu()
@@ -192,8 +213,11 @@ class StatesRecorder:
             for b in self.boundaries:
                 if b not in cur.values:
                     self.missing_boundaries.add(b)
-        if self.remaining <= 0:
+        if self._full():
             self.write()
+
+    def _full(self) -> bool:
+        return self.remaining <= 0 or self.settings.tokens - self.remaining >= self.close_after
 
     def _greedy_next(self, normed: torch.Tensor, cur: _Forward) -> torch.Tensor:
         head = self.lm.lm_head
@@ -230,12 +254,20 @@ class StatesRecorder:
         for h in self.handles:
             h.remove()
         self.handles = []
-        if not self.keep_values:
-            return None
+        written = self._write(prompts) if self.keep_values else None
+        if self.on_written is not None:
+            try:
+                self.on_written(written)
+            except Exception:  # never stop SGLang
+                log.exception("eagle3_ops: %s: the follow-up of the recording failed", self.label)
+        return written
+
+    def _write(self, prompts) -> Optional[str]:
         if not prompts:
-            log.warning("eagle3_ops: %s=%s: no prefill was recorded (prefills replayed from a prefill CUDA "
-                        "graph are not seen; serve with --disable-prefill-cuda-graph while dumping); nothing "
-                        "written", ENV_DUMP_STATES, self.settings.path)
+            if self.label == ENV_DUMP_STATES:
+                log.warning("eagle3_ops: %s=%s: no prefill was recorded (prefills replayed from a prefill CUDA "
+                            "graph are not seen; serve with --disable-prefill-cuda-graph while dumping); nothing "
+                            "written", ENV_DUMP_STATES, self.settings.path)
             return None
         recorded = sorted(set().union(*(p["boundaries"].keys() for p in prompts)))
         try:
@@ -245,8 +277,10 @@ class StatesRecorder:
                                          "layers_to_capture": ",".join(map(str, self.configured)),
                                          "model": type(self.lm).__name__})
         except Exception as e:  # never stop SGLang
-            log.error("eagle3_ops: %s: could not write %s: %s", ENV_DUMP_STATES, self.settings.path, e)
+            log.error("eagle3_ops: %s: could not write %s: %s", self.label, self.settings.path, e)
             return None
+        if self.label != ENV_DUMP_STATES:
+            return str(self.settings.path)
         missing = sorted(set(self.boundaries) - set(recorded))
         log.info("eagle3_ops: wrote %s: %d prefill tokens in %d sequences, boundaries %s (SGLang captures %s), "
                  "%.1f MiB%s; check the draft with: python -m eagle3_ops doctor --draft DRAFT --target TARGET "
@@ -376,18 +410,31 @@ def install_dump(model, settings: Optional[DumpSettings] = None) -> Optional[Sta
     lm = resolve_causal_lm(model)
     if lm is None or not getattr(lm, "capture_aux_hidden_states", False):
         return None
-    inner = lm.model
-    if inner.__dict__.get(_STATE_ATTR) is not None:
-        return inner.__dict__[_STATE_ATTR]
+    if lm.model.__dict__.get(_STATE_ATTR) is not None:
+        return lm.model.__dict__[_STATE_ATTR]
     requested, settings = _requested_settings(settings)
     if not requested:
         return None
+    return install_recorder(model, settings, label=ENV_DUMP_STATES, atexit_write=True)
+
+
+def install_recorder(model, settings: Optional[DumpSettings], *, boundaries: Optional[List[int]] = None,
+                     label: str = ENV_DUMP_STATES, atexit_write: bool = False, **recorder_kw) -> Optional[StatesRecorder]:
+    """A recorder on ``model`` (one per model: the states dump or the live wiring check) at ``boundaries``
+    (default: what ``settings.boundaries`` names), or None with one log line. Every TP rank calls this;
+    they agree (every rank records or none). ``settings`` None: this rank refused its settings."""
+    lm = resolve_causal_lm(model)
+    if lm is None or not getattr(lm, "capture_aux_hidden_states", False):
+        return None
+    inner = lm.model
+    if inner.__dict__.get(_STATE_ATTR) is not None:
+        return None  # one recorder per model: the other feature has it
     recorder = None
     if settings is not None:
         try:
-            recorder = _prepare(model, lm, inner, settings)
+            recorder = _prepare(model, lm, inner, settings, boundaries, label, recorder_kw)
         except Exception:  # never skip the agreement below: the other ranks wait in it
-            log.exception("eagle3_ops: %s: could not set up the recording; the states dump is off", ENV_DUMP_STATES)
+            log.exception("eagle3_ops: %s: could not set up the recording; it is off", label)
     from .groups import tp_group
     from .lockstep import all_ranks_agree
 
@@ -395,16 +442,17 @@ def install_dump(model, settings: Optional[DumpSettings] = None) -> Optional[Sta
         if recorder is not None:
             for h in recorder.handles:
                 h.remove()
-            log.error("eagle3_ops: %s: another TP rank cannot record (see its log); the states dump is off",
-                      ENV_DUMP_STATES)
+            log.error("eagle3_ops: %s: another TP rank cannot record (see its log); it is off", label)
         return None
     inner.__dict__[_STATE_ATTR] = recorder
     _recorders.append(recorder)
-    atexit.register(recorder.write)
+    if atexit_write:
+        atexit.register(recorder.write)
     return recorder
 
 
-def _prepare(model, lm, inner, settings: DumpSettings) -> Optional[StatesRecorder]:
+def _prepare(model, lm, inner, settings: DumpSettings, boundaries: Optional[List[int]], label: str,
+             recorder_kw: dict) -> Optional[StatesRecorder]:
     """The recorder with its hooks registered (not yet active anywhere else), or None with one line."""
     from .groups import tp_rank_size
 
@@ -412,10 +460,11 @@ def _prepare(model, lm, inner, settings: DumpSettings) -> Optional[StatesRecorde
     num_layers = int(getattr(inner.config, "num_hidden_layers", len(inner.layers)))
     start = getattr(inner, "start_layer", 0)
     end = getattr(inner, "end_layer", len(inner.layers))
-    boundaries = needed_boundaries(inner.layers_to_capture, num_layers, settings.boundaries)
-    recorder = StatesRecorder(lm, inner, settings, [], tp_rank, tp_size)
+    if boundaries is None:
+        boundaries = needed_boundaries(inner.layers_to_capture, num_layers, settings.boundaries)
+    recorder = StatesRecorder(lm, inner, settings, [], tp_rank, tp_size, label=label, **recorder_kw)
     unreachable = []
-    for b in boundaries:
+    for b in sorted(set(boundaries)):
         if b == num_layers and end == num_layers and getattr(inner, "norm", None) is not None:
             recorder.boundaries.append(b)
             continue
@@ -429,26 +478,29 @@ def _prepare(model, lm, inner, settings: DumpSettings) -> Optional[StatesRecorde
         recorder.handles.append(inner.layers[b].register_forward_pre_hook(
             _layer_pre_hook(recorder, b, kind), with_kwargs=True))
         recorder.boundaries.append(b)
+    recorder.unreachable = unreachable
     if not recorder.boundaries:
-        log.warning("eagle3_ops: %s: no boundary of %s can be recorded on this rank; dump off", ENV_DUMP_STATES,
+        log.warning("eagle3_ops: %s: no boundary of %s can be recorded on this rank; it is off", label,
                     type(model).__name__)
         return None
     itemsize = torch.empty((), dtype=next(inner.parameters()).dtype).element_size()
     # values, plus token ids and next tokens (int64 each) per token
     nbytes = settings.tokens * (len(recorder.boundaries) * recorder.hidden_size * itemsize + 16)
+    recorder.max_bytes = nbytes
     problem = _room_problem(settings, nbytes) if tp_rank == 0 else None  # only rank 0 keeps values
     if problem is not None:
         for h in recorder.handles:
             h.remove()
-        log.error("eagle3_ops: %s=%s: %s; the states dump is off", ENV_DUMP_STATES, settings.path, problem)
+        log.error("eagle3_ops: %s=%s: %s; it is off", label, settings.path, problem)
         return None
-    through = "" if settings.target == Path(os.path.abspath(settings.path)) else \
-        f" (a symlink: the file written is {settings.target})"
-    log.info("eagle3_ops: %s=%s%s: recording the first %d prefill tokens of %s at boundaries %s%s "
-             "(post all-reduce, TP rank %s keeps them: up to %.1f MiB host memory%s)", ENV_DUMP_STATES,
-             settings.path, through, settings.tokens, type(model).__name__, recorder.boundaries,
-             f", not reachable here: {unreachable}" if unreachable else "", 0,
-             nbytes / 2**20 if tp_rank == 0 else 0.0, _prefill_graph_note())
+    if label == ENV_DUMP_STATES:
+        through = "" if settings.target == Path(os.path.abspath(settings.path)) else \
+            f" (a symlink: the file written is {settings.target})"
+        log.info("eagle3_ops: %s=%s%s: recording the first %d prefill tokens of %s at boundaries %s%s "
+                 "(post all-reduce, TP rank %s keeps them: up to %.1f MiB host memory%s)", ENV_DUMP_STATES,
+                 settings.path, through, settings.tokens, type(model).__name__, recorder.boundaries,
+                 f", not reachable here: {unreachable}" if unreachable else "", 0,
+                 nbytes / 2**20 if tp_rank == 0 else 0.0, _prefill_graph_note())
     return recorder
 
 

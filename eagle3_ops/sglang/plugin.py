@@ -73,6 +73,7 @@ def _on_configure_aux_hidden_state_capture(result, *args, **kwargs):
 
             install_target_capture(model)
             _install_dump(model)
+            _start_wiring_check(model)
         else:
             from .draft_fc_hooks import install_draft_fc
 
@@ -167,6 +168,32 @@ def _install_dump(model) -> None:
     install_dump(model)
 
 
+def _start_wiring_check(model) -> None:
+    """The live wiring check (wiring_check.py; on by default, EAGLE3_OPS_WIRING_CHECK=0 turns it off)."""
+    from .wiring_check import start
+
+    try:
+        start(model)
+    except Exception:  # never stop SGLang
+        log.exception("eagle3_ops: the live wiring check could not start; serving is unaffected")
+
+
+def _around_can_run_graph(original, *args, **kwargs):
+    from .wiring_check import around_can_run_graph
+
+    return around_can_run_graph(original, *args, **kwargs)
+
+
+def _after_resolve_spec_tokens(result, *args, **kwargs):
+    try:
+        from .wiring_check import after_resolve_spec_tokens
+
+        after_resolve_spec_tokens(result, *args, **kwargs)
+    except Exception:  # a count only: never stop SGLang
+        log.exception("eagle3_ops: the live wiring check could not count accepted tokens")
+    return result
+
+
 def _around_final_norm(original, *args, **kwargs):
     from .dump_states import final_norm_hook
 
@@ -227,6 +254,10 @@ def register() -> None:
         for target in GRAPHS_TARGETS:
             HookRegistry.register(target, _after_graph_setup, HookType.AFTER)
         HookRegistry.register(FINAL_NORM_TARGET, _around_final_norm, HookType.AROUND)
+        from . import wiring_check as wc
+
+        HookRegistry.register(wc.CAN_RUN_GRAPH_TARGET, _around_can_run_graph, HookType.AROUND)
+        HookRegistry.register(wc.ACCEPTANCE_TARGET, _after_resolve_spec_tokens, HookType.AFTER)
         for target in WEIGHT_UPDATE_TARGETS:
             HookRegistry.register(target, _after_weight_update, HookType.AFTER)
         from . import static_inputs as si

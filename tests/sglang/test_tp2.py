@@ -8,7 +8,8 @@ rank 1 leaves SGLang's norm on both ranks. Draft: the sharded fc (each rank its 
 weight released) gives the replicated fc's outputs with exactly one added all-gather per draft
 extend; the sharding decision is the max of every rank's timings and is cached; a failure on rank 1
 at any install step leaves SGLang's stock fc on both ranks (and the test finishing shows no rank was
-left waiting); a draft in an attention-TP group of its own (DP attention) is not sharded."""
+left waiting); a draft in an attention-TP group of its own (DP attention) is not sharded. The live
+wiring check: both ranks record in lockstep, rank 0 alone scores and warns."""
 import torch
 
 from tp2_worker import DRAFTS, FAILURE_STEPS, LAYER_IDS, PROMPTS, two_forwards  # noqa: F401
@@ -49,14 +50,34 @@ def test_tp2(sglang_cpu, tmp_path):
     dcfg.bias = True  # llama_eagle3 reads config.bias for fc: the bias rows are sharded too
     ckpt = _checkpoint(h.eagle3_draft(dcfg, torch.float32, seed=3), dcfg)
     aux = torch.randn(12, len(LAYER_IDS) * cfg.hidden_size, generator=torch.Generator().manual_seed(11))
-    torch.save({"ckpt": ckpt, "aux": aux, "dcfg": dcfg}, tmp_path / "inputs.pt")
+    from eagle3_ops.doctor.tiny import build_tiny_pair
+
+    pair = build_tiny_pair(tmp_path.parent.parent / "doctor_tiny_pair")
+    from doctor_fixtures import copy_draft_with_ids
+
+    miswired = copy_draft_with_ids(pair, tmp_path / "miswired", nested=[1, 3, 5])
+    wiring = {"target": str(pair.target_dir), "draft": str(miswired), "prompts": str(pair.prompts_file)}
+    torch.save({"ckpt": ckpt, "aux": aux, "dcfg": dcfg, "wiring": wiring}, tmp_path / "inputs.pt")
 
     ranks, logs = h.run_ranks("tp2_worker.py", tmp_path)
     ref_only = [r["reference_only"] for r in ranks]
     assert all(ref_only)  # the rank processes serve the reference backend (bitwise comparisons below)
     _check_target(h, ranks)
     _check_dump(h, ranks, tmp_path)
+    _check_wiring(ranks)
     _check_draft(h, ranks, logs, ckpt, dcfg)
+
+
+def _check_wiring(ranks):
+    """The live wiring check at TP=2: both ranks recorded the same boundaries and closed after the same
+    forward; rank 0 alone scored (the trained wiring [3, 5, 7] over the served [2, 4, 6]) and wrote the
+    verdict; rank 1 started nothing."""
+    w0, w1 = ranks[0]["wiring"], ranks[1]["wiring"]
+    assert w0["boundaries"] == w1["boundaries"] and w0["done"] and w1["done"]
+    assert w0["phase"] == "done" and w0["thread"] and w0["result_file"], w0
+    assert w0["verdict"]["verdict"] == "WARNING" and w0["verdict"]["best"]["boundaries"] == [3, 5, 7], w0
+    assert w0["verdict"]["configured"]["boundaries"] == [2, 4, 6]
+    assert w1["phase"] == "done" and not w1["thread"] and w1["verdict"] is None and not w1["result_file"], w1
 
 
 def _check_target(h, ranks):

@@ -7,6 +7,8 @@ One pair of processes covers everything that needs real collectives (test_tp2.py
   bitwise stock — and once more with the norm's qualification failing on rank 1 (both ranks then serve
   SGLang's norm: one decision on every rank);
 * **the states dump** at TP=2 (rank 0 keeps values and writes);
+* **the live wiring check** at TP=2 on the tiny doctor pair served mis-wired (both ranks record in
+  lockstep; rank 0 alone scores, warns and writes the verdict);
 * **draft** (SGLang's llama_eagle3, checkpoint ``DIR/inputs.pt``): stock, sharded (qualification off:
   sharded everywhere), replicated (``EAGLE3_OPS_SGLANG_SHARD_FC=0``), SGLang's own fc block on the
   sharded module, qualified (rank-dependent scripted timings: the max over ranks decides; partial
@@ -161,6 +163,37 @@ def target_part(rank, outdir, results):
     finally:
         os.environ.pop("EAGLE3_OPS_DUMP_STATES", None)
         os.environ.pop("EAGLE3_OPS_DUMP_TOKENS", None)
+    wiring_part(rank, outdir, results)
+
+
+def wiring_part(rank, outdir, results):
+    """The live wiring check at TP=2 on the tiny doctor pair, served mis-wired (ids [1, 3, 5]): both ranks
+    record in lockstep (the next-token all-gather), rank 0 alone scores and talks."""
+    import json
+
+    import torch
+    from safetensors.torch import load_file
+    from transformers import LlamaConfig
+
+    from eagle3_ops.sglang import wiring_check
+
+    pair = torch.load(os.path.join(outdir, "inputs.pt"), weights_only=False)["wiring"]
+    os.environ["XDG_CACHE_HOME"] = os.path.join(outdir, f"cache-wiring-{rank}")
+    cfg = LlamaConfig.from_pretrained(pair["target"])
+    model = h.sglang_model("llama", cfg, torch.float32, weights=load_file(os.path.join(pair["target"],
+                                                                                       "model.safetensors")).items())
+    h.configure_capture(model, [1, 3, 5])
+    check = wiring_check.start(model, draft_path=pair["draft"], target_config=cfg)
+    prompts = json.loads(open(pair["prompts"]).read())[:wiring_check.CLOSE_AFTER_TOKENS // 32 + 2]
+    kv = h.KVCache(cfg, torch.float32, tp_size=2, size=sum(map(len, prompts)) + 8, max_reqs=len(prompts) + 1)
+    for s in range(0, len(prompts), 4):
+        chunk = prompts[s:s + 4]
+        h.run(model, h.extend_batch(kv, [h.Req(kv.new_req()) for _ in chunk], chunk), kv)
+    if check.thread is not None:
+        check.thread.join()
+    results["wiring"] = {"phase": check.phase, "verdict": check.verdict, "thread": check.thread is not None,
+                         "boundaries": check.recorder.boundaries, "done": check.recorder.done,
+                         "result_file": wiring_check.result_path().is_file()}
 
 
 def _build_draft(dcfg, dtype, ckpt):

@@ -1,0 +1,570 @@
+"""The live wiring check: the server tells the user, on its first real prompts, whether the draft is fed
+the hidden states it was trained on.
+
+A draft fed other hidden states than it was trained on accepts 20-30% of tokens instead of ~75% (or
+~1%), and nothing crashes. The doctor (eagle3_ops.doctor) can tell from the configs where they decide,
+and its replay scores candidate wirings with the real draft on the engine's own states where they do
+not. This module chains them inside the server, on by default (``EAGLE3_OPS_WIRING_CHECK=0`` turns it
+off), with SGLang's default flags:
+
+1. **At start-up** (when SGLang configures the target's capture): one INFO line with what the server
+   feeds the draft, in words, the doctor's verdict on the configs (its codes), and what the live check
+   waits for.
+2. **On the first prompts that qualify** (prefills from position 0 of at least
+   :data:`MIN_PROMPT_TOKENS` tokens, until :data:`CLOSE_AFTER_TOKENS` positions, at most
+   :data:`RECORD_TOKENS`): the boundaries the
+   replay's candidate wirings name, the tokens and the target's greedy next tokens are recorded through
+   the states dump's recorder (``dump_states.StatesRecorder``: SGLang's own capture callbacks, post
+   all-reduce; TP rank 0 keeps the values in host memory, bounded by the token count; every rank takes
+   part in the next-token all-gather, the dump's one collective). SGLang's breakable prefill CUDA
+   graphs would replay such a prefill without running Python, so for that one forward the graph runner
+   is told it cannot run it (AROUND ``PrefillCudaGraphRunner.can_run_graph``; every TP rank sees the
+   same batch and decides the same): one prefill runs eagerly, nothing else changes.
+3. **In the background** (TP rank 0): the recording is written next to the qualification cache and the
+   doctor's replay runs on it in a subprocess (``python -m eagle3_ops doctor --replay``: nice 19,
+   :data:`THREADS` threads, no GPU, an address-space limit, :data:`TIME_LIMIT_S` seconds), reading only
+   the draft tensors it needs and of the draft's embedding only the recorded tokens' rows. Serving goes
+   on; one verdict line follows (OK, or a WARNING with the wiring that predicts the target best, its
+   agreement against the served one's, the config change the doctor verifies, and the offline command),
+   and the same as JSON (:func:`result_path`). Where the check cannot run, one line says why.
+4. **Observed against predicted**: once SGLang has verified :data:`ACCEPTANCE_STEPS` request steps,
+   one line compares its first-draft-token acceptance with the replay's top-1 agreement of the served
+   wiring; a large gap with the wiring right points at something else (tokenizer, vocabulary map,
+   embedding scale).
+
+What it changes: nothing the target computes. The recorded layers complete their deferred all-reduce
+before their input norm, as SGLang does for its own captured layers; where SGLang would instead fuse
+that all-reduce with the add+RMSNorm (FlashInfer's fusion, TP > 1 on sm_90/sm_100, up to
+``FUSE_ALLREDUCE_MAX_BATCH_SIZE`` tokens), only forwards longer than that are recorded, so no recorded
+forward runs another kernel than stock. After it has run, it costs one flag check per hooked call.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any, Dict, List, Optional
+
+log = logging.getLogger("eagle3_ops.sglang")
+
+ENV_SWITCH = "EAGLE3_OPS_WIRING_CHECK"
+MIN_PROMPT_TOKENS = 32     # a shorter prompt gives the replay too little context per position
+RECORD_TOKENS = 1024       # positions recorded at most: host memory = tokens x boundaries x H x dtype bytes
+CLOSE_AFTER_TOKENS = 256   # the recording closes after the prompt that brings it to this many
+TIME_LIMIT_S = 900         # the background replay's wall-clock bound
+THREADS = 2                # its CPU threads
+ACCEPTANCE_STEPS = 1000    # verified (request, step) pairs before the observed-vs-predicted line
+GAP_POINTS = 15.0          # observed vs predicted first-token acceptance: a gap worth a line of its own
+LABEL = "live wiring check"
+
+CAN_RUN_GRAPH_TARGET = ("sglang.srt.model_executor.runner.prefill_cuda_graph_runner."
+                        "PrefillCudaGraphRunner.can_run_graph")
+ACCEPTANCE_TARGET = ("sglang.srt.managers.scheduler_components.batch_result_processor."
+                     "SchedulerBatchResultProcessor._resolve_spec_v2_tokens")
+
+_checks: List["WiringCheck"] = []
+
+
+def enabled() -> bool:
+    from .. import settings
+
+    try:
+        return bool(settings.get(ENV_SWITCH))
+    except settings.SettingError as e:
+        settings.report_once(e, log)
+        return False
+
+
+def result_path() -> Path:
+    """Where the verdict is written as JSON: next to the qualification cache."""
+    from .. import qualify_cache
+
+    return qualify_cache.path().parent / "wiring_check.json"
+
+
+def boundaries_in_words(boundaries: List[int], num_layers: int) -> str:
+    """'the embeddings, the output of layer 1, 29, 57' (boundary b is the output of layer b-1)."""
+    parts = []
+    layers = [str(b - 1) for b in boundaries if 0 < b <= num_layers]
+    if 0 in boundaries:
+        parts.append("the embeddings")
+    if layers:
+        parts.append("the output of layer " + ", ".join(layers) +
+                     (" (the last layer, before the final norm)" if num_layers in boundaries else ""))
+    odd = [b for b in boundaries if not 0 <= b <= num_layers]
+    if odd:
+        parts.append(f"boundaries {odd}, which do not exist")
+    return ", ".join(parts) or "nothing"
+
+
+class WiringCheck:
+    """One target's live check (every TP rank has one; rank 0 does the talking and the scoring)."""
+
+    def __init__(self, model_name: str, draft_dir: Path, target_config: dict, served: List[int],
+                 num_layers: int, tp_rank: int, tp_size: int):
+        self.model_name, self.draft_dir, self.target_config = model_name, draft_dir, target_config
+        self.served, self.num_layers = served, num_layers
+        self.tp_rank, self.tp_size = tp_rank, tp_size
+        self.report = None            # the doctor's config-only report (doctor.checks.Report)
+        self.recorder = None
+        self.phase = "waiting"        # waiting | scoring | done | failed
+        self.verdict: Optional[dict] = None
+        self.predicted: Optional[float] = None   # the replay's top-1 agreement of the served wiring
+        self.steps = 0                # verified (request, step) pairs seen
+        self.first_accepted = 0       # of them, with the first draft token accepted
+        self.acceptance_logged = False
+        self.thread: Optional[threading.Thread] = None
+        self.workdir = _workdir(model_name)
+
+    @property
+    def talks(self) -> bool:
+        return self.tp_rank == 0
+
+    # ---- the recording finished -------------------------------------------------------------------
+    def recorded(self, path: Optional[str]) -> None:
+        if not self.talks:
+            self.phase = "done"
+            return
+        if path is None:
+            self._fail("nothing was recorded (no prefill qualified before the recording was closed)")
+            return
+        self.phase = "scoring"
+        self.thread = threading.Thread(target=self._score, args=(Path(path),), name="eagle3_ops-wiring-check",
+                                       daemon=True)
+        self.thread.start()
+
+    def _fail(self, why: str) -> None:
+        self.phase = "failed"
+        log.warning("eagle3_ops: %s: %s could not be checked: %s; serving is unaffected", LABEL, self.model_name, why)
+        _write_result({"model": self.model_name, "verdict": "not checked", "why": why})
+
+    # ---- the background replay ---------------------------------------------------------------------
+    def command(self, states: Path, target_dir: Path) -> List[str]:
+        from ..doctor.rules import sglang_mode
+
+        code = "table" if sglang_mode("auto")[0] else "installed"
+        return [sys.executable, "-m", "eagle3_ops", "doctor", "--draft", str(self.draft_dir), "--target",
+                str(target_dir), "--replay", str(states), "--json", "--engine-code", code,
+                *(["--tp", str(self.tp_size)] if self.tp_size > 1 else [])]
+
+    def _score(self, states: Path) -> None:
+        try:
+            target_dir = self.workdir / "target"  # the target's config as the server read it (kept for the offline command)
+            target_dir.mkdir(parents=True, exist_ok=True)
+            (target_dir / "config.json").write_text(json.dumps(self.target_config, default=str))
+            cmd = self.command(states, target_dir)
+            t0 = time.monotonic()
+            proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=_child_env(),
+                                    preexec_fn=_child_limits(self.memory_limit(states)))
+            try:
+                out, err = proc.communicate(timeout=TIME_LIMIT_S)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.communicate()
+                self._fail(f"the replay did not finish in {TIME_LIMIT_S} s (the time bound); check offline: "
+                           f"{_shell(self._offline_command(states))}")
+                return
+            seconds = time.monotonic() - t0
+            report = _parse(out)
+            if proc.returncode not in (0, 1) or report is None:
+                lines = [ln for ln in err.decode(errors="replace").strip().splitlines() if ln.strip()]
+                self._fail(f"the replay stopped (exit {proc.returncode}): {lines[-1] if lines else 'no message'}")
+                return
+            self._conclude(report, states, seconds)
+        except Exception as e:  # never stop SGLang
+            log.exception("eagle3_ops: %s failed", LABEL)
+            self._fail(f"{type(e).__name__}: {e}")
+
+    def memory_limit(self, states: Path) -> int:
+        """Address space for the replay process: torch itself, the draft tensors it loads (at most the
+        checkpoint), the states, and room to compute."""
+        draft_bytes = sum(f.stat().st_size for f in self.draft_dir.glob("*.safetensors")) + \
+            sum(f.stat().st_size for f in self.draft_dir.glob("pytorch_model*.bin"))
+        return int(8 * 2**30 + 3 * draft_bytes + 3 * states.stat().st_size)
+
+    def _offline_command(self, states: Path) -> List[str]:
+        return ["python", "-m", "eagle3_ops", "doctor", "--draft", str(self.draft_dir), "--target",
+                str(self.workdir / "target"), "--replay", str(states)]
+
+    def _conclude(self, report: dict, states: Path, seconds: float) -> None:
+        replay = report.get("replay")
+        codes = {f.get("code"): f for f in report.get("findings", []) if isinstance(f, dict)}
+        if not isinstance(replay, dict):
+            why = codes.get("I_REPLAY_SKIPPED", {}).get("message") or "the doctor ran no replay"
+            self._fail(why)
+            return
+        L = self.num_layers
+        conf, best = replay.get("configured"), replay.get("best") or {}
+        n = int(replay.get("tokens", 0))
+        offline = _shell(self._offline_command(states))
+        result = {"model": self.model_name, "served": self.served, "tokens": n, "states": str(states),
+                  "seconds": round(seconds, 1), "replay_command": offline,
+                  "candidates": replay.get("candidates", [])[:12]}
+        if conf is None:
+            self._fail("the served wiring could not be scored (see the doctor's errors: "
+                       + "; ".join(c for c in codes if c.startswith("E_")) + ")")
+            return
+        self.predicted = float(conf["accuracy"])
+        if "E_REPLAY_BETTER_WIRING" in codes:
+            gain, se = float(replay.get("gain", 0.0)), float(replay.get("gain_stderr", 0.0))
+            fix = self._fix(best["boundaries"])
+            result.update(verdict="WARNING", best=best, configured=conf, gain=gain, gain_stderr=se, fix=fix)
+            log.warning("eagle3_ops: %s: WARNING: %s's draft predicts the target best with %s %s (%s): %.1f%% top-1 "
+                        "agreement, against %.1f%% for the served %s (+%.1f ± %.1f points, %d positions). %s "
+                        "Reproduce offline: %s", LABEL, self.model_name, best.get("label"), best["boundaries"],
+                        boundaries_in_words(best["boundaries"], L), 100 * best["accuracy"], 100 * conf["accuracy"],
+                        conf["boundaries"], 100 * gain, 100 * se, n, fix["text"], offline)
+        else:
+            runner = next((c for c in replay.get("candidates", []) if c.get("boundaries") != conf["boundaries"]), None)
+            result.update(verdict="OK", configured=conf, runner_up=runner)
+            log.info("eagle3_ops: %s: OK: %s's draft is fed what it predicts the target best with: the served %s "
+                     "(%s) scores %.1f%% top-1 agreement on %d positions%s (%.0f s)", LABEL, self.model_name,
+                     conf["boundaries"], boundaries_in_words(conf["boundaries"], L), 100 * conf["accuracy"], n,
+                     f"; the best alternative, {runner['label']} {runner['boundaries']}, {100 * runner['accuracy']:.1f}%"
+                     if runner else "", seconds)
+        low = codes.get("W_REPLAY_LOW_ACCURACY") or codes.get("W_REPLAY_FEW_TOKENS")
+        if low:
+            log.warning("eagle3_ops: %s: %s", LABEL, low.get("message"))
+        self.verdict = result
+        self.phase = "done"
+        _write_result(result)
+        self.maybe_log_acceptance()
+
+    def _fix(self, boundaries: List[int]) -> dict:
+        """The draft config change that makes SGLang feed ``boundaries``: ids the doctor itself passes
+        (checks.verified_fix with the readings required to agree: re-run, it would not warn)."""
+        from ..doctor.checks import verified_fix
+
+        ids = None
+        if self.report is not None and self.report.wiring is not None:
+            ids = verified_fix(self.report, list(boundaries), check_readings=True)
+        if ids is None:
+            return {"ids": None, "text": "No id list makes SGLang feed that wiring without the doctor flagging the "
+                                         "config; serve it with an engine that can, or retrain the draft."}
+        return {"ids": ids, "text": f"To serve it, set eagle_config.eagle_aux_hidden_state_layer_ids to {ids} in "
+                                    f"{self.draft_dir / 'config.json'} and restart."}
+
+    # ---- observed acceptance ------------------------------------------------------------------------
+    def count(self, correct_per_request) -> None:
+        if self.acceptance_logged or not self.talks:
+            return
+        for c in correct_per_request:
+            self.steps += 1
+            self.first_accepted += int(c) >= 1
+        self.maybe_log_acceptance()
+
+    def maybe_log_acceptance(self) -> None:
+        if self.acceptance_logged or self.predicted is None or self.steps < ACCEPTANCE_STEPS:
+            return
+        self.acceptance_logged = True
+        observed = self.first_accepted / self.steps
+        gap = 100 * (self.predicted - observed)
+        wiring_ok = self.verdict is not None and self.verdict.get("verdict") == "OK"
+        if abs(gap) < GAP_POINTS:
+            tail = "they agree"
+        elif wiring_ok:
+            tail = ("a large gap with the wiring right points at something else: the tokenizer or chat template the "
+                    "draft was trained with, its vocabulary map (d2t), an embedding scale the draft does not apply, "
+                    "or a sampling setting")
+        else:
+            tail = "the wiring warning above is the likely cause"
+        log.info("eagle3_ops: %s: %s: SGLang accepted the first draft token in %.1f%% of %d verify steps; the replay "
+                 "predicted %.1f%% (top-1 agreement of the served wiring): %s", LABEL, self.model_name,
+                 100 * observed, self.steps, 100 * self.predicted, tail)
+        if self.verdict is not None:
+            self.verdict["observed_first_token_acceptance"] = observed
+            self.verdict["acceptance_steps"] = self.steps
+            _write_result(self.verdict)
+
+
+def _workdir(model_name: str) -> Path:
+    """A fresh folder for the recording and the target's config, beside the qualification cache (the
+    states file stays there for the offline replay); the system's temporary folder if that is unusable."""
+    try:
+        base = result_path().parent / "wiring"
+        base.mkdir(parents=True, exist_ok=True)
+        return Path(tempfile.mkdtemp(prefix=f"{model_name}-{time.strftime('%Y%m%d-%H%M%S')}-", dir=base))
+    except OSError:
+        return Path(tempfile.mkdtemp(prefix="eagle3_ops-wiring-"))
+
+
+def _shell(cmd: List[str]) -> str:
+    import shlex
+
+    return " ".join(shlex.quote(c) for c in cmd)
+
+
+def _parse(out: bytes) -> Optional[dict]:
+    text = out.decode(errors="replace").strip()
+    if not text:
+        return None
+    try:
+        data = json.loads(text)
+    except ValueError:
+        start = text.find("{")
+        try:
+            data = json.loads(text[start:]) if start >= 0 else None
+        except ValueError:
+            return None
+    return data if isinstance(data, dict) else None
+
+
+def _child_env() -> Dict[str, str]:
+    env = dict(os.environ)
+    for var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS"):
+        env[var] = str(THREADS)
+    env["CUDA_VISIBLE_DEVICES"] = ""  # the replay runs on the CPU: it never touches the server's GPUs
+    env[ENV_SWITCH] = "0"
+    return env
+
+
+def _child_limits(address_space: int):
+    def limit():
+        try:
+            os.nice(19)
+        except OSError:
+            pass
+        try:
+            import resource
+
+            resource.setrlimit(resource.RLIMIT_AS, (address_space, address_space))
+        except (ImportError, ValueError, OSError):
+            pass
+    return limit
+
+
+def _write_result(result: dict) -> None:
+    path = result_path()
+    try:
+        from ..files import replace_atomically
+
+        path.parent.mkdir(parents=True, exist_ok=True)
+        text = json.dumps(result, indent=1, default=str) + "\n"
+        replace_atomically(path, lambda tmp: Path(tmp).write_text(text))
+        log.info("eagle3_ops: %s: result written to %s", LABEL, path)
+    except Exception as e:  # never stop SGLang
+        log.warning("eagle3_ops: %s: could not write %s: %s", LABEL, path, e)
+
+
+# ---- start-up ------------------------------------------------------------------------------------------
+def _allreduce_fusion_possible() -> bool:
+    """Whether SGLang may fuse a layer's all-reduce with its add+RMSNorm in some forward of this server
+    (then recording another layer than the captured ones could change that layer's kernels)."""
+    from .groups import tp_rank_size
+
+    if tp_rank_size()[1] <= 1:
+        return False
+    try:
+        from sglang.srt.layers.layer_boundary.residual import add_norm
+        from sglang.srt.runtime_context import get_exec
+
+        comm = get_exec().comm
+        if getattr(comm, "enable_aiter_allreduce_fusion", False):
+            return True
+        return bool(add_norm.flashinfer_ar_fusion_applies(1))
+    except Exception:  # cannot tell: assume it may
+        return True
+
+
+def _fusion_free_tokens() -> int:
+    try:
+        from sglang.srt.layers.layer_boundary.residual.add_norm import FUSE_ALLREDUCE_MAX_BATCH_SIZE
+
+        return int(FUSE_ALLREDUCE_MAX_BATCH_SIZE) + 1
+    except Exception:
+        return 2049
+
+
+def _draft_dir(draft_path) -> Optional[Path]:
+    """The draft checkpoint's local folder: the path itself, or the Hugging Face cache's snapshot of it."""
+    if draft_path is None:
+        return None
+    p = Path(str(draft_path)).expanduser()
+    if p.is_dir():
+        return p
+    try:
+        from huggingface_hub import snapshot_download
+
+        return Path(snapshot_download(str(draft_path), local_files_only=True))
+    except Exception:
+        return None
+
+
+def _needed_boundaries(report, served: List[int], num_layers: int) -> List[int]:
+    """What the replay's candidate wirings name (doctor.replay.candidate_wirings over the readings the
+    doctor made of the draft config), plus the embeddings (the draft's embedding input): not every
+    boundary."""
+    from ..doctor.replay import candidate_wirings
+    from ..doctor.states import needed_boundaries
+
+    if report is None or report.training is None or report.fc_slots is None:
+        return needed_boundaries(served, num_layers)
+    trained = list(report.training.boundaries)
+    readings = [(r.key, list(r.boundaries)) for r in report.training.readings if r.plausible]
+    out = {0}
+    for _, wiring in candidate_wirings(served if len(served) == report.fc_slots else None, trained, num_layers,
+                                       readings=readings):
+        out.update(wiring)
+    return sorted(b for b in out if 0 <= b <= num_layers)
+
+
+def _doctor_report(target_config, draft_dir: Path, tp_size: int):
+    from ..doctor import checks, configs
+
+    target = configs.target_from_config(target_config, use_sglang=True)
+    draft = configs.parse_draft(draft_dir, use_sglang=True)
+    weights = configs.read_weight_headers(draft_dir)
+    report = checks.run_checks(target, draft, weights, checks.Options(engine="sglang", tp=tp_size,
+                                                                      engine_code="installed"))
+    return report, weights
+
+
+def _cannot_replay(report, weights) -> Optional[str]:
+    """Why the replay cannot score this draft (known from the configs, before anything is recorded)."""
+    from ..doctor.replay import unsupported_draft
+
+    if report.wiring is None or report.training is None:
+        return ("the doctor finds no wiring SGLang would serve (see its errors: "
+                + ", ".join(f.code for f in report.findings if f.severity == "error") + ")"
+                if report.draft.use_aux_hidden_state else "the draft uses no aux hidden states")
+    return unsupported_draft(report.draft, weights)
+
+
+def _verdict_text(report) -> str:
+    if report is None:
+        return "the doctor could not read the configs"
+    errors = [f.code for f in report.findings if f.severity == "error"]
+    warnings = [f.code for f in report.findings if f.severity == "warning"]
+    if errors:
+        return f"doctor: ERROR {', '.join(errors)}" + (f"; WARNING {', '.join(warnings)}" if warnings else "")
+    if warnings:
+        return f"doctor: WARNING {', '.join(warnings)}"
+    return "doctor: OK (nothing to warn about in the configs)"
+
+
+def start(model, *, draft_path=None, target_config=None) -> Optional[WiringCheck]:
+    """Set up the live check for a target SGLang just configured for EAGLE-3 capture. Every TP rank calls
+    it (they agree on the recording); rank 0 logs. ``draft_path`` / ``target_config``: the server's
+    (``--speculative-draft-model-path``, the target's own config) unless given (scripts, tests). Returns
+    the check, or None (switched off, or one line saying why not)."""
+    if not enabled():
+        return None
+    from ..doctor.states import DumpSettings
+    from . import dump_states
+    from .capture_hooks import capture_state, find_capture_owner
+    from .groups import tp_group, tp_rank_size
+    from .lockstep import same_on_all_ranks
+
+    name = type(model).__name__
+    tp_rank, tp_size = tp_rank_size()
+    say = log.info if tp_rank == 0 else (lambda *a, **k: None)
+    if os.environ.get("EAGLE3_OPS_DUMP_STATES", "").strip():
+        say("eagle3_ops: %s: off while EAGLE3_OPS_DUMP_STATES records (check offline with doctor --replay on "
+            "that file)", LABEL)
+        return None
+    if draft_path is None:
+        try:
+            from sglang.srt.runtime_context import get_server_args
+
+            sa = get_server_args()
+            algo = str(getattr(sa, "speculative_algorithm", "") or "")
+            if algo.upper() != "EAGLE3":
+                return None
+            draft_path = getattr(sa, "speculative_draft_model_path", None)
+        except Exception:
+            return None  # no server here (a script): nothing to check against
+    owner, _ = find_capture_owner(model)
+    if owner is None:
+        return None
+    inner = owner.inner
+    state = capture_state(model)
+    served = list(state.layer_ids) if state is not None else sorted({int(i) for i in inner.layers_to_capture})
+    cfg = target_config if target_config is not None else getattr(model, "config", None)
+    raw_cfg = cfg if isinstance(cfg, dict) else (cfg.to_dict() if hasattr(cfg, "to_dict") else None)
+    num_layers = int(getattr(getattr(inner, "config", None), "num_hidden_layers", len(getattr(inner, "layers", []))))
+    draft_dir = _draft_dir(draft_path)
+    if draft_dir is None or raw_cfg is None:
+        say("eagle3_ops: %s: %s is not checked: %s", LABEL, name,
+            f"the draft checkpoint {draft_path!r} is not a local folder (nor in the Hugging Face cache)"
+            if draft_dir is None else "the target's config cannot be read")
+        return None
+    check = WiringCheck(name, draft_dir, raw_cfg, served, num_layers, tp_rank, tp_size)
+    try:  # deterministic (the same configs on every rank), so every rank decides the same
+        check.report, weights = _doctor_report(cfg, draft_dir, tp_size)
+        why_not = _cannot_replay(check.report, weights)
+        expected = [sl.boundary for sl in check.report.wiring.slots] if check.report.wiring is not None else served
+        if why_not is None and expected != served:  # the replay's "served" wiring would not be the server's
+            why_not = (f"SGLang captures boundaries {served}, but the draft config makes the doctor expect "
+                       f"{expected}; report this (the doctor's engine rules may be out of date)")
+    except Exception as e:
+        check.report, why_not = None, f"the doctor could not read the configs ({type(e).__name__}: {e})"
+    if why_not is not None:
+        say("eagle3_ops: %s: %s feeds its draft %s (boundaries %s); %s; the live check cannot run: %s",
+            LABEL, name, boundaries_in_words(served, num_layers), served, _verdict_text(check.report), why_not)
+        return None
+    needed = _needed_boundaries(check.report, served, num_layers)
+    min_forward = _fusion_free_tokens() if _allreduce_fusion_possible() else 0
+    if not same_on_all_ranks(repr((needed, min_forward)), tp_group()):
+        say("eagle3_ops: %s: the TP ranks disagree on what to record; off", LABEL)
+        return None
+    states = check.workdir / "states.safetensors"
+    recorder = dump_states.install_recorder(
+        model, DumpSettings(states, RECORD_TOKENS, "auto"), boundaries=needed, label=LABEL,
+        min_prompt_tokens=MIN_PROMPT_TOKENS, min_forward_tokens=min_forward, close_after=CLOSE_AFTER_TOKENS,
+        on_written=check.recorded)
+    if recorder is None:
+        say("eagle3_ops: %s: %s is not checked: its states cannot be recorded here (see above)", LABEL, name)
+        return None
+    check.recorder = recorder
+    _checks.append(check)
+    waits = (f"the first prompt(s) of at least {MIN_PROMPT_TOKENS} tokens" if not min_forward else
+             f"the first prefill of more than {min_forward - 1} tokens (shorter ones may take SGLang's fused "
+             f"all-reduce+RMSNorm, which recording would change)")
+    unreachable = f"; boundaries {recorder.unreachable} cannot be recorded on this model" if recorder.unreachable else ""
+    say("eagle3_ops: %s: %s feeds its draft %s (boundaries %s); %s; the live check will replay the draft (%s) on %s "
+        "(%d+ positions, boundaries %s, up to %.1f MiB host memory) in the background%s (%s=0 turns it off)", LABEL,
+        name, boundaries_in_words(served, num_layers), served, _verdict_text(check.report), draft_dir, waits,
+        CLOSE_AFTER_TOKENS, recorder.boundaries, recorder.max_bytes / 2**20, unreachable, ENV_SWITCH)
+    return check
+
+
+# ---- SGLang hooks ----------------------------------------------------------------------------------
+def around_can_run_graph(original, self, forward_batch, *args, **kwargs):
+    """AROUND ``PrefillCudaGraphRunner.can_run_graph``: a prefill a pending check wants to record runs
+    eagerly (a graph replay runs no Python). Not under DP attention, where the ranks' batches differ
+    and one rank alone leaving the graph would change the collectives' padding."""
+    if _checks and getattr(forward_batch, "global_num_tokens_cpu", None) is None:
+        try:
+            if any(_wants(check, forward_batch) for check in _checks):
+                return False
+        except Exception:  # never stop SGLang: the graph decides as stock
+            log.exception("eagle3_ops: %s: could not read the batch", LABEL)
+    return original(self, forward_batch, *args, **kwargs)
+
+
+def _wants(check: WiringCheck, forward_batch) -> bool:
+    rec = check.recorder
+    return check.phase == "waiting" and rec is not None and not rec.done and rec.wants(forward_batch)
+
+
+def after_resolve_spec_tokens(result, *args, **kwargs):
+    """AFTER SGLang's ``_resolve_spec_v2_tokens(self, result, batch)``: count the verify steps whose first
+    draft token was accepted (``num_correct_drafts_per_req_cpu``, host ints SGLang already made)."""
+    if not _checks:
+        return result
+    batch_result = kwargs.get("result", args[1] if len(args) > 1 else None)
+    correct = getattr(batch_result, "num_correct_drafts_per_req_cpu", None)
+    if correct:
+        for check in _checks:
+            check.count(correct)
+    return result
+
+
+def checks() -> List[WiringCheck]:
+    return list(_checks)

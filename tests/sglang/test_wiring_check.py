@@ -1,0 +1,286 @@
+"""The live wiring check (eagle3_ops.sglang.wiring_check) on SGLang's own llama class (CPU).
+
+The tiny target of ``eagle3_ops.doctor.tiny`` (its draft trained on ids [2, 4, 6] -> boundaries [3, 5, 7]) is
+loaded into SGLang's ``LlamaForCausalLM`` and served:
+
+- mis-wired (the draft's config edited to ids [1, 3, 5]: SGLang feeds boundaries [2, 4, 6]): the check's
+  verdict is a WARNING naming the trained wiring [3, 5, 7] and the config change [2, 4, 6] that serves it;
+- as trained: OK;
+- where it cannot run (a checkpoint path that is not there, a draft class replay cannot run, the time
+  bound): one line each, and serving goes on;
+- served outputs are bitwise the same with the check on and off; the one forward it wants to record is
+  taken off SGLang's prefill CUDA graph (the default flags), nothing else;
+- observed acceptance against predicted: one line, and what a gap with the wiring right points at.
+"""
+import inspect
+import json
+import logging
+import types
+
+import pytest
+import torch
+
+from doctor_fixtures import copy_draft_with_ids
+
+SEQ = 32  # the tiny pair's held-out prompts are 32 tokens: each qualifies (MIN_PROMPT_TOKENS)
+
+
+@pytest.fixture
+def wc(monkeypatch, tmp_path):
+    """The module with its results kept in this test's folder and no check left from another test."""
+    from eagle3_ops.sglang import wiring_check
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    monkeypatch.delenv("EAGLE3_OPS_DUMP_STATES", raising=False)
+    monkeypatch.delenv("EAGLE3_OPS_WIRING_CHECK", raising=False)
+    monkeypatch.setattr(wiring_check, "_checks", [])
+    return wiring_check
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
+    from eagle3_ops.doctor.tiny import build_tiny_pair
+
+    return build_tiny_pair(tmp_path_factory.getbasetemp() / "doctor_tiny_pair")
+
+
+def _target(h, pair):
+    from safetensors.torch import load_file
+    from transformers import LlamaConfig
+
+    cfg = LlamaConfig.from_pretrained(pair.target_dir)
+    weights = load_file(str(pair.target_dir / "model.safetensors"))
+    return cfg, h.sglang_model("llama", cfg, torch.float32, weights=weights.items())
+
+
+def _serve(h, model, cfg, prompts, per_batch=4):
+    """Prefill ``prompts`` in batches; the served aux states and next-token logits of every batch."""
+    kv = h.KVCache(cfg, torch.float32, size=sum(map(len, prompts)) + 8, max_reqs=len(prompts) + 1)
+    outs = []
+    for s in range(0, len(prompts), per_batch):
+        chunk = prompts[s:s + per_batch]
+        reqs = [h.Req(kv.new_req()) for _ in chunk]
+        out = h.run(model, h.extend_batch(kv, reqs, chunk), kv)
+        outs.append((out.hidden_states.clone(), out.next_token_logits.clone()))
+    return outs
+
+
+def _run_check(h, wc, pair, draft_dir, served_ids, prompts, caplog):
+    cfg, model = _target(h, pair)
+    h.configure_capture(model, served_ids)
+    with caplog.at_level(logging.INFO, logger="eagle3_ops.sglang"):
+        check = wc.start(model, draft_path=str(draft_dir), target_config=cfg)
+        assert check is not None, caplog.text
+        outs = _serve(h, model, cfg, prompts)
+        assert check.phase in ("scoring", "done", "failed"), "the recording closed after CLOSE_AFTER_TOKENS"
+        if check.thread is not None:
+            check.thread.join()
+    return check, outs, model, cfg
+
+
+def _lines(caplog, needle):
+    return [r.getMessage() for r in caplog.records if needle in r.getMessage()]
+
+
+def test_miswired_draft_gets_a_warning_with_the_trained_wiring_and_the_fix(sglang_cpu, wc, pair, tmp_path, caplog):
+    h = sglang_cpu
+    prompts = json.loads(pair.prompts_file.read_text())[:wc.CLOSE_AFTER_TOKENS // SEQ + 4]
+    draft = copy_draft_with_ids(pair, tmp_path / "miswired", nested=[1, 3, 5])
+    check, outs, model, cfg = _run_check(h, wc, pair, draft, [1, 3, 5], prompts, caplog)
+    assert wc.around_can_run_graph(lambda *a: True, None, h.extend_batch(h.KVCache(cfg, torch.float32),
+                                   [h.Req(0)], [prompts[0]])) is True, "after its recording, SGLang decides alone"
+
+    start = _lines(caplog, "feeds its draft")
+    assert len(start) == 1, caplog.text
+    assert "the output of layer 1, 3, 5" in start[0] and "boundaries [2, 4, 6]" in start[0]
+    assert "doctor: OK" in start[0] and f"at least {wc.MIN_PROMPT_TOKENS} tokens" in start[0]
+    # what it records: the boundaries the candidate wirings name (and the embeddings), not every one
+    assert 0 in check.recorder.boundaries and {2, 3, 4, 5, 6, 7} <= set(check.recorder.boundaries)
+
+    assert check.phase == "done", caplog.text
+    v = check.verdict
+    assert v["verdict"] == "WARNING", v
+    assert v["configured"]["boundaries"] == [2, 4, 6] and v["best"]["boundaries"] == [3, 5, 7]
+    assert v["fix"]["ids"] == [2, 4, 6]
+    assert v["gain"] >= 3 * v["gain_stderr"] > 0
+    warn = _lines(caplog, "live wiring check: WARNING")
+    assert len(warn) == 1, caplog.text
+    assert "[3, 5, 7]" in warn[0] and "eagle_aux_hidden_state_layer_ids to [2, 4, 6]" in warn[0]
+    assert "Reproduce offline: python -m eagle3_ops doctor" in warn[0] and "--replay" in warn[0]
+    # the same verdict as JSON next to the qualification cache, and the path logged
+    saved = json.loads(wc.result_path().read_text())
+    assert saved["verdict"] == "WARNING" and saved["fix"]["ids"] == [2, 4, 6]
+    assert str(wc.result_path()) in caplog.text
+    assert v["fix"]["ids"] == pair.trained_ids  # the ids the draft was trained with
+    # the offline command reproduces the verdict
+    import shlex
+
+    from doctor_fixtures import run_doctor
+
+    argv = shlex.split(v["replay_command"])
+    assert argv[:4] == ["python", "-m", "eagle3_ops", "doctor"]
+    rc, rep, err = run_doctor(*argv[4:])
+    assert rc == 1 and rep["replay"]["best"]["boundaries"] == [3, 5, 7], err
+
+def test_served_as_trained_gets_ok_and_served_tokens_are_bitwise_the_same(sglang_cpu, wc, pair, caplog,
+                                                                          monkeypatch):
+    h = sglang_cpu
+    prompts = json.loads(pair.prompts_file.read_text())[:wc.CLOSE_AFTER_TOKENS // SEQ + 4]
+    check, outs, _, _ = _run_check(h, wc, pair, pair.draft_dir, [2, 4, 6], prompts, caplog)
+    assert check.phase == "done" and check.verdict["verdict"] == "OK", caplog.text
+    ok = _lines(caplog, "live wiring check: OK")
+    assert len(ok) == 1 and "the served [3, 5, 7]" in ok[0] and "top-1 agreement" in ok[0]
+    assert check.predicted == pytest.approx(check.verdict["configured"]["accuracy"])
+
+    # the check off: the same model served the same prompts gives bitwise the same outputs
+    monkeypatch.setenv("EAGLE3_OPS_WIRING_CHECK", "0")
+    cfg, model = _target(h, pair)
+    h.configure_capture(model, [2, 4, 6])
+    assert wc.start(model, draft_path=str(pair.draft_dir), target_config=cfg) is None
+    stock = _serve(h, model, cfg, prompts)
+    for (aux, logits), (aux0, logits0) in zip(outs, stock):
+        assert torch.equal(aux, aux0) and torch.equal(logits, logits0), "the check changed what was served"
+
+
+def test_a_path_that_is_not_there_gets_one_line_and_serving_goes_on(sglang_cpu, wc, pair, tmp_path, caplog):
+    h = sglang_cpu
+    cfg, model = _target(h, pair)
+    h.configure_capture(model, [2, 4, 6])
+    with caplog.at_level(logging.INFO, logger="eagle3_ops.sglang"):
+        assert wc.start(model, draft_path=str(tmp_path / "no-such-draft"), target_config=cfg) is None
+    lines = _lines(caplog, "live wiring check")
+    assert len(lines) == 1 and "is not checked" in lines[0] and "no-such-draft" in lines[0], caplog.text
+    assert wc.checks() == []
+    _serve(h, model, cfg, json.loads(pair.prompts_file.read_text())[:2])
+
+
+def test_a_draft_class_replay_cannot_run_gets_one_line_at_start(sglang_cpu, wc, pair, tmp_path, caplog):
+    """SGLang's MLA head (Kimi-K2.x drafts): the replay runs llama_eagle3 drafts only, so the check says so
+    at start-up, with the doctor's verdict, and records nothing (no prefill leaves its CUDA graph)."""
+    h = sglang_cpu
+    draft = copy_draft_with_ids(pair, tmp_path / "mla", nested=[2, 4, 6])
+    cfg_d = json.loads((draft / "config.json").read_text())
+    cfg_d["architectures"] = ["Eagle3DeepseekV2ForCausalLM"]
+    (draft / "config.json").write_text(json.dumps(cfg_d))
+    cfg, model = _target(h, pair)
+    h.configure_capture(model, [2, 4, 6])
+    with caplog.at_level(logging.INFO, logger="eagle3_ops.sglang"):
+        assert wc.start(model, draft_path=str(draft), target_config=cfg) is None
+    lines = _lines(caplog, "live wiring check")
+    assert len(lines) == 1, caplog.text
+    assert "cannot run: replay runs LlamaForCausalLMEagle3 drafts only" in lines[0]
+    assert "Eagle3DeepseekV2ForCausalLM" in lines[0] and "doctor:" in lines[0]
+    _serve(h, model, cfg, json.loads(pair.prompts_file.read_text())[:2])
+
+
+def test_the_time_bound_gets_one_line_and_serving_goes_on(sglang_cpu, wc, pair, caplog, monkeypatch):
+    h = sglang_cpu
+    monkeypatch.setattr(wc, "TIME_LIMIT_S", 0.01)
+    prompts = json.loads(pair.prompts_file.read_text())[:wc.CLOSE_AFTER_TOKENS // SEQ + 1]
+    check, outs, model, cfg = _run_check(h, wc, pair, pair.draft_dir, [2, 4, 6], prompts, caplog)
+    assert check.phase == "failed"
+    lines = _lines(caplog, "could not be checked")
+    assert len(lines) == 1 and "the time bound" in lines[0] and "doctor --draft" in lines[0], caplog.text
+    assert json.loads(wc.result_path().read_text())["verdict"] == "not checked"
+    _serve(h, model, cfg, prompts[:2])  # the recorder is gone: serving is stock
+
+
+def test_default_flags_the_wanted_prefill_runs_eagerly_and_nothing_else(sglang_cpu, wc, pair, monkeypatch, caplog):
+    """SGLang's default flags keep prefill CUDA graphs on; a replayed graph runs no Python, so the check
+    takes the forward it wants to record off the graph (AROUND ``PrefillCudaGraphRunner.can_run_graph``, the
+    call ModelRunner makes for every extend) and leaves every other decision to SGLang. The server's own
+    args name the draft (``speculative_draft_model_path``)."""
+    h = sglang_cpu
+    from sglang.srt import runtime_context
+    from sglang.srt.model_executor import model_runner
+    from sglang.srt.model_executor.runner.prefill_cuda_graph_runner import PrefillCudaGraphRunner
+
+    assert "self.prefill_cuda_graph_runner.can_run_graph(forward_batch)" in \
+        inspect.getsource(model_runner.ModelRunner._forward_raw)
+    server = types.SimpleNamespace(speculative_algorithm="EAGLE3", speculative_draft_model_path=str(pair.draft_dir))
+    monkeypatch.setattr(runtime_context, "get_server_args", lambda: server)
+    cfg, model = _target(h, pair)
+    with caplog.at_level(logging.INFO, logger="eagle3_ops.sglang"):
+        h.configure_capture(model, [2, 4, 6])  # the plugin's hook starts the check from the server's args
+    assert len(wc.checks()) == 1 and wc.checks()[0].draft_dir == pair.draft_dir, caplog.text
+
+    kv = h.KVCache(cfg, torch.float32)
+    reqs = [h.Req(kv.new_req()) for _ in range(3)]
+    prompts = json.loads(pair.prompts_file.read_text())
+    wanted = h.extend_batch(kv, reqs[:1], [prompts[0]])
+    short = h.extend_batch(kv, reqs[1:2], [prompts[1][:8]])              # under MIN_PROMPT_TOKENS
+    cached = h.extend_batch(kv, reqs[:1], [prompts[2]])                  # a continuation (cached prefix)
+    verify = h.extend_batch(kv, reqs[2:3], [prompts[3][:4]], mode="TARGET_VERIFY")
+    seen = []
+
+    def stock(self, fb):
+        seen.append(fb)
+        return True
+
+    assert wc.around_can_run_graph(stock, None, wanted) is False and not seen
+    for fb in (short, cached, verify):
+        assert wc.around_can_run_graph(stock, None, fb) is True
+    assert seen == [short, cached, verify]
+    dp = h.extend_batch(kv, reqs[1:2], [prompts[4]])
+    dp.global_num_tokens_cpu = [SEQ, SEQ]  # DP attention: the ranks' batches differ, SGLang decides alone
+    assert wc.around_can_run_graph(stock, None, dp) is True
+    # the plugin hooked SGLang's class: on a wanted batch the graph runner is not consulted at all
+    bare = object.__new__(PrefillCudaGraphRunner)
+    assert PrefillCudaGraphRunner.can_run_graph(bare, h.extend_batch(kv, [h.Req(kv.new_req())], [prompts[5]])) \
+        is False
+    # once the check has what it needs, SGLang decides every forward again
+    wc.checks()[0].phase = "done"
+    assert wc.around_can_run_graph(stock, None, wanted) is True
+
+
+def test_observed_acceptance_against_predicted(wc, caplog, tmp_path):
+    def check(verdict):
+        c = wc.WiringCheck("LlamaForCausalLM", tmp_path, {}, [3, 5, 7], 8, 0, 1)
+        c.predicted, c.verdict = 0.72, {"verdict": verdict}
+        return c
+
+    with caplog.at_level(logging.INFO, logger="eagle3_ops.sglang"):
+        right = check("OK")
+        right.count([1, 0, 2, 0] * (wc.ACCEPTANCE_STEPS // 8))
+        assert not _lines(caplog, "verify steps"), "not before ACCEPTANCE_STEPS"
+        right.count([1, 0, 2, 0] * (wc.ACCEPTANCE_STEPS // 8))
+        right.count([3] * 100)  # once logged, counting stops
+        wrong = check("WARNING")
+        wrong.count([0] * wc.ACCEPTANCE_STEPS)
+        close = check("OK")
+        close.count([1, 1, 1, 0] * (wc.ACCEPTANCE_STEPS // 4))
+    lines = _lines(caplog, "verify steps")
+    assert len(lines) == 3, lines
+    assert "50.0% of 1000 verify steps" in lines[0] and "predicted 72.0%" in lines[0]
+    assert "tokenizer" in lines[0] and "vocabulary map" in lines[0] and "embedding scale" in lines[0]
+    assert "0.0% of 1000" in lines[1] and "the wiring warning above is the likely cause" in lines[1]
+    assert "75.0% of 1000" in lines[2] and "they agree" in lines[2]
+    assert right.verdict["observed_first_token_acceptance"] == 0.5
+    # other TP ranks count nothing
+    quiet = wc.WiringCheck("LlamaForCausalLM", tmp_path, {}, [3, 5, 7], 8, 1, 2)
+    quiet.predicted = 0.7
+    quiet.count([1] * wc.ACCEPTANCE_STEPS)
+    assert quiet.steps == 0
+
+
+def test_switched_off_by_its_setting(sglang_cpu, wc, pair, monkeypatch, caplog):
+    monkeypatch.setenv("EAGLE3_OPS_WIRING_CHECK", "off")
+    cfg, model = _target(sglang_cpu, pair)
+    sglang_cpu.configure_capture(model, [2, 4, 6])
+    assert wc.start(model, draft_path=str(pair.draft_dir), target_config=cfg) is None
+    monkeypatch.setenv("EAGLE3_OPS_WIRING_CHECK", "maybe")
+    with caplog.at_level(logging.INFO, logger="eagle3_ops"):
+        assert wc.start(model, draft_path=str(pair.draft_dir), target_config=cfg) is None
+    assert any("EAGLE3_OPS_WIRING_CHECK='maybe'" in r.getMessage() for r in caplog.records), caplog.text
+
+
+def test_a_server_capturing_other_boundaries_than_the_config_names_is_not_scored(sglang_cpu, wc, pair, caplog):
+    """The replay scores the wiring the draft config names as the served one; where SGLang captures other
+    boundaries, that score would not be the server's: one line, no recording."""
+    cfg, model = _target(sglang_cpu, pair)
+    sglang_cpu.configure_capture(model, [1, 3, 5])  # the draft's config says [2, 4, 6]
+    with caplog.at_level(logging.INFO, logger="eagle3_ops.sglang"):
+        assert wc.start(model, draft_path=str(pair.draft_dir), target_config=cfg) is None
+    lines = _lines(caplog, "live wiring check")
+    assert len(lines) == 1 and "SGLang captures boundaries [2, 4, 6], but the draft config makes the doctor " \
+                                "expect [3, 5, 7]" in lines[0], caplog.text
