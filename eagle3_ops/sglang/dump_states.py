@@ -418,6 +418,10 @@ def install_dump(model, settings: Optional[DumpSettings] = None) -> Optional[Sta
     return install_recorder(model, settings, label=ENV_DUMP_STATES, atexit_write=True)
 
 
+def _off(label: str) -> str:
+    return "the states dump is off" if label == ENV_DUMP_STATES else f"the {label} is off"
+
+
 def install_recorder(model, settings: Optional[DumpSettings], *, boundaries: Optional[List[int]] = None,
                      label: str = ENV_DUMP_STATES, atexit_write: bool = False, **recorder_kw) -> Optional[StatesRecorder]:
     """A recorder on ``model`` (one per model: the states dump or the live wiring check) at ``boundaries``
@@ -434,7 +438,7 @@ def install_recorder(model, settings: Optional[DumpSettings], *, boundaries: Opt
         try:
             recorder = _prepare(model, lm, inner, settings, boundaries, label, recorder_kw)
         except Exception:  # never skip the agreement below: the other ranks wait in it
-            log.exception("eagle3_ops: %s: could not set up the recording; it is off", label)
+            log.exception("eagle3_ops: %s: could not set up the recording; %s", label, _off(label))
     from .groups import tp_group
     from .lockstep import all_ranks_agree
 
@@ -442,7 +446,7 @@ def install_recorder(model, settings: Optional[DumpSettings], *, boundaries: Opt
         if recorder is not None:
             for h in recorder.handles:
                 h.remove()
-            log.error("eagle3_ops: %s: another TP rank cannot record (see its log); it is off", label)
+            log.error("eagle3_ops: %s: another TP rank cannot record (see its log); %s", label, _off(label))
         return None
     inner.__dict__[_STATE_ATTR] = recorder
     _recorders.append(recorder)
@@ -480,8 +484,8 @@ def _prepare(model, lm, inner, settings: DumpSettings, boundaries: Optional[List
         recorder.boundaries.append(b)
     recorder.unreachable = unreachable
     if not recorder.boundaries:
-        log.warning("eagle3_ops: %s: no boundary of %s can be recorded on this rank; it is off", label,
-                    type(model).__name__)
+        log.warning("eagle3_ops: %s: no boundary of %s can be recorded on this rank; %s", label,
+                    type(model).__name__, _off(label))
         return None
     itemsize = torch.empty((), dtype=next(inner.parameters()).dtype).element_size()
     # values, plus token ids and next tokens (int64 each) per token
@@ -491,7 +495,7 @@ def _prepare(model, lm, inner, settings: DumpSettings, boundaries: Optional[List
     if problem is not None:
         for h in recorder.handles:
             h.remove()
-        log.error("eagle3_ops: %s=%s: %s; it is off", label, settings.path, problem)
+        log.error("eagle3_ops: %s=%s: %s; %s", label, settings.path, problem, _off(label))
         return None
     if label == ENV_DUMP_STATES:
         through = "" if settings.target == Path(os.path.abspath(settings.path)) else \

@@ -33,6 +33,10 @@ OUR_TARGETS = sorted([
     "sglang.srt.model_executor.runner_backend.breakable_cuda_graph_backend.BreakableCudaGraphBackend._alloc_full_buffer",
     "sglang.srt.speculative.eagle_draft_extend_cuda_graph_runner.EAGLEDraftExtendCudaGraphRunner.capture",
     "sglang.srt.speculative.eagle_draft_extend_cuda_graph_runner.EAGLEDraftExtendCudaGraphRunner.execute",
+    # wiring_check.py: the forward the live check records runs eagerly; observed acceptance is counted
+    "sglang.srt.model_executor.runner.prefill_cuda_graph_runner.PrefillCudaGraphRunner.can_run_graph",
+    "sglang.srt.managers.scheduler_components.batch_result_processor.SchedulerBatchResultProcessor."
+    "_resolve_spec_v2_tokens",
 ])
 
 
