@@ -3,8 +3,8 @@ draft built from SGLang 0.5.23's own classes, run on CPU (torch_native attention
 stock and then with the eagle3_ops plugin, per path: do the outputs match, and how long it took.
 
 The paths are the ones the plugin changes: the target's EXTEND (prefill) and TARGET_VERIFY forwards
-(aux states captured into one persistent buffer, the captures at layers > 0 written by the fused
-add+RMSNorm), the draft's first step (fc block as one eagle3::draft_fc) and a draft DECODE step
+(aux states captured into one persistent buffer; where the fused add+RMSNorm qualified bitwise,
+written by it), the draft's first step (fc block as one eagle3::draft_fc) and a draft DECODE step
 (fc not involved: must be unchanged).
 """
 from __future__ import annotations
@@ -43,6 +43,26 @@ def run_sglang_demo(dtype: torch.dtype = torch.bfloat16, hidden_size: int = 128,
     from ..sglang.capture_hooks import capture_state
     from ..sglang.draft_fc_hooks import draft_fc_state
 
+    import logging
+
+    # the plugin's INFO lines, as SGLang's default logging shows them in a server (only where nobody
+    # configured logging: a caller's own handlers decide otherwise)
+    plugin_log, handler, previous = logging.getLogger("eagle3_ops"), None, None
+    if not logging.getLogger().handlers and not plugin_log.handlers:
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter("%(message)s"))
+        previous = plugin_log.level
+        plugin_log.addHandler(handler)
+        plugin_log.setLevel(logging.INFO)
+    try:
+        return _run(h, capture_state, draft_fc_state, dtype, hidden_size, prompt_len, batch, draft_tokens)
+    finally:
+        if handler is not None:
+            plugin_log.removeHandler(handler)
+            plugin_log.setLevel(previous)
+
+
+def _run(h, capture_state, draft_fc_state, dtype, hidden_size, prompt_len, batch, draft_tokens) -> List[dict]:
     h.init_distributed()
     active = h.plugin_install()
     if not active:
@@ -105,7 +125,9 @@ def run_sglang_demo(dtype: torch.dtype = torch.bfloat16, hidden_size: int = 128,
     left_stock = "nothing: left stock (see the log above)"
     rows = []
     T_ext, T_ver = batch * prompt_len, batch * draft_tokens
-    how_target = "aux -> buffer, fused add+RMSNorm" if state is not None else left_stock
+    how_target = left_stock if state is None else (
+        "aux -> buffer, fused add+RMSNorm" if state.stats.get("fused_captures") else
+        "aux -> buffer (SGLang's norm: no fused one qualified bitwise here)")
     how_draft = "fc block -> eagle3::draft_fc" if dstate is not None else left_stock
     for path, stock, plugin, (ts, tp), how in (
             (f"target EXTEND (T={T_ext})", s_out[0], p_out[0], timings[0], how_target),

@@ -484,7 +484,8 @@ def replay_command(rep: "Report") -> str:
     o = rep.options
     engine = f" --engine {o.engine}" if o.engine != "sglang" else ""
     return (f"record states with the target: in SGLang with the eagle3_ops plugin, serve with "
-            f"EAGLE3_OPS_DUMP_STATES=states.safetensors and --disable-prefill-cuda-graph and send a few prompts; or "
+            f"EAGLE3_OPS_DUMP_STATES=states.safetensors and send a few prompts (its live wiring check does this and "
+            f"the replay by itself on the first prompts); or "
             f"`python -m eagle3_ops capture-states --model {rep.target.path} --prompts prompts.txt --out "
             f"states.safetensors --trust-remote-code --device-map auto`; then `python -m eagle3_ops doctor --draft "
             f"{rep.draft.path} --target {rep.target.path}{engine} --replay states.safetensors`")

@@ -28,8 +28,12 @@ What it costs and what it changes:
   input norm, as SGLang does for its own captured layers. At TP = 1 that changes nothing (tested
   bitwise on CPU); at TP > 1 with SGLang's fused all-reduce+add+RMSNorm (FlashInfer, sm_90/sm_100)
   that layer's add+norm runs unfused in the recorded forwards only, which can change rounding there.
-* forwards replayed from a prefill CUDA graph do not run Python, so they are not recorded: serve
-  with ``--disable-prefill-cuda-graph`` while dumping (logged at install when it is on).
+* forwards replayed from a prefill CUDA graph do not run Python, so a prefill the recorder wants is
+  run eagerly instead (:func:`around_can_run_graph`, AROUND ``PrefillCudaGraphRunner.can_run_graph``;
+  every TP rank sees the same batch and decides the same); until the recording is written, those
+  prefills only. Under DP attention the graph decision is a vote of the DP group that one rank must
+  not change, so there prefills replayed from a graph are not seen: serve with
+  ``--disable-prefill-cuda-graph`` while dumping (logged at install).
 
 When the budget is full (or at process exit with anything recorded) rank 0 writes one
 safetensors file, format ``eagle3_ops.doctor.states/2`` (see ``eagle3_ops.doctor.states``), and
@@ -265,9 +269,10 @@ class StatesRecorder:
     def _write(self, prompts) -> Optional[str]:
         if not prompts:
             if self.label == ENV_DUMP_STATES:
-                log.warning("eagle3_ops: %s=%s: no prefill was recorded (prefills replayed from a prefill CUDA "
-                            "graph are not seen; serve with --disable-prefill-cuda-graph while dumping); nothing "
-                            "written", ENV_DUMP_STATES, self.settings.path)
+                log.warning("eagle3_ops: %s=%s: no prefill of at least %d tokens from position 0 was recorded "
+                            "(under DP attention, prefills replayed from a prefill CUDA graph are not seen: serve "
+                            "with --disable-prefill-cuda-graph while dumping); nothing written", ENV_DUMP_STATES,
+                            self.settings.path, self.min_prompt_tokens)
             return None
         recorded = sorted(set().union(*(p["boundaries"].keys() for p in prompts)))
         try:
@@ -517,8 +522,24 @@ def _prefill_graph_note() -> str:
         return ""
     if sa is None or getattr(sa, "disable_prefill_cuda_graph", True) or getattr(sa, "disable_cuda_graph", False):
         return ""
-    return ("; prefill CUDA graphs are on: prefills they replay are not recorded, serve with "
-            "--disable-prefill-cuda-graph while dumping")
+    if getattr(sa, "enable_dp_attention", False):
+        return ("; prefill CUDA graphs are on under DP attention: prefills they replay are not recorded, serve "
+                "with --disable-prefill-cuda-graph while dumping")
+    return "; prefill CUDA graphs are on: each prefill recorded runs eagerly instead (until the file is written)"
+
+
+def around_can_run_graph(original, self, forward_batch, *args, **kwargs):
+    """AROUND ``PrefillCudaGraphRunner.can_run_graph``: a prefill an unfinished recorder wants runs eagerly
+    (a graph replay runs no Python). Not under DP attention (``global_num_tokens_cpu`` set), where the
+    graph decision is a vote of the DP group and one rank alone leaving the graph would change the
+    collectives' padding. After every recorder is written: one list check."""
+    if _recorders and getattr(forward_batch, "global_num_tokens_cpu", None) is None:
+        try:
+            if any(not rec.done and rec.wants(forward_batch) for rec in _recorders):
+                return False
+        except Exception:  # never stop SGLang: the graph decides as stock
+            log.exception("eagle3_ops: could not read the batch for the recording")
+    return original(self, forward_batch, *args, **kwargs)
 
 
 def dump_state(model) -> Optional[StatesRecorder]:

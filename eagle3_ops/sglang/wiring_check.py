@@ -18,8 +18,8 @@ off), with SGLang's default flags:
    all-reduce; TP rank 0 keeps the values in host memory, bounded by the token count; every rank takes
    part in the next-token all-gather, the dump's one collective). SGLang's breakable prefill CUDA
    graphs would replay such a prefill without running Python, so for that one forward the graph runner
-   is told it cannot run it (AROUND ``PrefillCudaGraphRunner.can_run_graph``; every TP rank sees the
-   same batch and decides the same): one prefill runs eagerly, nothing else changes.
+   is told it cannot run it (``dump_states.around_can_run_graph``; every TP rank sees the same batch
+   and decides the same): one prefill runs eagerly, nothing else changes.
 3. **In the background** (TP rank 0): the recording is written next to the qualification cache and the
    doctor's replay runs on it in a subprocess (``python -m eagle3_ops doctor --replay``: nice 19,
    :data:`THREADS` threads, no GPU, an address-space limit, :data:`TIME_LIMIT_S` seconds), reading only
@@ -536,21 +536,11 @@ def start(model, *, draft_path=None, target_config=None) -> Optional[WiringCheck
 
 # ---- SGLang hooks ----------------------------------------------------------------------------------
 def around_can_run_graph(original, self, forward_batch, *args, **kwargs):
-    """AROUND ``PrefillCudaGraphRunner.can_run_graph``: a prefill a pending check wants to record runs
-    eagerly (a graph replay runs no Python). Not under DP attention, where the ranks' batches differ
-    and one rank alone leaving the graph would change the collectives' padding."""
-    if _checks and getattr(forward_batch, "global_num_tokens_cpu", None) is None:
-        try:
-            if any(_wants(check, forward_batch) for check in _checks):
-                return False
-        except Exception:  # never stop SGLang: the graph decides as stock
-            log.exception("eagle3_ops: %s: could not read the batch", LABEL)
-    return original(self, forward_batch, *args, **kwargs)
+    """AROUND ``PrefillCudaGraphRunner.can_run_graph``: a prefill a pending recording (this check's, or
+    the states dump's) wants runs eagerly (a graph replay runs no Python): dump_states.py."""
+    from .dump_states import around_can_run_graph as around
 
-
-def _wants(check: WiringCheck, forward_batch) -> bool:
-    rec = check.recorder
-    return check.phase == "waiting" and rec is not None and not rec.done and rec.wants(forward_batch)
+    return around(original, self, forward_batch, *args, **kwargs)
 
 
 def after_resolve_spec_tokens(result, *args, **kwargs):

@@ -22,6 +22,9 @@ PROMPTS = [[5, 17, 3, 99, 42, 8], [7, 1, 64, 23, 88, 120, 11]]
 
 @pytest.fixture
 def dump_env(monkeypatch, tmp_path):
+    from eagle3_ops.sglang import dump_states
+
+    monkeypatch.setattr(dump_states, "_recorders", [])  # recordings other tests left unfinished
     def set_env(tokens=None, boundaries=None):
         path = tmp_path / "states.safetensors"
         monkeypatch.setenv("EAGLE3_OPS_DUMP_STATES", str(path))
@@ -333,3 +336,26 @@ def test_the_demo_finishes_its_stock_half_when_the_plugin_refuses_a_setting(sgla
         "fc block -> eagle3::draft_fc", "unchanged (no fc)"]
     assert all(r["outputs match"] == "yes" for r in rows)
     assert "capture buffer: none (the plugin left the target stock)" in capsys.readouterr().out
+
+
+def test_the_dump_takes_the_prefills_it_records_off_the_prefill_graph(sglang_cpu, dump_env):
+    """SGLang's default flags keep prefill CUDA graphs on (a replay runs no Python): a prefill the dump
+    wants runs eagerly, every other forward is SGLang's decision, and after the file is written all are."""
+    from eagle3_ops.sglang import dump_states
+
+    h = sglang_cpu
+    cfg = h.FAMILIES["llama"].make_config()
+    model = h.sglang_model("llama", cfg, torch.float32, seed=5)
+    path = dump_env(tokens=len(PROMPTS[0]))
+    h.configure_capture(model, [0, 1])
+    rec = dump_states.dump_state(model)
+    kv = h.KVCache(cfg, torch.float32)
+    reqs = [h.Req(kv.new_req()) for _ in PROMPTS]
+    wanted = h.extend_batch(kv, reqs[:1], [PROMPTS[0]])
+    verify = h.extend_batch(kv, reqs[1:], [[3, 4, 5]], mode="TARGET_VERIFY")
+    graph = lambda self, fb: True  # noqa: E731  (what SGLang's runner would answer)
+    assert dump_states.around_can_run_graph(graph, None, wanted) is False
+    assert dump_states.around_can_run_graph(graph, None, verify) is True
+    h.run(model, wanted, kv)
+    assert rec.done and path.is_file()
+    assert dump_states.around_can_run_graph(graph, None, h.extend_batch(kv, reqs[1:], [PROMPTS[1]])) is True

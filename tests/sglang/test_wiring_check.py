@@ -34,6 +34,9 @@ def wc(monkeypatch, tmp_path):
     monkeypatch.delenv("EAGLE3_OPS_DUMP_STATES", raising=False)
     monkeypatch.delenv("EAGLE3_OPS_WIRING_CHECK", raising=False)
     monkeypatch.setattr(wiring_check, "_checks", [])
+    from eagle3_ops.sglang import dump_states
+
+    monkeypatch.setattr(dump_states, "_recorders", [])  # recordings other tests left unfinished
     return wiring_check
 
 
@@ -228,8 +231,8 @@ def test_default_flags_the_wanted_prefill_runs_eagerly_and_nothing_else(sglang_c
     bare = object.__new__(PrefillCudaGraphRunner)
     assert PrefillCudaGraphRunner.can_run_graph(bare, h.extend_batch(kv, [h.Req(kv.new_req())], [prompts[5]])) \
         is False
-    # once the check has what it needs, SGLang decides every forward again
-    wc.checks()[0].phase = "done"
+    # once the recording is written (its write() sets done), SGLang decides every forward again
+    wc.checks()[0].recorder.done = True
     assert wc.around_can_run_graph(stock, None, wanted) is True
 
 
@@ -284,3 +287,29 @@ def test_a_server_capturing_other_boundaries_than_the_config_names_is_not_scored
     lines = _lines(caplog, "live wiring check")
     assert len(lines) == 1 and "SGLang captures boundaries [2, 4, 6], but the draft config makes the doctor " \
                                 "expect [3, 5, 7]" in lines[0], caplog.text
+
+
+def test_sglang_s_own_verify_bookkeeping_feeds_the_acceptance_count(sglang_cpu, wc, tmp_path):
+    """Every spec-decode batch of SGLang 0.5.23 goes through ``_resolve_spec_v2_tokens`` (the one spec
+    path of ``_normalize_decode_outputs``), which makes ``num_correct_drafts_per_req_cpu``; the plugin's
+    AFTER hook on it counts them. Called here through the hooked class attribute, with stand-ins for
+    the scheduler parts it touches."""
+    from sglang.srt.managers.scheduler_components import batch_result_processor as brp
+
+    assert "self._resolve_spec_v2_tokens(result, batch)" in \
+        inspect.getsource(brp.SchedulerBatchResultProcessor._normalize_decode_outputs)
+    check = wc.WiringCheck("LlamaForCausalLM", tmp_path, {}, [3, 5, 7], 8, 0, 1)
+    check.predicted, check.verdict = 0.7, {"verdict": "OK"}
+    wc._checks.append(check)
+    scheduler = types.SimpleNamespace(
+        metrics_reporter=types.SimpleNamespace(snapshot_spec_decode_metrics=lambda batch, result: None),
+        model_worker=types.SimpleNamespace(on_verify_complete_cpu=lambda *a, **k: None),
+        advance_grammar_fsm=lambda result, batch: None)
+    # 3 requests, 4 draft tokens each (+1 bonus): accept lengths 1 (no draft accepted), 3 and 5
+    result = types.SimpleNamespace(
+        next_token_ids=torch.arange(15), accept_lens=torch.tensor([1, 3, 5]), speculative_output_stride=5,
+        speculative_num_draft_tokens=5, num_non_draft_tokens_per_req=1, block_accept_lens=None, cap_lens=None,
+        grammar_retained_tokens=None)
+    brp.SchedulerBatchResultProcessor._resolve_spec_v2_tokens(scheduler, result, types.SimpleNamespace(reqs=[]))
+    assert result.num_correct_drafts_per_req_cpu == [0, 2, 4]
+    assert (check.steps, check.first_accepted) == (3, 2)
