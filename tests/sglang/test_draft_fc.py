@@ -33,11 +33,13 @@ def _fc_reference(aux, inner):
 def _draft_steps(h, draft, dcfg, dtype, aux):
     """Draft EXTEND on the target's aux states (input ids shifted left, next token appended), then
     one DECODE step on the draft's own last hidden state. Returns both outputs and the first
-    layer's input of the EXTEND (the fc output)."""
+    layer's input of the EXTEND (the fc output): ``model.layers[0]`` (llama_eagle3) or
+    ``model.midlayer`` (the MLA head)."""
     from sglang.srt.speculative.eagle_info import EagleDraftExtendInput, EagleDraftInput
 
     seen = []
-    hook = draft.model.layers[0].register_forward_pre_hook(lambda mod, args: seen.append(args[2].clone()))
+    first = draft.model.midlayer if hasattr(draft.model, "midlayer") else draft.model.layers[0]
+    hook = first.register_forward_pre_hook(lambda mod, args: seen.append(args[2].clone()))
     try:
         kv = h.KVCache(dcfg, dtype)
         reqs = [h.Req(kv.new_req()) for _ in PROMPTS]

@@ -6,6 +6,8 @@ are compared with the same draft run stock; the fc output with a float64 referen
 import pytest
 import torch
 
+from test_draft_fc import _draft_steps
+
 LAYER_IDS = [0, 1, 2]
 
 
@@ -20,29 +22,6 @@ def _fc_reference(aux, inner):
     return y + inner.fc.bias.double() if inner.fc.bias is not None else y
 
 
-def _mla_steps(h, draft, dcfg, dtype, aux):
-    """Draft EXTEND on ``aux`` and one DECODE step; (extend, decode, the midlayer's input = fc output)."""
-    from sglang.srt.speculative.eagle_info import EagleDraftExtendInput, EagleDraftInput
-    from test_draft_fc import NEXT, PROMPTS
-
-    seen = []
-    hook = draft.model.midlayer.register_forward_pre_hook(lambda mod, args: seen.append(args[2].clone()))
-    try:
-        kv = h.KVCache(dcfg, dtype)
-        reqs = [h.Req(kv.new_req()) for _ in PROMPTS]
-        shifted = [p[1:] + n for p, n in zip(PROMPTS, NEXT)]
-        spec = EagleDraftExtendInput(hidden_states=aux, num_tokens_per_req=1, num_tokens_for_logprob_per_req=1)
-        ext = h.run(draft, h.extend_batch(kv, reqs, shifted, capture="LAST", spec_info=spec), kv)
-        assert spec.hidden_states is aux, "the draft's input must be handed back unchanged"
-        step = EagleDraftInput(hidden_states=ext.hidden_states, num_tokens_per_req=1,
-                               num_tokens_for_logprob_per_req=1)
-        dec = h.run(draft, h.decode_batch(kv, reqs, ext.next_token_logits.argmax(-1).tolist(), capture="LAST",
-                                          spec_info=step), kv)
-    finally:
-        hook.remove()
-    return ext, dec, seen[0]
-
-
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("fc_norm", [False, True], ids=["plain", "fc_norm"])
 def test_mla_draft_fc_matches_stock(sglang_cpu, fc_norm, dtype):
@@ -54,7 +33,7 @@ def test_mla_draft_fc_matches_stock(sglang_cpu, fc_norm, dtype):
     dcfg = h.mla_eagle3_draft_config(cfg, layer_ids=LAYER_IDS, fc_norm=fc_norm)
     draft = h.mla_eagle3_draft(dcfg, dtype)
     inner = draft.model
-    s_ext, s_dec, s_fc = _mla_steps(h, draft, dcfg, dtype, aux)
+    s_ext, s_dec, s_fc = _draft_steps(h, draft, dcfg, dtype, aux)
     fc_weight_ptr = inner.fc.weight.data_ptr()
 
     calls = []
@@ -65,7 +44,7 @@ def test_mla_draft_fc_matches_stock(sglang_cpu, fc_norm, dtype):
 
     state = draft_fc_state(draft)
     assert state is not None and state.column_parallel
-    p_ext, p_dec, p_fc = _mla_steps(h, draft, dcfg, dtype, aux)
+    p_ext, p_dec, p_fc = _draft_steps(h, draft, dcfg, dtype, aux)
     assert state.stats == {"fused_calls": 1, "stock_calls": 1}  # EXTEND fused, DECODE stock
     assert calls == [(aux.shape[0], dcfg.hidden_size)]  # the head's own all-gather ran on the fused output
     assert inner.fc.weight.data_ptr() == fc_weight_ptr  # SGLang's column-parallel fc kept, no weight copy
