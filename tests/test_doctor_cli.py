@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+import machine
 from doctor_fixtures import run_doctor, tiny_pair, tiny_states, write_draft, write_target  # noqa: F401
 from eagle3_ops.doctor import cli
 
@@ -26,7 +27,7 @@ def eagle3_ops(*args, timeout=120):
     env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
     env.pop("EAGLE3_OPS_DEBUG", None)
     return subprocess.run([sys.executable, "-m", "eagle3_ops", *map(str, args)], capture_output=True, text=True,
-                          env=env, timeout=timeout, cwd=str(ROOT))
+                          env=env, timeout=machine.timeout(timeout), cwd=str(ROOT))
 
 
 @pytest.fixture

@@ -15,6 +15,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
+import machine
 from doctor_fixtures import draft_tensors, run_doctor, write_draft, write_target
 from eagle3_ops.doctor import cli
 
@@ -32,6 +33,7 @@ def eagle3_ops(*args, timeout=120, env_extra=None):
     env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
     env.pop("EAGLE3_OPS_DEBUG", None)
     env.update(env_extra or {})
+    timeout = machine.timeout(timeout)  # seconds on an idle machine, scaled to this one now
     return subprocess.run([sys.executable, "-m", "eagle3_ops", *map(str, args)], capture_output=True, text=True,
                           env=env, timeout=timeout, cwd=str(ROOT), stdin=subprocess.DEVNULL)
 

@@ -156,22 +156,13 @@ def inner_forward(model, cfg, dtype, prompts):
         return model.model(fb.input_ids, fb.positions, fb)
 
 
-_calibration: Optional[float] = None
-
 
 def machine_slowness() -> float:
     """Seconds this machine takes, right now, to start a Python that imports torch: the unit the
-    multi-rank timeouts are counted in (a loaded 2-core box is many times slower than an idle one)."""
-    import subprocess
-    import sys
-    import time
+    multi-rank timeouts are counted in (tests/machine.py)."""
+    from machine import slowness
 
-    global _calibration
-    if _calibration is None:
-        t0 = time.perf_counter()
-        subprocess.run([sys.executable, "-c", "import torch"], check=True, capture_output=True)
-        _calibration = time.perf_counter() - t0
-    return _calibration
+    return slowness()
 
 
 def run_ranks(worker: str, outdir, world_size: int = 2, timeout: Optional[float] = None):

@@ -11,6 +11,8 @@ from importlib.metadata import entry_points
 import pytest
 import torch
 
+import machine
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(os.path.dirname(HERE))
 OUR_TARGETS = sorted([
@@ -64,7 +66,7 @@ def worker_runs():
              for mode, extra in scenarios.items()}
     results = {}
     for mode, p in procs.items():
-        out, err = p.communicate(timeout=420)
+        out, err = p.communicate(timeout=machine.timeout(420))
         assert p.returncode == 0, f"{mode} worker failed:\n{err.decode(errors='replace')[-4000:]}"
         results[mode] = json.loads(out.decode().strip().splitlines()[-1])
     return results
