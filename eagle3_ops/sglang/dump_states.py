@@ -77,6 +77,42 @@ def _capturing_graph() -> bool:
     return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
 
 
+def _server_args():
+    """SGLang's server args in a server process, else None (a script, a test)."""
+    try:
+        from sglang.srt.runtime_context import get_server_args
+
+        sa = get_server_args()
+    except Exception:
+        return None
+    return sa if sa is not None and hasattr(sa, "speculative_algorithm") else None
+
+
+def _scheduled(fb) -> bool:
+    """Whether ``fb`` is a batch the scheduler made for requests: an EAGLE-3 server's target batches carry
+    its ``spec_algorithm``; the dummy batches SGLang's CUDA-graph capture and compile warm-ups run
+    eagerly (EXTEND, prefix 0, token ids of a static buffer) carry none."""
+    alg = getattr(fb, "spec_algorithm", None)
+    if alg is None:
+        return False
+    is_none = getattr(alg, "is_none", None)
+    return not (is_none() if callable(is_none) else False)
+
+
+def dp_attention_enabled() -> bool:
+    """DP attention: each TP rank runs another batch, so a recording's all-gather would pair rows of
+    different requests and wait for ranks that never reach it."""
+    sa = _server_args()
+    if sa is not None and getattr(sa, "enable_dp_attention", False):
+        return True
+    try:
+        from sglang.srt.layers.dp_attention import is_dp_attention_enabled
+
+        return bool(is_dp_attention_enabled())
+    except Exception:
+        return False
+
+
 class _Forward:
     """One target forward being recorded (or skipped: ``rows`` is None)."""
 
@@ -138,6 +174,12 @@ class StatesRecorder:
         self.handles = []
         self.unreachable: List[int] = []
         self.max_bytes = 0
+        self.model = None                 # the model SGLang's runner holds (install_recorder)
+        # in an EAGLE-3 server, only the scheduler's batches (not SGLang's warm-up forwards) are recorded
+        sa = _server_args()
+        self.scheduled_only = sa is not None and str(getattr(sa, "speculative_algorithm", "") or "").upper() == "EAGLE3"
+        self.background_write = False     # write the file in a thread (the live check), not in the forward
+        self.failure: Optional[str] = None  # why this rank stopped keeping values (it still takes part)
         self.lock = threading.Lock()
 
     # ---- per forward -------------------------------------------------------------------------------
@@ -156,6 +198,8 @@ class StatesRecorder:
             return skip
         mode = getattr(fb, "forward_mode", None)
         if getattr(mode, "name", None) not in ("EXTEND", "MIXED"):  # never verify, decode or draft forwards
+            return skip
+        if self.scheduled_only and not _scheduled(fb):  # SGLang's graph-capture / compile warm-ups
             return skip
         ids = getattr(fb, "input_ids", None)
         lens = getattr(fb, "extend_seq_lens_cpu", None)
@@ -188,9 +232,24 @@ class StatesRecorder:
         if not isinstance(value, torch.Tensor) or value.dim() != 2 or value.shape[0] != cur.num_tokens:
             self.missing_boundaries.add(boundary)
             return
-        if cur.rows_dev is None or cur.rows_dev.device != value.device:
-            cur.rows_dev = cur.rows.to(value.device)
-        cur.values[boundary] = value.index_select(0, cur.rows_dev).to("cpu", copy=True)
+        try:
+            if cur.rows_dev is None or cur.rows_dev.device != value.device:
+                cur.rows_dev = cur.rows.to(value.device)
+            cur.values[boundary] = value.index_select(0, cur.rows_dev).to("cpu", copy=True)
+        except Exception as e:  # host memory, a device error: never into SGLang's forward
+            self.stop_keeping(e)
+
+    def stop_keeping(self, error: BaseException) -> None:
+        """This rank can keep no values: it drops them and goes on taking part in the next-token
+        all-gathers, so the other ranks are never left waiting; the recording then ends with nothing
+        written, and the reason is in :attr:`failure`."""
+        if self.failure is None:
+            log.error("eagle3_ops: %s: recording failed on this rank (%s: %s); %s", self.label, type(error).__name__,
+                      error, _off(self.label))
+            self.failure = f"recording failed ({type(error).__name__}: {error})"
+        self.keep_values = False
+        with self.lock:
+            self.prompts = []
 
     def finish(self, cur: _Forward, normed) -> None:
         """After the final norm: the greedy next tokens, then keep the forward's sequences."""
@@ -199,12 +258,17 @@ class StatesRecorder:
             return
         if not isinstance(normed, torch.Tensor) or normed.dim() != 2 or normed.shape[0] != cur.num_tokens:
             return
-        nxt = self._greedy_next(normed, cur)
-        if not self.keep_values:  # a rank > 0 takes part in the all-gathers only; it stops when rank 0 does
-            self.remaining -= int(cur.rows.numel())
-            if self._full():
-                self.write()
-            return
+        nxt = self._greedy_next(normed, cur)  # every rank: the one collective
+        if self.keep_values:  # rank 0 (a rank > 0 takes part in the all-gathers only)
+            try:
+                self._keep(cur, nxt)
+            except Exception as e:  # local: the count below stays the same on every rank
+                self.stop_keeping(e)
+        self.remaining -= int(cur.rows.numel())
+        if self._full():
+            self.write()
+
+    def _keep(self, cur: _Forward, nxt: torch.Tensor) -> None:
         ids = cur.forward_batch.input_ids.index_select(0, cur.rows.to(cur.forward_batch.input_ids.device)).cpu()
         pos = 0
         with self.lock:
@@ -213,12 +277,9 @@ class StatesRecorder:
                      "boundaries": {b: v[pos:pos + n] for b, v in cur.values.items()}}
                 self.prompts.append(p)
                 pos += n
-            self.remaining -= int(cur.rows.numel())
             for b in self.boundaries:
                 if b not in cur.values:
                     self.missing_boundaries.add(b)
-        if self._full():
-            self.write()
 
     def _full(self) -> bool:
         return self.remaining <= 0 or self.settings.tokens - self.remaining >= self.close_after
@@ -233,9 +294,15 @@ class StatesRecorder:
         out = []
         with torch.no_grad():
             for s in range(0, rows_dev.numel(), NEXT_TOKEN_CHUNK):
-                x = normed.index_select(0, rows_dev[s:s + NEXT_TOKEN_CHUNK])
-                logits = torch.nn.functional.linear(x.to(weight.dtype), weight[: hi - lo]).float()
-                best, arg = logits.max(dim=-1)
+                try:
+                    x = normed.index_select(0, rows_dev[s:s + NEXT_TOKEN_CHUNK])
+                    logits = torch.nn.functional.linear(x.to(weight.dtype), weight[: hi - lo]).float()
+                    best, arg = logits.max(dim=-1)
+                except Exception as e:  # local (memory): this rank still joins the all-gather below
+                    self.stop_keeping(e)
+                    n = int(rows_dev[s:s + NEXT_TOKEN_CHUNK].numel())
+                    best = torch.full((n,), float("-inf"), device=normed.device)
+                    arg = torch.zeros(n, dtype=torch.long, device=normed.device)
                 if self.tp_size > 1:
                     from sglang.srt.distributed import tensor_model_parallel_all_gather
 
@@ -258,7 +325,14 @@ class StatesRecorder:
         for h in self.handles:
             h.remove()
         self.handles = []
-        written = self._write(prompts) if self.keep_values else None
+        if self.keep_values and self.background_write:  # the file is written off the forward's thread
+            threading.Thread(target=self._write_and_follow, args=(prompts,), name="eagle3_ops-recording",
+                             daemon=True).start()
+            return None
+        return self._write_and_follow(prompts if self.keep_values else None)
+
+    def _write_and_follow(self, prompts) -> Optional[str]:
+        written = self._write(prompts) if prompts is not None else None
         if self.on_written is not None:
             try:
                 self.on_written(written)
@@ -315,7 +389,11 @@ def _layer_pre_hook(recorder: StatesRecorder, boundary: int, kind: str):
         fb = kwargs.get("forward_batch", args[2] if len(args) > 2 else None)
         if fb is None:
             return None
-        if recorder.begin(fb).rows is None:
+        try:  # _plan reads the batch's CPU fields: the same on every rank
+            if recorder.begin(fb).rows is None:
+                return None
+        except Exception as e:  # never into SGLang's forward
+            recorder.stop_keeping(e)
             return None
         existing = kwargs.get(kind)
         if kind == "capture_output":
@@ -359,9 +437,9 @@ def final_norm_hook(original, *args, **kwargs):
     out = original(*args, **kwargs)
     try:
         recorder.finish(cur, out)
-    except Exception:  # never stop SGLang; stop recording instead
-        log.exception("eagle3_ops: %s: recording failed; the dump is off", ENV_DUMP_STATES)
-        recorder.done = True
+    except Exception as e:  # never stop SGLang (finish catches what is local; this is the rest)
+        recorder.stop_keeping(e)
+        recorder.write()
     return out
 
 
@@ -438,6 +516,11 @@ def install_recorder(model, settings: Optional[DumpSettings], *, boundaries: Opt
     inner = lm.model
     if inner.__dict__.get(_STATE_ATTR) is not None:
         return None  # one recorder per model: the other feature has it
+    if dp_attention_enabled():  # the same answer on every rank (a server setting)
+        log.warning("eagle3_ops: %s: not under DP attention (each TP rank runs another batch, so the "
+                    "recording's all-gather would pair different requests and could leave ranks waiting); "
+                    "%s", label, _off(label))
+        return None
     recorder = None
     if settings is not None:
         try:
@@ -454,6 +537,7 @@ def install_recorder(model, settings: Optional[DumpSettings], *, boundaries: Opt
             log.error("eagle3_ops: %s: another TP rank cannot record (see its log); %s", label, _off(label))
         return None
     inner.__dict__[_STATE_ATTR] = recorder
+    recorder.model = model
     _recorders.append(recorder)
     if atexit_write:
         atexit.register(recorder.write)
@@ -534,12 +618,21 @@ def around_can_run_graph(original, self, forward_batch, *args, **kwargs):
     graph decision is a vote of the DP group and one rank alone leaving the graph would change the
     collectives' padding. After every recorder is written: one list check."""
     if _recorders and getattr(forward_batch, "global_num_tokens_cpu", None) is None:
+        runner_model = getattr(getattr(self, "model_runner", None), "model", None)
         try:
-            if any(not rec.done and rec.wants(forward_batch) for rec in _recorders):
+            if any(not rec.done and (runner_model is None or rec.model is runner_model) and rec.wants(forward_batch)
+                   for rec in _recorders):  # the recorded model's runner only (not the draft's)
                 return False
-        except Exception:  # never stop SGLang: the graph decides as stock
-            log.exception("eagle3_ops: could not read the batch for the recording")
+        except Exception as e:  # never stop SGLang: the graph decides as stock
+            global _graph_error_logged
+            if not _graph_error_logged:
+                _graph_error_logged = True
+                log.error("eagle3_ops: could not read a batch for the recording (%s: %s); SGLang decides",
+                          type(e).__name__, e)
     return original(self, forward_batch, *args, **kwargs)
+
+
+_graph_error_logged = False
 
 
 def dump_state(model) -> Optional[StatesRecorder]:

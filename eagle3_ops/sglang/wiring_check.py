@@ -51,6 +51,8 @@ import time
 from pathlib import Path
 from typing import Any, Dict, List, Optional
 
+import torch
+
 log = logging.getLogger("eagle3_ops.sglang")
 
 ENV_SWITCH = "EAGLE3_OPS_WIRING_CHECK"
@@ -81,11 +83,14 @@ def enabled() -> bool:
         return False
 
 
-def result_path() -> Path:
-    """Where the verdict is written as JSON: next to the qualification cache."""
+KEEP_RECORDINGS = 3  # per model, the newest recordings kept for the offline command
+
+
+def result_path(model_name: Optional[str] = None) -> Path:
+    """Where the verdict is written as JSON: next to the qualification cache, one file per model class."""
     from .. import qualify_cache
 
-    return qualify_cache.path().parent / "wiring_check.json"
+    return qualify_cache.path().parent / (f"wiring_check-{model_name}.json" if model_name else "wiring_check.json")
 
 
 def boundaries_in_words(boundaries: List[int], num_layers: int) -> str:
@@ -132,7 +137,8 @@ class WiringCheck:
             self.phase = "done"
             return
         if path is None:
-            self._fail("nothing was recorded (no prefill qualified before the recording was closed)")
+            failure = getattr(self.recorder, "failure", None)
+            self._fail(failure or "nothing was recorded (no prefill qualified before the recording was closed)")
             return
         self.phase = "scoring"
         self.thread = threading.Thread(target=self._score, args=(Path(path),), name="eagle3_ops-wiring-check",
@@ -141,8 +147,9 @@ class WiringCheck:
 
     def _fail(self, why: str) -> None:
         self.phase = "failed"
+        self.acceptance_logged = True  # nothing to compare with: stop counting
         log.warning("eagle3_ops: %s: %s could not be checked: %s; serving is unaffected", LABEL, self.model_name, why)
-        _write_result({"model": self.model_name, "verdict": "not checked", "why": why})
+        _write_result({"model": self.model_name, "verdict": "not checked", "why": why}, self.model_name)
 
     # ---- the background replay ---------------------------------------------------------------------
     def command(self, states: Path, target_dir: Path) -> List[str]:
@@ -160,8 +167,8 @@ class WiringCheck:
             (target_dir / "config.json").write_text(json.dumps(self.target_config, default=str))
             cmd = self.command(states, target_dir)
             t0 = time.monotonic()
-            proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=_child_env(),
-                                    preexec_fn=_child_limits(self.memory_limit(states)))
+            proc = subprocess.Popen(limited(cmd, self.memory_limit(states), TIME_LIMIT_S * THREADS + 60),
+                                    stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=_child_env())
             try:
                 out, err = proc.communicate(timeout=TIME_LIMIT_S)
             except subprocess.TimeoutExpired:
@@ -189,8 +196,9 @@ class WiringCheck:
         return int(8 * 2**30 + 3 * draft_bytes + 3 * states.stat().st_size)
 
     def _offline_command(self, states: Path) -> List[str]:
-        return ["python", "-m", "eagle3_ops", "doctor", "--draft", str(self.draft_dir), "--target",
-                str(self.workdir / "target"), "--replay", str(states)]
+        """The command that ran, as a user types it (without --json)."""
+        cmd = self.command(states, self.workdir / "target")
+        return ["python", *[c for c in cmd[1:] if c != "--json"]]
 
     def _conclude(self, report: dict, states: Path, seconds: float) -> None:
         replay = report.get("replay")
@@ -223,8 +231,9 @@ class WiringCheck:
         else:
             runner = next((c for c in replay.get("candidates", []) if c.get("boundaries") != conf["boundaries"]), None)
             result.update(verdict="OK", configured=conf, runner_up=runner)
-            log.info("eagle3_ops: %s: OK: %s's draft is fed what it predicts the target best with: the served %s "
-                     "(%s) scores %.1f%% top-1 agreement on %d positions%s (%.0f s)", LABEL, self.model_name,
+            log.info("eagle3_ops: %s: OK: no wiring predicts %s's target clearly better than the one served (by the "
+                     "doctor's margin: 2 points and 3 standard errors): the served %s (%s) scores %.1f%% top-1 "
+                     "agreement on %d positions%s (%.0f s)", LABEL, self.model_name,
                      conf["boundaries"], boundaries_in_words(conf["boundaries"], L), 100 * conf["accuracy"], n,
                      f"; the best alternative, {runner['label']} {runner['boundaries']}, {100 * runner['accuracy']:.1f}%"
                      if runner else "", seconds)
@@ -233,7 +242,7 @@ class WiringCheck:
             log.warning("eagle3_ops: %s: %s", LABEL, low.get("message"))
         self.verdict = result
         self.phase = "done"
-        _write_result(result)
+        _write_result(result, self.model_name)
         self.maybe_log_acceptance()
 
     def _fix(self, boundaries: List[int]) -> dict:
@@ -280,7 +289,7 @@ class WiringCheck:
         if self.verdict is not None:
             self.verdict["observed_first_token_acceptance"] = observed
             self.verdict["acceptance_steps"] = self.steps
-            _write_result(self.verdict)
+            _write_result(self.verdict, self.model_name)
 
 
 def _workdir(model_name: str) -> Path:
@@ -289,9 +298,19 @@ def _workdir(model_name: str) -> Path:
     try:
         base = result_path().parent / "wiring"
         base.mkdir(parents=True, exist_ok=True)
+        _prune(base, model_name)
         return Path(tempfile.mkdtemp(prefix=f"{model_name}-{time.strftime('%Y%m%d-%H%M%S')}-", dir=base))
     except OSError:
         return Path(tempfile.mkdtemp(prefix="eagle3_ops-wiring-"))
+
+
+def _prune(base: Path, model_name: str) -> None:
+    """Keep the newest KEEP_RECORDINGS - 1 earlier recordings of this model (each server start makes one)."""
+    import shutil
+
+    old = sorted((d for d in base.glob(f"{model_name}-*") if d.is_dir()), key=lambda d: d.stat().st_mtime)
+    for d in old[:max(0, len(old) - (KEEP_RECORDINGS - 1))]:
+        shutil.rmtree(d, ignore_errors=True)
 
 
 def _shell(cmd: List[str]) -> str:
@@ -324,23 +343,39 @@ def _child_env() -> Dict[str, str]:
     return env
 
 
-def _child_limits(address_space: int):
-    def limit():
-        try:
-            os.nice(19)
-        except OSError:
-            pass
-        try:
-            import resource
+# The child sets its own limits before it runs the command: no preexec_fn (that would fork() the whole
+# threaded scheduler process instead of spawning, and is unsafe with threads).
+_LIMITS_PROLOGUE = """
+import ctypes, json, os, resource, runpy, signal, sys
+limits = json.loads(sys.argv[1])
+try:
+    os.nice(19)
+except OSError:
+    pass
+for name, value in (("RLIMIT_AS", limits["address_space"]), ("RLIMIT_CPU", limits["cpu_seconds"])):
+    try:
+        resource.setrlimit(getattr(resource, name), (value, value))
+    except (ValueError, OSError):
+        pass
+try:  # PR_SET_PDEATHSIG: the replay ends with the server
+    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)
+except Exception:
+    pass
+sys.argv = [sys.argv[2], *sys.argv[3:]]
+runpy.run_module(sys.argv[0], run_name="__main__", alter_sys=True)
+"""
 
-            resource.setrlimit(resource.RLIMIT_AS, (address_space, address_space))
-        except (ImportError, ValueError, OSError):
-            pass
-    return limit
+
+def limited(cmd: List[str], address_space: int, cpu_seconds: int) -> List[str]:
+    """``cmd`` (``[python, "-m", module, *args]``) run at nice 19 under an address-space and a CPU-time
+    limit, killed if the server dies."""
+    assert cmd[1] == "-m", cmd
+    return [cmd[0], "-c", _LIMITS_PROLOGUE, json.dumps({"address_space": int(address_space),
+                                                        "cpu_seconds": int(cpu_seconds)}), *cmd[2:]]
 
 
-def _write_result(result: dict) -> None:
-    path = result_path()
+def _write_result(result: dict, model_name: Optional[str] = None) -> None:
+    path = result_path(model_name)
     try:
         from ..files import replace_atomically
 
@@ -353,32 +388,53 @@ def _write_result(result: dict) -> None:
 
 
 # ---- start-up ------------------------------------------------------------------------------------------
-def _allreduce_fusion_possible() -> bool:
-    """Whether SGLang may fuse a layer's all-reduce with its add+RMSNorm in some forward of this server
-    (then recording another layer than the captured ones could change that layer's kernels)."""
+def _largest_true(pred, limit: int = 1 << 22) -> Optional[int]:
+    """The largest n with pred(n) for a predicate true on 1..max and false above; 0 if pred(1) is
+    false; None if still true at ``limit`` (no bound)."""
+    if not pred(1):
+        return 0
+    lo, hi = 1, 2
+    while pred(hi):
+        if hi >= limit:
+            return None
+        lo, hi = hi, hi * 2
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if pred(mid) else (lo, mid)
+    return lo
+
+
+def _largest_fused_forward(hidden_size, dtype) -> Optional[int]:
+    """The most tokens a forward may have for SGLang to fuse a layer's all-reduce with its add+RMSNorm
+    (then recording a layer SGLang does not capture would run it unfused), by SGLang's own predicates:
+    FlashInfer's fusion (``flashinfer_ar_fusion_applies``), CuTe DSL's (its workspace bound
+    ``_resolve_max_m``) and aiter's (``aiter_ar_fusion_applies``, a byte bound). 0: none can; None:
+    cannot tell, or no bound."""
     from .groups import tp_rank_size
 
     if tp_rank_size()[1] <= 1:
-        return False
+        return 0
     try:
+        import types
+
+        from sglang.srt.layers.flashinfer_comm_fusion import uses_cutedsl_ar_fusion
         from sglang.srt.layers.layer_boundary.residual import add_norm
+        from sglang.srt.model_executor.forward_batch_info import ForwardMode
         from sglang.srt.runtime_context import get_exec
 
-        comm = get_exec().comm
-        if getattr(comm, "enable_aiter_allreduce_fusion", False):
-            return True
-        return bool(add_norm.flashinfer_ar_fusion_applies(1))
-    except Exception:  # cannot tell: assume it may
-        return True
+        sizes = [_largest_true(add_norm.flashinfer_ar_fusion_applies)]
+        if uses_cutedsl_ar_fusion():
+            from sglang.srt.layers.layer_boundary.fusions.cutedsl import _resolve_max_m
+            from .dump_states import _server_args
 
-
-def _fusion_free_tokens() -> int:
-    try:
-        from sglang.srt.layers.layer_boundary.residual.add_norm import FUSE_ALLREDUCE_MAX_BATCH_SIZE
-
-        return int(FUSE_ALLREDUCE_MAX_BATCH_SIZE) + 1
-    except Exception:
-        return 2049
+            sizes.append(_resolve_max_m(max_running_requests=getattr(_server_args(), "max_running_requests", None)))
+        if getattr(get_exec().comm, "enable_aiter_allreduce_fusion", False):
+            fb = types.SimpleNamespace(forward_mode=ForwardMode.EXTEND)
+            sizes.append(_largest_true(lambda n: add_norm.aiter_ar_fusion_applies(
+                torch.empty((n, int(hidden_size)), dtype=dtype or torch.bfloat16, device="meta"), fb)))
+        return None if any(x is None for x in sizes) else max(int(x) for x in sizes)
+    except Exception:  # cannot tell: assume no bound
+        return None
 
 
 def _draft_dir(draft_path) -> Optional[Path]:
@@ -438,7 +494,7 @@ def _cannot_replay(report, weights) -> Optional[str]:
 
 def _verdict_text(report) -> str:
     if report is None:
-        return "the doctor could not read the configs"
+        return "doctor: not run"
     errors = [f.code for f in report.findings if f.severity == "error"]
     warnings = [f.code for f in report.findings if f.severity == "warning"]
     if errors:
@@ -446,6 +502,36 @@ def _verdict_text(report) -> str:
     if warnings:
         return f"doctor: WARNING {', '.join(warnings)}"
     return "doctor: OK (nothing to warn about in the configs)"
+
+
+def _prepare_check(model, name, cfg, draft_path, served, num_layers, tp_rank, tp_size):
+    """This rank's part of the start: (check, why it cannot run or None, boundaries to record, the
+    smallest forward that may be recorded)."""
+    raw_cfg = cfg if isinstance(cfg, dict) else (cfg.to_dict() if hasattr(cfg, "to_dict") else None)
+    draft_dir = _draft_dir(draft_path)
+    if draft_dir is None:
+        return None, f"the draft checkpoint {draft_path!r} is not a local folder (nor in the Hugging Face cache)", \
+            None, 0
+    if raw_cfg is None:
+        return None, "the target's config cannot be read", None, 0
+    check = WiringCheck(name, draft_dir, raw_cfg, served, num_layers, tp_rank, tp_size)
+    try:
+        check.report, weights = _doctor_report(cfg, draft_dir, tp_size)
+    except Exception as e:
+        return check, f"the doctor could not read the configs ({type(e).__name__}: {e})", None, 0
+    why_not = _cannot_replay(check.report, weights)
+    expected = [sl.boundary for sl in check.report.wiring.slots] if check.report.wiring is not None else served
+    if why_not is None and expected != served:  # the replay's "served" wiring would not be the server's
+        why_not = (f"SGLang captures boundaries {served}, but the draft config makes the doctor expect "
+                   f"{expected}; report this (the doctor's engine rules may be out of date)")
+    if why_not is not None:
+        return check, why_not, None, 0
+    fused = _largest_fused_forward(getattr(cfg, "hidden_size", None) or raw_cfg.get("hidden_size"),
+                                   next(model.parameters()).dtype if isinstance(model, torch.nn.Module) else None)
+    if fused is None:
+        return check, ("SGLang may fuse a layer's all-reduce with its add+RMSNorm here for forwards of any size, "
+                       "and recording would change that layer's kernels"), None, 0
+    return check, None, _needed_boundaries(check.report, served, num_layers), fused + 1 if fused else 0
 
 
 def start(model, *, draft_path=None, target_config=None) -> Optional[WiringCheck]:
@@ -482,37 +568,31 @@ def start(model, *, draft_path=None, target_config=None) -> Optional[WiringCheck
     owner, _ = find_capture_owner(model)
     if owner is None:
         return None
+    if dump_states.dp_attention_enabled():  # a server setting: every rank returns here
+        say("eagle3_ops: %s: off under DP attention (each TP rank runs another batch: recording could leave "
+            "ranks waiting); check offline with python -m eagle3_ops doctor --replay", LABEL)
+        return None
     inner = owner.inner
     state = capture_state(model)
     served = list(state.layer_ids) if state is not None else sorted({int(i) for i in inner.layers_to_capture})
     cfg = target_config if target_config is not None else getattr(model, "config", None)
-    raw_cfg = cfg if isinstance(cfg, dict) else (cfg.to_dict() if hasattr(cfg, "to_dict") else None)
     num_layers = int(getattr(getattr(inner, "config", None), "num_hidden_layers", len(getattr(inner, "layers", []))))
-    draft_dir = _draft_dir(draft_path)
-    if draft_dir is None or raw_cfg is None:
-        say("eagle3_ops: %s: %s is not checked: %s", LABEL, name,
-            f"the draft checkpoint {draft_path!r} is not a local folder (nor in the Hugging Face cache)"
-            if draft_dir is None else "the target's config cannot be read")
-        return None
-    check = WiringCheck(name, draft_dir, raw_cfg, served, num_layers, tp_rank, tp_size)
-    try:  # deterministic (the same configs on every rank), so every rank decides the same
-        check.report, weights = _doctor_report(cfg, draft_dir, tp_size)
-        why_not = _cannot_replay(check.report, weights)
-        expected = [sl.boundary for sl in check.report.wiring.slots] if check.report.wiring is not None else served
-        if why_not is None and expected != served:  # the replay's "served" wiring would not be the server's
-            why_not = (f"SGLang captures boundaries {served}, but the draft config makes the doctor expect "
-                       f"{expected}; report this (the doctor's engine rules may be out of date)")
+    # Local work first (files, the doctor: a rank may fail alone, e.g. a draft present on one node only),
+    # then ONE agreement every rank takes part in, then the recording (install_recorder votes again).
+    check, why_not, needed, min_forward = None, None, None, 0
+    try:
+        check, why_not, needed, min_forward = _prepare_check(model, name, cfg, draft_path, served, num_layers,
+                                                             tp_rank, tp_size)
     except Exception as e:
-        check.report, why_not = None, f"the doctor could not read the configs ({type(e).__name__}: {e})"
-    if why_not is not None:
-        say("eagle3_ops: %s: %s feeds its draft %s (boundaries %s); %s; the live check cannot run: %s",
-            LABEL, name, boundaries_in_words(served, num_layers), served, _verdict_text(check.report), why_not)
+        why_not = f"{type(e).__name__}: {e}"
+    agreed = same_on_all_ranks(repr((why_not is None, needed, min_forward)), tp_group())
+    if why_not is not None or not agreed:
+        report = check.report if check is not None else None
+        say("eagle3_ops: %s: %s feeds its draft %s (boundaries %s); %s; the live check cannot run: %s", LABEL, name,
+            boundaries_in_words(served, num_layers), served, _verdict_text(report),
+            why_not or "the TP ranks disagree on what to record (see their logs)")
         return None
-    needed = _needed_boundaries(check.report, served, num_layers)
-    min_forward = _fusion_free_tokens() if _allreduce_fusion_possible() else 0
-    if not same_on_all_ranks(repr((needed, min_forward)), tp_group()):
-        say("eagle3_ops: %s: the TP ranks disagree on what to record; off", LABEL)
-        return None
+    draft_dir = check.draft_dir
     states = check.workdir / "states.safetensors"
     recorder = dump_states.install_recorder(
         model, DumpSettings(states, RECORD_TOKENS, "auto"), boundaries=needed, label=LABEL,
@@ -521,6 +601,7 @@ def start(model, *, draft_path=None, target_config=None) -> Optional[WiringCheck
     if recorder is None:
         say("eagle3_ops: %s: %s is not checked: its states cannot be recorded here (see above)", LABEL, name)
         return None
+    recorder.background_write = True  # rank 0 writes the file off the forward's thread
     check.recorder = recorder
     _checks.append(check)
     waits = (f"the first prompt(s) of at least {MIN_PROMPT_TOKENS} tokens" if not min_forward else

@@ -78,6 +78,10 @@ def _check_wiring(ranks):
     assert w0["verdict"]["verdict"] == "WARNING" and w0["verdict"]["best"]["boundaries"] == [3, 5, 7], w0
     assert w0["verdict"]["configured"]["boundaries"] == [2, 4, 6]
     assert w1["phase"] == "done" and not w1["thread"] and w1["verdict"] is None and not w1["result_file"], w1
+    f0, f1 = ranks[0]["wiring_failure"], ranks[1]["wiring_failure"]
+    assert f0["done"] and f1["done"], "both ranks closed the recording after the same forward"
+    assert f0["phase"] == "failed" and "injected on rank 0" in f0["failure"], f0
+    assert f1["phase"] == "done" and f1["failure"] is None, f1
 
 
 def _check_target(h, ranks):

@@ -111,9 +111,9 @@ def test_miswired_draft_gets_a_warning_with_the_trained_wiring_and_the_fix(sglan
     assert "[3, 5, 7]" in warn[0] and "eagle_aux_hidden_state_layer_ids to [2, 4, 6]" in warn[0]
     assert "Reproduce offline: python -m eagle3_ops doctor" in warn[0] and "--replay" in warn[0]
     # the same verdict as JSON next to the qualification cache, and the path logged
-    saved = json.loads(wc.result_path().read_text())
+    saved = json.loads(wc.result_path("LlamaForCausalLM").read_text())
     assert saved["verdict"] == "WARNING" and saved["fix"]["ids"] == [2, 4, 6]
-    assert str(wc.result_path()) in caplog.text
+    assert str(wc.result_path("LlamaForCausalLM")) in caplog.text
     assert v["fix"]["ids"] == pair.trained_ids  # the ids the draft was trained with
     # the offline command reproduces the verdict
     import shlex
@@ -152,7 +152,7 @@ def test_a_path_that_is_not_there_gets_one_line_and_serving_goes_on(sglang_cpu, 
     with caplog.at_level(logging.INFO, logger="eagle3_ops.sglang"):
         assert wc.start(model, draft_path=str(tmp_path / "no-such-draft"), target_config=cfg) is None
     lines = _lines(caplog, "live wiring check")
-    assert len(lines) == 1 and "is not checked" in lines[0] and "no-such-draft" in lines[0], caplog.text
+    assert len(lines) == 1 and "cannot run" in lines[0] and "no-such-draft" in lines[0], caplog.text
     assert wc.checks() == []
     _serve(h, model, cfg, json.loads(pair.prompts_file.read_text())[:2])
 
@@ -184,7 +184,7 @@ def test_the_time_bound_gets_one_line_and_serving_goes_on(sglang_cpu, wc, pair, 
     assert check.phase == "failed"
     lines = _lines(caplog, "could not be checked")
     assert len(lines) == 1 and "the time bound" in lines[0] and "doctor --draft" in lines[0], caplog.text
-    assert json.loads(wc.result_path().read_text())["verdict"] == "not checked"
+    assert json.loads(wc.result_path("LlamaForCausalLM").read_text())["verdict"] == "not checked"
     _serve(h, model, cfg, prompts[:2])  # the recorder is gone: serving is stock
 
 
@@ -207,13 +207,23 @@ def test_default_flags_the_wanted_prefill_runs_eagerly_and_nothing_else(sglang_c
         h.configure_capture(model, [2, 4, 6])  # the plugin's hook starts the check from the server's args
     assert len(wc.checks()) == 1 and wc.checks()[0].draft_dir == pair.draft_dir, caplog.text
 
+    from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
+
     kv = h.KVCache(cfg, torch.float32)
-    reqs = [h.Req(kv.new_req()) for _ in range(3)]
+    reqs = [h.Req(kv.new_req()) for _ in range(4)]
     prompts = json.loads(pair.prompts_file.read_text())
-    wanted = h.extend_batch(kv, reqs[:1], [prompts[0]])
-    short = h.extend_batch(kv, reqs[1:2], [prompts[1][:8]])              # under MIN_PROMPT_TOKENS
-    cached = h.extend_batch(kv, reqs[:1], [prompts[2]])                  # a continuation (cached prefix)
-    verify = h.extend_batch(kv, reqs[2:3], [prompts[3][:4]], mode="TARGET_VERIFY")
+
+    def scheduled(fb):  # what the scheduler's batches of an EAGLE-3 server carry
+        fb.spec_algorithm = SpeculativeAlgorithm.EAGLE3
+        return fb
+
+    wanted = scheduled(h.extend_batch(kv, reqs[:1], [prompts[0]]))
+    short = scheduled(h.extend_batch(kv, reqs[1:2], [prompts[1][:8]]))     # under MIN_PROMPT_TOKENS
+    cached = scheduled(h.extend_batch(kv, reqs[:1], [prompts[2]]))         # a continuation (cached prefix)
+    verify = scheduled(h.extend_batch(kv, reqs[2:3], [prompts[3][:4]], mode="TARGET_VERIFY"))
+    # SGLang's prefill-graph capture warms each bucket up eagerly with a dummy EXTEND from position 0
+    # (prefill_cuda_graph_runner.capture_prepare): no spec_algorithm; never recorded
+    warmup = h.extend_batch(kv, reqs[3:4], [[0] * 64])
     seen = []
 
     def stock(self, fb):
@@ -221,16 +231,22 @@ def test_default_flags_the_wanted_prefill_runs_eagerly_and_nothing_else(sglang_c
         return True
 
     assert wc.around_can_run_graph(stock, None, wanted) is False and not seen
-    for fb in (short, cached, verify):
+    for fb in (short, cached, verify, warmup):
         assert wc.around_can_run_graph(stock, None, fb) is True
-    assert seen == [short, cached, verify]
-    dp = h.extend_batch(kv, reqs[1:2], [prompts[4]])
-    dp.global_num_tokens_cpu = [SEQ, SEQ]  # DP attention: the ranks' batches differ, SGLang decides alone
+    assert seen == [short, cached, verify, warmup]
+    assert not wc.checks()[0].recorder.wants(warmup)
+    dp = scheduled(h.extend_batch(kv, reqs[1:2], [prompts[4]]))
+    dp.global_num_tokens_cpu = [SEQ, SEQ]  # DP attention / MLP sync: a group vote, SGLang decides alone
     assert wc.around_can_run_graph(stock, None, dp) is True
+    # the draft's prefill graph runner (another model) is not taken off its graph
+    draft_runner = types.SimpleNamespace(model_runner=types.SimpleNamespace(model=torch.nn.Linear(1, 1)))
+    assert wc.around_can_run_graph(stock, draft_runner, wanted) is True
+    target_runner = types.SimpleNamespace(model_runner=types.SimpleNamespace(model=model))
+    assert wc.around_can_run_graph(stock, target_runner, wanted) is False
     # the plugin hooked SGLang's class: on a wanted batch the graph runner is not consulted at all
     bare = object.__new__(PrefillCudaGraphRunner)
-    assert PrefillCudaGraphRunner.can_run_graph(bare, h.extend_batch(kv, [h.Req(kv.new_req())], [prompts[5]])) \
-        is False
+    assert PrefillCudaGraphRunner.can_run_graph(
+        bare, scheduled(h.extend_batch(kv, [h.Req(kv.new_req())], [prompts[5]]))) is False
     # once the recording is written (its write() sets done), SGLang decides every forward again
     wc.checks()[0].recorder.done = True
     assert wc.around_can_run_graph(stock, None, wanted) is True
@@ -313,3 +329,52 @@ def test_sglang_s_own_verify_bookkeeping_feeds_the_acceptance_count(sglang_cpu, 
     brp.SchedulerBatchResultProcessor._resolve_spec_v2_tokens(scheduler, result, types.SimpleNamespace(reqs=[]))
     assert result.num_correct_drafts_per_req_cpu == [0, 2, 4]
     assert (check.steps, check.first_accepted) == (3, 2)
+
+
+def test_off_under_dp_attention(sglang_cpu, wc, pair, monkeypatch, caplog):
+    """Under DP attention each TP rank runs another batch: the recording's all-gather could pair rows of
+    different requests and wait for ranks that never reach it, so the check (and the dump) stay off."""
+    from eagle3_ops.sglang import dump_states
+
+    monkeypatch.setattr(dump_states, "dp_attention_enabled", lambda: True)
+    cfg, model = _target(sglang_cpu, pair)
+    sglang_cpu.configure_capture(model, [2, 4, 6])
+    with caplog.at_level(logging.INFO, logger="eagle3_ops.sglang"):
+        assert wc.start(model, draft_path=str(pair.draft_dir), target_config=cfg) is None
+        assert dump_states.install_recorder(model, None, label="x") is None
+    lines = _lines(caplog, "DP attention")
+    assert len(lines) == 2 and "live wiring check: off under DP attention" in lines[0], caplog.text
+
+
+def test_the_fusion_guard_follows_sglangs_own_predicates(wc, monkeypatch):
+    """At TP > 1 a recorded layer completes its all-reduce before its norm; where SGLang would fuse the
+    two (FlashInfer up to its batch limit, CuTe DSL up to its workspace bound, aiter up to a byte bound),
+    only longer forwards are recorded. The bounds come from SGLang's predicates, searched."""
+    import sglang.srt.layers.layer_boundary.residual.add_norm as add_norm
+    from eagle3_ops.sglang import groups
+
+    assert wc._largest_true(lambda n: n <= 2048) == 2048
+    assert wc._largest_true(lambda n: False) == 0 and wc._largest_true(lambda n: True) is None
+    assert wc._largest_fused_forward(64, torch.bfloat16) == 0  # TP = 1: nothing to fuse
+    monkeypatch.setattr(groups, "tp_rank_size", lambda: (0, 2))
+    monkeypatch.setattr(add_norm, "flashinfer_ar_fusion_applies", lambda n: n <= add_norm.FUSE_ALLREDUCE_MAX_BATCH_SIZE)
+    assert wc._largest_fused_forward(64, torch.bfloat16) == add_norm.FUSE_ALLREDUCE_MAX_BATCH_SIZE
+    monkeypatch.setattr(add_norm, "flashinfer_ar_fusion_applies", lambda n: False)
+    assert wc._largest_fused_forward(64, torch.bfloat16) == 0  # e.g. sm_120 (FlashInfer's fusion is sm_90/100)
+    monkeypatch.setattr(add_norm, "flashinfer_ar_fusion_applies", lambda n: 1 / 0)
+    assert wc._largest_fused_forward(64, torch.bfloat16) is None  # cannot tell: the check does not record
+
+
+def test_the_replay_runs_niced_bounded_off_the_gpu(tmp_path, wc):
+    import subprocess
+    import sys
+
+    (tmp_path / "show_limits.py").write_text(
+        "import os, resource\n"
+        "print(os.nice(0), resource.getrlimit(resource.RLIMIT_AS)[0], resource.getrlimit(resource.RLIMIT_CPU)[0],"
+        " os.environ['CUDA_VISIBLE_DEVICES'] == '', os.environ['OMP_NUM_THREADS'],"
+        " os.environ['EAGLE3_OPS_WIRING_CHECK'])\n")
+    env = dict(wc._child_env(), PYTHONPATH=str(tmp_path))
+    out = subprocess.run(wc.limited([sys.executable, "-m", "show_limits"], 6 << 30, 123), env=env,
+                         capture_output=True, text=True, check=True).stdout.split()
+    assert out == ["19", str(6 << 30), "123", "True", str(wc.THREADS), "0"], out

@@ -193,7 +193,24 @@ def wiring_part(rank, outdir, results):
         check.thread.join()
     results["wiring"] = {"phase": check.phase, "verdict": check.verdict, "thread": check.thread is not None,
                          "boundaries": check.recorder.boundaries, "done": check.recorder.done,
-                         "result_file": wiring_check.result_path().is_file()}
+                         "result_file": wiring_check.result_path("LlamaForCausalLM").is_file()}
+    # rank 0 fails alone while recording (host memory, say): it stops keeping values but goes on taking
+    # part in the all-gathers, so rank 1 is never left waiting; the check ends with one line
+    wiring_check._checks.clear()
+    model = h.sglang_model("llama", cfg, torch.float32, weights=load_file(os.path.join(pair["target"],
+                                                                                       "model.safetensors")).items())
+    h.configure_capture(model, [1, 3, 5])
+    check = wiring_check.start(model, draft_path=pair["draft"], target_config=cfg)
+    if rank == 0:
+        def fail(*a, **k):
+            raise MemoryError("injected on rank 0")
+        check.recorder._keep = fail
+    kv = h.KVCache(cfg, torch.float32, tp_size=2, size=sum(map(len, prompts)) + 8, max_reqs=len(prompts) + 1)
+    for s in range(0, len(prompts), 4):
+        chunk = prompts[s:s + 4]
+        h.run(model, h.extend_batch(kv, [h.Req(kv.new_req()) for _ in chunk], chunk), kv)
+    results["wiring_failure"] = {"phase": check.phase, "done": check.recorder.done,
+                                 "failure": check.recorder.failure}
 
 
 def _build_draft(dcfg, dtype, ckpt):
