@@ -1,0 +1,195 @@
+"""Target side on more SGLang 0.5.23 EAGLE-3 target families, mostly the multimodal wrappers whose
+language model holds the capture (CPU, torch_native, float32).
+
+Each case builds SGLang's own class (the wrapper where that is what checkpoints name), runs an EXTEND
+and a TARGET_VERIFY (chain of draft tokens, prefix in the KV cache) stock (capture configured with
+SGLang's ``set_eagle3_layers_to_capture`` only), then the same model again with the plugin
+(configured through SGLang's ``configure_aux_hidden_state_capture``, which the plugin hooks), and
+checks: the plugin installed on the language model's decoder loop (``capture_state``), both forwards
+went through its persistent buffer (none stock), the verify output is that buffer, the aux hidden
+states and logits are BITWISE stock's (reference backend), and, where transformers has the text
+model, both are Hugging Face ``output_hidden_states`` at the capture indices.
+
+Covered here:
+* Kimi-K2.5 (``KimiK25ForConditionalGeneration``, kimi_k25.py): MoonViT + projector around a
+  DeepSeek-V3 language model (MLA, sigmoid router with correction bias, shared expert); capture by
+  ``language_model.model`` (``DeepseekV2Model``, AuxHiddenStatePacker). Text-only forward (no image);
+  HF reference ``DeepseekV3ForCausalLM`` with the checkpoint's ``language_model.`` names.
+* Llama-4 (``Llama4ForConditionalGeneration``, mllama4.py) around ``Llama4ForCausalLM``
+  (``Llama4Model``, AuxHiddenStateList): QK L2-norm, a NoPE layer every 4th, the wrapper's weight
+  loader (q/k permutation for rotary). Text-only (no vision weights in the checkpoint path: SGLang
+  builds no vision tower), bf16, dense layers only, stock vs plugin only (see the test for why no HF
+  reference).
+
+Not covered (tried; the exact reasons):
+* Llama-4's MoE layers: SGLang's CPU MoE path ``moe_forward_native`` raises ``NotImplementedError``
+  for ``apply_router_weight_on_input=True`` (Llama4MoE's FusedMoE), the only CPU MoE runner without
+  sgl_kernel's CPU build. The test's Llama-4 has dense layers only (interleave step > layers).
+"""
+import pytest
+import torch
+
+PROMPTS = [[5, 17, 3, 99, 42], [7, 1, 64, 23, 88, 120, 11]]
+DRAFTS = [[9, 31, 2, 77], [54, 6, 101, 13]]  # one chain of draft tokens per request
+DTYPE = torch.float32
+
+
+def _randomise_hf(hf):
+    """Visible norm weights and router correction biases (HF inits them to 1 and 0)."""
+    with torch.no_grad():
+        for name, p in hf.named_parameters():
+            if name.endswith("norm.weight") or name.endswith("layernorm.weight"):
+                p.add_(0.1 * torch.randn_like(p))
+        for name, b in list(hf.named_buffers()) + list(hf.named_parameters()):
+            if name.endswith("e_score_correction_bias"):
+                b.copy_(torch.randn_like(b))
+    return hf
+
+
+def _hf(cls_name, cfg, dtype=DTYPE, seed=0):
+    import transformers
+
+    torch.manual_seed(seed)
+    return _randomise_hf(getattr(transformers, cls_name)(cfg).eval()).to(dtype)
+
+
+def _build(cls, cfg, weights=None, dtype=DTYPE, seed=0):
+    from eagle3_ops.demos.sglang_cpu_harness import _construct, fill_random
+
+    model = _construct(cls, cfg, dtype)
+    if weights is not None:
+        model.load_weights(list(weights))
+    else:
+        fill_random(model, seed)
+    post = getattr(model, "post_load_weights", None)
+    if post is not None:
+        post()
+    return model.eval()
+
+
+def check_family(h, model, kv_cfg, layer_ids, capture_ids, inner_path, hf=None, refs=None, kv_factory=None,
+                 dtype=DTYPE):
+    """Stock vs plugin on ``model`` (see the module docstring). ``kv_cfg``: the text config the KV
+    cache is sized from; ``inner_path``: where the capture owner (the decoder loop) sits. Returns the
+    plugin's capture state."""
+    from eagle3_ops.sglang.capture_hooks import capture_state, find_capture_owner
+
+    make_kv = kv_factory or (lambda: h.KVCache(kv_cfg, dtype))
+    model.set_eagle3_layers_to_capture(layer_ids)  # stock
+    owner, why = find_capture_owner(model)
+    assert owner is not None, why
+    assert owner.path == inner_path and list(owner.inner.layers_to_capture) == capture_ids
+    stock = h.two_forwards(model, kv_cfg, dtype, PROMPTS, DRAFTS, kv=make_kv())
+
+    h.configure_capture(model, layer_ids)  # what ModelRunner does; the plugin installs here
+    state = capture_state(model)
+    assert state is not None and state.layer_ids == capture_ids
+    plugin = h.two_forwards(model, kv_cfg, dtype, PROMPTS, DRAFTS, kv=make_kv())
+
+    (s_ext, s_ext_aux, s_ptr, s_ver), (p_ext, p_ext_aux, p_ptr, p_ver) = stock, plugin
+    hidden = state.buffer.buffer.shape[-1] // len(capture_ids)
+    if hf is not None:
+        h.assert_captures_match_hf_and_stock(stock, plugin, hf, capture_ids, PROMPTS, DRAFTS, dtype, hidden,
+                                             refs=refs)
+    else:
+        width = len(capture_ids) * hidden
+        for name, s, p, rows in (("extend", s_ext_aux, p_ext_aux, sum(map(len, PROMPTS))),
+                                 ("verify", s_ver.hidden_states, p_ver.hidden_states, sum(map(len, DRAFTS)))):
+            assert s.shape == (rows, width), name
+            h.assert_plugin_matches_stock(p, s, dtype, f"plugin {name} vs stock")
+        h.assert_plugin_matches_stock(p_ext.next_token_logits, s_ext.next_token_logits, dtype, "extend logits")
+        h.assert_plugin_matches_stock(p_ver.next_token_logits, s_ver.next_token_logits, dtype, "verify logits")
+
+    assert state.stats["buffer_forwards"] == 2 and state.stats["stock_forwards"] == 0
+    buf_ptr = state.buffer.buffer.data_ptr()
+    assert s_ptr != buf_ptr and s_ver.hidden_states.data_ptr() != buf_ptr
+    assert p_ptr == buf_ptr and p_ver.hidden_states.data_ptr() == buf_ptr
+    return state
+
+
+# ---- Kimi-K2.5 ------------------------------------------------------------------------------------
+def _deepseek_v3_text_cfg():
+    from transformers import DeepseekV3Config
+
+    # Kimi-K2's text shape, tiny: MLA with a q LoRA, a dense first layer, sigmoid-scored experts with a
+    # correction bias (noaux_tc), a shared expert, routed scaling
+    cfg = DeepseekV3Config(
+        vocab_size=128, hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_hidden_layers=4,
+        num_attention_heads=4, num_key_value_heads=4, n_routed_experts=4, n_shared_experts=1,
+        num_experts_per_tok=2, first_k_dense_replace=1, n_group=1, topk_group=1, norm_topk_prob=True,
+        routed_scaling_factor=2.5, kv_lora_rank=32, q_lora_rank=48, qk_rope_head_dim=8, qk_nope_head_dim=16,
+        v_head_dim=16, max_position_embeddings=256, rms_norm_eps=1e-6, tie_word_embeddings=False,
+        rope_scaling=None, moe_layer_freq=1, topk_method="noaux_tc", scoring_func="sigmoid")
+    cfg.architectures = ["DeepseekV3ForCausalLM"]
+    return cfg
+
+
+def _kimi_k25_cfg(text):
+    from sglang.srt.configs.kimi_k25 import KimiK25Config, KimiK25VisionConfig
+
+    # the vision tower is built (MoonViT3d + patch-merger projector) but no image is fed
+    vision = KimiK25VisionConfig(patch_size=14, init_pos_emb_height=4, init_pos_emb_width=4, init_pos_emb_time=1,
+                                 num_attention_heads=2, num_hidden_layers=1, hidden_size=32, intermediate_size=64,
+                                 text_hidden_size=text.hidden_size, vt_hidden_size=32)
+    cfg = KimiK25Config(text_config=text, vision_config=vision)
+    cfg.encoder_only, cfg.language_only = False, False
+    cfg.architectures = ["KimiK25ForConditionalGeneration"]
+    return cfg
+
+
+@pytest.mark.parametrize("layer_ids,capture_ids", [([1, 2], [2, 3]), ([0, 1, 3], [0, 1, 3])],
+                         ids=["first-id-1-shifted", "ids-as-is-with-embedding"])
+def test_kimi_k25_wrapper(sglang_cpu, fused_norm_qualified, layer_ids, capture_ids):
+    h = sglang_cpu
+    from sglang.srt.models.deepseek_v2 import DeepseekV2Model, DeepseekV3ForCausalLM
+    from sglang.srt.models.kimi_k25 import KimiK25ForConditionalGeneration
+
+    text = _deepseek_v3_text_cfg()
+    hf = _hf("DeepseekV3ForCausalLM", text)
+    weights = [("language_model." + n, t) for n, t in h.checkpoint_weights(hf)]
+    model = _build(KimiK25ForConditionalGeneration, _kimi_k25_cfg(text), weights)
+    assert type(model.language_model) is DeepseekV3ForCausalLM and type(model.language_model.model) is DeepseekV2Model
+    state = check_family(h, model, text, layer_ids, capture_ids, "language_model.model", hf=hf)
+    # the EXTEND learns (by identity) which norm's residual SGLang captures; the VERIFY fuses there
+    assert state.fused_sites == [f"language_model.model.layers.{i}.input_layernorm" for i in capture_ids if i > 0]
+
+
+# ---- Llama-4 --------------------------------------------------------------------------------------
+def _llama4_cfg():
+    from transformers import Llama4Config, Llama4TextConfig
+
+    # dense layers only (interleave step 8 > 4 layers: see the module docstring for why no MoE layer),
+    # QK L2-norm, NoPE on layer 3, chunked attention with chunks longer than the tests' sequences
+    # (torch_native does not chunk; HF does)
+    text = Llama4TextConfig(
+        vocab_size=128, hidden_size=64, intermediate_size=64, intermediate_size_mlp=128, num_hidden_layers=4,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_local_experts=4, num_experts_per_tok=1,
+        interleave_moe_layer_step=8, max_position_embeddings=256, rms_norm_eps=1e-6, use_qk_norm=True,
+        attention_chunk_size=128, no_rope_layers=[1, 1, 1, 0], tie_word_embeddings=False,
+        rope_parameters=dict(rope_type="default", rope_theta=500000.0))
+    text.architectures = ["Llama4ForCausalLM"]
+    cfg = Llama4Config(text_config=text)
+    cfg.architectures = ["Llama4ForConditionalGeneration"]
+    return cfg
+
+
+def test_llama4_wrapper(sglang_cpu, fused_norm_qualified):
+    """Stock vs plugin only (no HF reference): off CUDA, SGLang 0.5.23's ``Llama4Attention.forward``
+    drops RoPE (it keeps ``qk`` and discards what ``rotary_emb`` returns, counting on the in-place
+    CUDA kernel; the native rotary returns new tensors), so its outputs are not HF's
+    ``Llama4ForCausalLM`` (layer-0 output off by 0.016 where HF bf16 vs fp32 differ by 0.0004). The
+    plugin is not on that path: stock runs the same attention."""
+    h = sglang_cpu
+    from sglang.srt.models.llama4 import Llama4Model
+    from sglang.srt.models.mllama4 import Llama4ForConditionalGeneration
+
+    cfg = _llama4_cfg()
+    # bf16 only: off CUDA, SGLang's Llama4Attention runs the QK norm in bf16 whatever the model dtype
+    # (``qk.bfloat16()``; an fp32 model fails in o_proj: "expected m1 and m2 to have the same dtype")
+    dtype = torch.bfloat16
+    hf = _hf("Llama4ForCausalLM", cfg.text_config, dtype)  # random weights in checkpoint naming
+    weights = [("language_model." + n, t) for n, t in hf.state_dict().items()]
+    model = _build(Llama4ForConditionalGeneration, cfg, weights, dtype)
+    assert model.vision_model is None and type(model.language_model.model) is Llama4Model
+    state = check_family(h, model, cfg.text_config, [0, 1, 2], [1, 2, 3], "language_model.model", dtype=dtype)
+    assert state.fused_sites == [f"language_model.model.layers.{i}.input_layernorm" for i in (1, 2, 3)]
