@@ -193,3 +193,126 @@ def test_llama4_wrapper(sglang_cpu, fused_norm_qualified):
     assert model.vision_model is None and type(model.language_model.model) is Llama4Model
     state = check_family(h, model, cfg.text_config, [0, 1, 2], [1, 2, 3], "language_model.model", dtype=dtype)
     assert state.fused_sites == [f"language_model.model.layers.{i}.input_layernorm" for i in (1, 2, 3)]
+
+
+# ---- Qwen2.5-VL / Qwen3-VL ------------------------------------------------------------------------
+@pytest.fixture
+def mrope_batches(monkeypatch):
+    """Text-only M-RoPE batches: SGLang's VL wrappers read ``forward_batch.mrope_positions`` ([3, T]);
+    for text every section's position is the token's (what SGLang's scheduler computes without
+    images)."""
+    import eagle3_ops.demos.sglang_cpu_harness as harness_module
+
+    original = harness_module.extend_batch
+
+    def extend_batch(*args, **kwargs):
+        fb = original(*args, **kwargs)
+        fb.mrope_positions = fb.positions.unsqueeze(0).expand(3, -1).clone()
+        return fb
+
+    monkeypatch.setattr(harness_module, "extend_batch", extend_batch)
+
+
+_VL_TEXT = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
+                num_key_value_heads=2, max_position_embeddings=256, rms_norm_eps=1e-6,
+                rope_parameters=dict(rope_type="default", rope_theta=10000.0, mrope_section=[2, 3, 3]))
+_VL_VISION = dict(depth=1, hidden_size=32, out_hidden_size=64, num_heads=2, intermediate_size=64)
+
+
+def _vl_cfg(config_cls, arch, text, vision, flatten_text):
+    cfg = config_cls(text_config=text, vision_config=vision, tie_word_embeddings=False)
+    if flatten_text:
+        # SGLang 0.5.23's Qwen2_5_VLForConditionalGeneration builds Qwen2Model(config) from the top-level
+        # config; the released checkpoints' config.json keep the text fields there (transformers 5
+        # moves them into text_config only)
+        for k, v in cfg.text_config.to_dict().items():
+            if k not in ("model_type", "architectures") and not hasattr(cfg, k):
+                setattr(cfg, k, v)
+    cfg.encoder_only, cfg.language_only = False, False
+    cfg.architectures = [arch]
+    return cfg
+
+
+def _vl_checkpoint(hf):
+    """transformers 5 names (``model.language_model.*``, ``model.visual.*``) in the released
+    checkpoints' naming (``model.*``, ``visual.*``)."""
+    out = []
+    for n, t in hf.state_dict().items():
+        if n.startswith("model.language_model."):
+            n = "model." + n[len("model.language_model."):]
+        elif n.startswith("model.visual."):
+            n = "visual." + n[len("model.visual."):]
+        out.append((n, t))
+    return out
+
+
+def _qwen2_5_vl(h):
+    from transformers import Qwen2_5_VLConfig
+    from sglang.srt.models.qwen2 import Qwen2Model
+    from sglang.srt.models.qwen2_5_vl import Qwen2_5_VLForConditionalGeneration
+
+    cfg = _vl_cfg(Qwen2_5_VLConfig, "Qwen2_5_VLForConditionalGeneration", _VL_TEXT,
+                  dict(_VL_VISION, fullatt_block_indexes=[0]), flatten_text=True)
+    hf = _hf("Qwen2_5_VLForConditionalGeneration", cfg)
+    model = _build(Qwen2_5_VLForConditionalGeneration, cfg, _vl_checkpoint(hf))
+    assert model.is_mrope_enabled and type(model.model) is Qwen2Model
+    return cfg, hf, model
+
+
+def test_qwen2_5_vl_wrapper(sglang_cpu, fused_norm_qualified, mrope_batches, caplog):
+    """Qwen2.5-VL: the wrapper runs ``self.model`` (Qwen2Model) itself, and SGLang flags that inner
+    module ``capture_aux_hidden_states`` too. HF reference: transformers' Qwen2.5-VL, text only."""
+    h = sglang_cpu
+    cfg, hf, model = _qwen2_5_vl(h)
+    state = check_family(h, model, cfg.text_config, [0, 1, 2], [1, 2, 3], "model", hf=hf)
+    assert state.fused_sites == [f"model.layers.{i}.input_layernorm" for i in (1, 2, 3)]
+    # the rest of the install (states dump, live wiring check) ran too: no "could not patch" error
+    assert not [r for r in caplog.records if "could not patch" in r.getMessage()]
+
+
+def test_qwen2_5_vl_states_dump(sglang_cpu, mrope_batches, monkeypatch, tmp_path):
+    """The states dump on a target whose flagged module is the decoder loop itself (Qwen2.5-VL):
+    it records there and takes the wrapper's lm_head for the next tokens (it used to look for
+    ``flagged.model`` and failed, which also skipped the live wiring check's start)."""
+    h = sglang_cpu
+    from eagle3_ops.doctor.states import read_states
+    from eagle3_ops.sglang.dump_states import dump_state
+
+    cfg, hf, model = _qwen2_5_vl(h)
+    L = cfg.num_hidden_layers
+    path = tmp_path / "states.safetensors"
+    monkeypatch.setenv("EAGLE3_OPS_DUMP_STATES", str(path))
+    monkeypatch.setenv("EAGLE3_OPS_DUMP_TOKENS", str(sum(map(len, PROMPTS))))
+    h.configure_capture(model, [0, 1])
+    rec = dump_state(model)
+    assert rec is not None and rec.inner is model.model and rec.lm is model
+    import eagle3_ops.demos.sglang_cpu_harness as harness_module  # its extend_batch: the M-RoPE one
+
+    kv = h.KVCache(cfg.text_config, DTYPE)
+    out = h.run(model, harness_module.extend_batch(kv, [h.Req(kv.new_req()) for _ in PROMPTS], PROMPTS), kv)
+    assert rec.done and path.is_file()
+    states = read_states(path, num_layers=L, hidden_size=cfg.text_config.hidden_size)
+    H = cfg.text_config.hidden_size
+    got = torch.cat([p["boundaries"][1] for p in states.prompts])
+    assert torch.equal(got, out.hidden_states[:, :H].float())
+    with torch.no_grad():  # next tokens: HF's greedy ones
+        for p, prompt in zip(states.prompts, PROMPTS):
+            assert torch.equal(p["next_token"], hf(torch.tensor(prompt)[None]).logits[0].argmax(-1))
+
+
+def test_qwen3_vl_wrapper(sglang_cpu, fused_norm_qualified, mrope_batches):
+    """Qwen3-VL: ``self.model`` is ``Qwen3LLMModel`` (Qwen3 with the deepstack inputs, none without
+    images), flagged itself like Qwen2.5-VL. HF reference: transformers' Qwen3-VL, text only;
+    weights in its (the released checkpoints') ``model.language_model.*`` naming."""
+    h = sglang_cpu
+    from transformers import Qwen3VLConfig
+    from sglang.srt.models.qwen3_vl import Qwen3LLMModel, Qwen3VLForConditionalGeneration
+
+    cfg = _vl_cfg(Qwen3VLConfig, "Qwen3VLForConditionalGeneration", dict(_VL_TEXT, head_dim=16),
+                  dict(_VL_VISION, deepstack_visual_indexes=[0]), flatten_text=True)
+    cfg.rope_scaling = cfg.text_config.rope_parameters  # SGLang reads config.rope_scaling["mrope_section"]
+    hf = _hf("Qwen3VLForConditionalGeneration", cfg)
+    model = _build(Qwen3VLForConditionalGeneration, cfg, list(hf.state_dict().items()))
+    assert model.is_mrope_enabled and type(model.model) is Qwen3LLMModel
+    state = check_family(h, model, cfg.text_config, [0, 1, 2], [1, 2, 3], "model", hf=hf)
+    assert state.fused_sites == [f"model.layers.{i}.input_layernorm" for i in (1, 2, 3)]
