@@ -68,10 +68,11 @@ def _build(cls, cfg, weights=None, dtype=DTYPE, seed=0):
 
 
 def check_family(h, model, kv_cfg, layer_ids, capture_ids, inner_path, hf=None, refs=None, kv_factory=None,
-                 dtype=DTYPE):
+                 dtype=DTYPE, hf_logits=None):
     """Stock vs plugin on ``model`` (see the module docstring). ``kv_cfg``: the text config the KV
-    cache is sized from; ``inner_path``: where the capture owner (the decoder loop) sits. Returns the
-    plugin's capture state."""
+    cache is sized from; ``inner_path``: where the capture owner (the decoder loop) sits; ``hf``: the
+    HF reference for captures and logits; ``hf_logits``: one for the logits only (where SGLang's
+    captures are not HF hidden states). Returns the plugin's capture state."""
     from eagle3_ops.sglang.capture_hooks import capture_state, find_capture_owner
 
     make_kv = kv_factory or (lambda: h.KVCache(kv_cfg, dtype))
@@ -99,6 +100,10 @@ def check_family(h, model, kv_cfg, layer_ids, capture_ids, inner_path, hf=None, 
             h.assert_plugin_matches_stock(p, s, dtype, f"plugin {name} vs stock")
         h.assert_plugin_matches_stock(p_ext.next_token_logits, s_ext.next_token_logits, dtype, "extend logits")
         h.assert_plugin_matches_stock(p_ver.next_token_logits, s_ver.next_token_logits, dtype, "verify logits")
+    if hf_logits is not None:
+        with torch.no_grad():
+            ref = torch.stack([hf_logits(torch.tensor(p)[None]).logits[0, -1] for p in PROMPTS])
+        torch.testing.assert_close(p_ext.next_token_logits.float(), ref.float(), **h.tolerances(dtype))
 
     assert state.stats["buffer_forwards"] == 2 and state.stats["stock_forwards"] == 0
     buf_ptr = state.buffer.buffer.data_ptr()
@@ -316,3 +321,54 @@ def test_qwen3_vl_wrapper(sglang_cpu, fused_norm_qualified, mrope_batches):
     assert model.is_mrope_enabled and type(model.model) is Qwen3LLMModel
     state = check_family(h, model, cfg.text_config, [0, 1, 2], [1, 2, 3], "model", hf=hf)
     assert state.fused_sites == [f"model.layers.{i}.input_layernorm" for i in (1, 2, 3)]
+
+
+# ---- Gemma-3 / Gemma-4 ----------------------------------------------------------------------------
+def _refs_with_last(h, hf, boundaries=(1, 2)):
+    """HF references for capture indices ``boundaries`` + L: boundary L is the last layer's output
+    before the final norm (HF's last hidden state is after it: the norm's input)."""
+    grabbed = []
+    hook = hf.model.norm.register_forward_hook(lambda _m, inp, _out: grabbed.append(inp[0][0]))
+    try:
+        hf_out = h.hf_hidden_states(hf, [p + d for p, d in zip(PROMPTS, DRAFTS)])
+    finally:
+        hook.remove()
+
+    def ref(rows):
+        return torch.cat([torch.cat([hs[b][r] for b in boundaries] + [last[r]], dim=-1)
+                          for (hs, _), last, r in zip(hf_out, grabbed, rows)])
+
+    return (ref([slice(0, len(p)) for p in PROMPTS]),
+            ref([slice(len(p), len(p) + len(d)) for p, d in zip(PROMPTS, DRAFTS)]))
+
+
+def _gemma3_text_cfg():
+    from transformers import Gemma3TextConfig
+
+    # sliding/full attention (window 32, longer than the tests' sequences), QK norm, pre/post norms
+    cfg = Gemma3TextConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+                           num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=256,
+                           rms_norm_eps=1e-6, sliding_window=32, query_pre_attn_scalar=16,
+                           layer_types=["sliding_attention", "sliding_attention", "sliding_attention",
+                                        "full_attention"], tie_word_embeddings=True)
+    cfg._attn_implementation = "eager"
+    cfg.architectures = ["Gemma3ForCausalLM"]
+    return cfg
+
+
+def test_gemma3_with_boundary_L(sglang_cpu, fused_norm_qualified):
+    """Gemma-3 (plain-list capture, boundary L appended after the loop). HF reference for the logits
+    only: SGLang's captures here are not HF's hidden states (stock's own semantics, see below)."""
+    h = sglang_cpu
+    from sglang.srt.models.gemma3_causal import Gemma3ForCausalLM, Gemma3TextModel
+
+    cfg = _gemma3_text_cfg()
+    hf = _hf("Gemma3ForCausalLM", cfg)
+    model = _build(Gemma3ForCausalLM, cfg, list(hf.state_dict().items()))
+    assert type(model.model) is Gemma3TextModel
+    L = cfg.num_hidden_layers
+    state = check_family(h, model, cfg, [0, 1, L - 1], [1, 2, L], "model", hf_logits=hf)
+    # SGLang's Gemma-3 captures the layers' ``hidden_states`` output, not the residual stream HF calls
+    # hidden states (the doctor table's "hidden-only"): no norm returns the captured value, so every
+    # capture is a copy; boundary L (after the loop) is the buffer's last slot
+    assert state.fused_sites == [] and state.stats["copied_captures"] == 2 * 3
