@@ -26,6 +26,8 @@ Not covered (tried; the exact reasons):
   for ``apply_router_weight_on_input=True`` (Llama4MoE's FusedMoE), the only CPU MoE runner without
   sgl_kernel's CPU build. The test's Llama-4 has dense layers only (interleave step > layers).
 """
+import copy
+
 import pytest
 import torch
 
@@ -50,7 +52,9 @@ def _hf(cls_name, cfg, dtype=DTYPE, seed=0):
     import transformers
 
     torch.manual_seed(seed)
-    return _randomise_hf(getattr(transformers, cls_name)(cfg).eval()).to(dtype)
+    # a copy: HF's constructor writes implementation choices into its config (Gemma-4: a
+    # "grouped_mm" experts implementation that SGLang's PreTrainedModel-based class then refuses)
+    return _randomise_hf(getattr(transformers, cls_name)(copy.deepcopy(cfg)).eval()).to(dtype)
 
 
 def _build(cls, cfg, weights=None, dtype=DTYPE, seed=0):
@@ -372,3 +376,38 @@ def test_gemma3_with_boundary_L(sglang_cpu, fused_norm_qualified):
     # hidden states (the doctor table's "hidden-only"): no norm returns the captured value, so every
     # capture is a copy; boundary L (after the loop) is the buffer's last slot
     assert state.fused_sites == [] and state.stats["copied_captures"] == 2 * 3
+
+
+def _gemma4_text_cfg():
+    from transformers import Gemma4TextConfig
+
+    # sliding/full attention (window 32 > the tests' sequences; the full layer's head_dim as the
+    # others', so one KV pool serves all), proportional partial RoPE on the full layer, no per-layer
+    # embeddings, no KV sharing, dense MLP
+    cfg = Gemma4TextConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+                           num_attention_heads=4, num_key_value_heads=2, head_dim=16, global_head_dim=16,
+                           max_position_embeddings=256, rms_norm_eps=1e-6, sliding_window=32,
+                           hidden_size_per_layer_input=0, vocab_size_per_layer_input=128,
+                           layer_types=["sliding_attention"] * 3 + ["full_attention"], tie_word_embeddings=True)
+    cfg._attn_implementation = "eager"
+    cfg.architectures = ["Gemma4ForCausalLM"]
+    return cfg
+
+
+def test_gemma4_with_boundary_L(sglang_cpu, fused_norm_qualified):
+    """Gemma-4 (AuxHiddenStateList: layer boundaries through ``capture``, boundary L by a plain
+    ``append`` after the loop). HF reference: boundaries 1, 2 and L (the final norm's input). Before
+    the plugin took appended values into their slots (capture_hooks._copy_appended), every forward
+    with boundary L configured ran stock ("captured 2 of the 3 configured boundaries")."""
+    h = sglang_cpu
+    from sglang.srt.models.gemma4_causal import Gemma4ForCausalLM, Gemma4TextModel
+
+    cfg = _gemma4_text_cfg()
+    hf = _hf("Gemma4ForCausalLM", cfg)
+    model = _build(Gemma4ForCausalLM, cfg, list(hf.state_dict().items()))
+    assert type(model.model) is Gemma4TextModel
+    L = cfg.num_hidden_layers
+    state = check_family(h, model, cfg, [0, 1, L - 1], [1, 2, L], "model", hf=hf, refs=_refs_with_last(h, hf))
+    # Gemma's norms are GemmaRMSNorm ((1 + w) scaling), not the fused op's RMSNorm: every capture a copy
+    assert state.fused_sites == [] and state.stats["copied_captures"] == 2 * 3
+
