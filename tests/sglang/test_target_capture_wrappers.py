@@ -411,3 +411,25 @@ def test_gemma4_with_boundary_L(sglang_cpu, fused_norm_qualified):
     # Gemma's norms are GemmaRMSNorm ((1 + w) scaling), not the fused op's RMSNorm: every capture a copy
     assert state.fused_sites == [] and state.stats["copied_captures"] == 2 * 3
 
+
+# ---- MiniMax-M2 -----------------------------------------------------------------------------------
+def test_minimax_m2(sglang_cpu, fused_norm_qualified):
+    """MiniMax-M2: partial rotary, sigmoid router with a correction bias, MoE every layer; WITHOUT the
+    released model's QK norm (``use_qk_norm=False``): off CUDA, SGLang's MiniMaxM2QKRMSNorm runs the
+    Triton kernel ``rms_sumsq_serial`` (``assert x1.is_cuda and x2.is_cuda``: AssertionError) unless
+    the CPU has AMX and sgl_kernel's CPU build. Hence no HF reference either (transformers'
+    MiniMaxM2Attention always applies its q/k norms): seeded weights, stock vs plugin bitwise."""
+    h = sglang_cpu
+    from transformers import MiniMaxM2Config
+    from sglang.srt.models.minimax_m2 import MiniMaxM2ForCausalLM, MiniMaxM2Model
+
+    cfg = MiniMaxM2Config(vocab_size=128, hidden_size=64, intermediate_size=32, num_hidden_layers=4,
+                          num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=256,
+                          rms_norm_eps=1e-6, num_experts_per_tok=2, num_local_experts=4, use_qk_norm=False,
+                          rotary_dim=8, scoring_func="sigmoid", use_routing_bias=True, tie_word_embeddings=False,
+                          bos_token_id=None, eos_token_id=None)
+    cfg.architectures = ["MiniMaxM2ForCausalLM"]
+    model = _build(MiniMaxM2ForCausalLM, cfg, seed=3)
+    assert type(model.model) is MiniMaxM2Model
+    state = check_family(h, model, cfg, [0, 1, 2], [1, 2, 3], "model")
+    assert state.fused_sites == [f"model.layers.{i}.input_layernorm" for i in (1, 2, 3)]
