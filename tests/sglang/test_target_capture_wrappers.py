@@ -433,3 +433,31 @@ def test_minimax_m2(sglang_cpu, fused_norm_qualified):
     assert type(model.model) is MiniMaxM2Model
     state = check_family(h, model, cfg, [0, 1, 2], [1, 2, 3], "model")
     assert state.fused_sites == [f"model.layers.{i}.input_layernorm" for i in (1, 2, 3)]
+
+
+# ---- EXAONE MoE -----------------------------------------------------------------------------------
+def test_exaone_moe(sglang_cpu, fused_norm_qualified):
+    """EXAONE MoE (``ExaoneMoEForCausalLM``): sliding/full attention (window 32 > the tests'
+    sequences) with QK norm, a dense first layer, sigmoid-routed experts with a correction bias and
+    a shared expert. HF reference: transformers' ExaoneMoeForCausalLM. SGLang reads two fields the
+    released config.json carries and transformers 5 does not define: ``is_moe_layer`` and a top-level
+    ``rope_theta`` (else it assumes 1e6)."""
+    h = sglang_cpu
+    from transformers import ExaoneMoeConfig
+    from sglang.srt.models.exaone_moe import ExaoneMoEForCausalLM, ExaoneMoEModel
+
+    cfg = ExaoneMoeConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+                          num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=256,
+                          rms_norm_eps=1e-6, sliding_window=32, sliding_window_pattern=4, first_k_dense_replace=1,
+                          moe_intermediate_size=32, num_experts=4, num_experts_per_tok=2, num_shared_experts=1,
+                          tie_word_embeddings=False, bos_token_id=None, eos_token_id=None, pad_token_id=None)
+    cfg.architectures = ["ExaoneMoEForCausalLM"]
+    cfg.is_moe_layer = [t == "sparse" for t in cfg.mlp_layer_types]
+    cfg.rope_theta = cfg.rope_parameters["rope_theta"]
+    hf = _hf("ExaoneMoeForCausalLM", cfg)
+    weights = [(n.replace(".mlp.gate.e_score_correction_bias", ".mlp.e_score_correction_bias"), t)
+               for n, t in h.checkpoint_weights(hf)]
+    model = _build(ExaoneMoEForCausalLM, cfg, weights)
+    assert type(model.model) is ExaoneMoEModel
+    state = check_family(h, model, cfg, [0, 1, 2], [1, 2, 3], "model", hf=hf)
+    assert state.fused_sites == [f"model.layers.{i}.input_layernorm" for i in (1, 2, 3)]
