@@ -461,3 +461,35 @@ def test_exaone_moe(sglang_cpu, fused_norm_qualified):
     assert type(model.model) is ExaoneMoEModel
     state = check_family(h, model, cfg, [0, 1, 2], [1, 2, 3], "model", hf=hf)
     assert state.fused_sites == [f"model.layers.{i}.input_layernorm" for i in (1, 2, 3)]
+
+
+# ---- Bailing (Ling) MoE ---------------------------------------------------------------------------
+def _bailing_v2_cfg():
+    from transformers import PretrainedConfig
+
+    # Ling-2.0's shape (BailingMoeV2), tiny: a dense first layer, sigmoid-routed experts with an expert
+    # bias, one shared expert, routed scaling, QK norm, partial rotary. transformers has no Bailing
+    # model: a plain config with the released config.json's fields
+    cfg = PretrainedConfig(
+        vocab_size=128, hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
+        moe_shared_expert_intermediate_size=32, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+        head_dim=16, hidden_act="silu", max_position_embeddings=256, rms_norm_eps=1e-6, num_experts=4,
+        num_experts_per_tok=2, num_shared_experts=1, norm_topk_prob=True, first_k_dense_replace=1,
+        score_function="sigmoid", moe_router_enable_expert_bias=True, routed_scaling_factor=2.5, n_group=1,
+        topk_group=1, use_qk_norm=True, partial_rotary_factor=0.5, use_qkv_bias=False, use_bias=False,
+        embedding_dropout=0.0, norm_head=False, num_nextn_predict_layers=0, tie_word_embeddings=False,
+        rope_parameters=dict(rope_type="default", rope_theta=600000.0), torch_dtype=DTYPE)
+    cfg.architectures = ["BailingMoeV2ForCausalLM"]
+    return cfg
+
+
+def test_bailing_moe_v2(sglang_cpu, fused_norm_qualified):
+    """Bailing MoE V2 (Ling-2.0; ``BailingMoEModel``). No HF model: seeded weights, stock vs plugin."""
+    h = sglang_cpu
+    from sglang.srt.models.bailing_moe import BailingMoeV2ForCausalLM, BailingMoEModel
+
+    cfg = _bailing_v2_cfg()
+    model = _build(BailingMoeV2ForCausalLM, cfg, seed=4)
+    assert type(model.model) is BailingMoEModel
+    state = check_family(h, model, cfg, [0, 1, 2], [1, 2, 3], "model")
+    assert state.fused_sites == [f"model.layers.{i}.input_layernorm" for i in (1, 2, 3)]
