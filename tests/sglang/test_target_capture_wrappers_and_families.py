@@ -1,30 +1,60 @@
-"""Target side on more SGLang 0.5.23 EAGLE-3 target families, mostly the multimodal wrappers whose
-language model holds the capture (CPU, torch_native, float32).
+"""Target side on more SGLang 0.5.23 EAGLE-3 target families: the multimodal wrappers whose language
+model holds the capture, Gemma-3/4 (boundary L after the loop) and more MoE families (CPU,
+torch_native, float32 unless a family says otherwise).
 
 Each case builds SGLang's own class (the wrapper where that is what checkpoints name), runs an EXTEND
 and a TARGET_VERIFY (chain of draft tokens, prefix in the KV cache) stock (capture configured with
 SGLang's ``set_eagle3_layers_to_capture`` only), then the same model again with the plugin
 (configured through SGLang's ``configure_aux_hidden_state_capture``, which the plugin hooks), and
-checks: the plugin installed on the language model's decoder loop (``capture_state``), both forwards
-went through its persistent buffer (none stock), the verify output is that buffer, the aux hidden
-states and logits are BITWISE stock's (reference backend), and, where transformers has the text
-model, both are Hugging Face ``output_hidden_states`` at the capture indices.
+checks (``check_family``): the plugin installed on the decoder loop SGLang configured
+(``capture_state``, the owner's path), both forwards went through its persistent buffer (none
+stock), the verify output is that buffer, the aux hidden states and logits are BITWISE stock's
+(reference backend), and, where transformers has the model and SGLang's captures are its hidden
+states, both are Hugging Face ``output_hidden_states`` at the capture indices.
 
 Covered here:
 * Kimi-K2.5 (``KimiK25ForConditionalGeneration``, kimi_k25.py): MoonViT + projector around a
-  DeepSeek-V3 language model (MLA, sigmoid router with correction bias, shared expert); capture by
-  ``language_model.model`` (``DeepseekV2Model``, AuxHiddenStatePacker). Text-only forward (no image);
-  HF reference ``DeepseekV3ForCausalLM`` with the checkpoint's ``language_model.`` names.
+  DeepSeek-V3 language model (MLA with a q LoRA, sigmoid router with correction bias, shared
+  expert); capture by ``language_model.model`` (``DeepseekV2Model``, AuxHiddenStatePacker), both id
+  rules. Text-only forward (no image); HF reference ``DeepseekV3ForCausalLM`` with the checkpoint's
+  ``language_model.`` names.
 * Llama-4 (``Llama4ForConditionalGeneration``, mllama4.py) around ``Llama4ForCausalLM``
   (``Llama4Model``, AuxHiddenStateList): QK L2-norm, a NoPE layer every 4th, the wrapper's weight
   loader (q/k permutation for rotary). Text-only (no vision weights in the checkpoint path: SGLang
-  builds no vision tower), bf16, dense layers only, stock vs plugin only (see the test for why no HF
-  reference).
+  builds no vision tower), bf16, dense layers only, stock vs plugin only (the test says why no HF).
+* Qwen2.5-VL and Qwen3-VL (``Qwen2_5_VLForConditionalGeneration`` / ``Qwen3VLForConditionalGeneration``):
+  ``self.model`` (Qwen2Model / Qwen3LLMModel) flagged and configured by the wrapper; text-only M-RoPE
+  batches; HF reference: transformers' VL models. Plus the states dump on Qwen2.5-VL (a plugin fix).
+* Gemma-3 (``Gemma3ForCausalLM``, plain-list capture) and Gemma-4 (``Gemma4ForCausalLM``,
+  AuxHiddenStateList) with boundary L, appended after the loop; Gemma-4 against HF (a plugin fix:
+  that append used to send every such forward to stock), Gemma-3's logits against HF.
+* MiniMax-M2 (no QK norm, see the test), EXAONE MoE (HF reference), Bailing MoE V2 (Ling-2.0 shape,
+  seeded weights).
 
 Not covered (tried; the exact reasons):
 * Llama-4's MoE layers: SGLang's CPU MoE path ``moe_forward_native`` raises ``NotImplementedError``
   for ``apply_router_weight_on_input=True`` (Llama4MoE's FusedMoE), the only CPU MoE runner without
   sgl_kernel's CPU build. The test's Llama-4 has dense layers only (interleave step > layers).
+* MiniMax-M2's QK norm (``use_qk_norm=True``, as released): ``MiniMaxM2QKRMSNorm._forward_naive`` runs
+  the Triton kernel ``rms_sumsq_serial``: ``AssertionError`` at ``assert x1.is_cuda and x2.is_cuda``
+  (minimax_m2.py:205); its CPU path needs AMX and sgl_kernel's CPU build.
+* GLM-4-MoE-Lite (``Glm4MoeLiteForCausalLM``, GLM-4.7-Flash): cannot be built on a CPU.
+  ``Glm4MoeLiteDecoderLayer`` passes ``get_rope_config``'s ``rope_parameters`` even for
+  ``rope_type: default``, which ``DeepseekV2AttentionMLA`` rewrites to ``deepseek_yarn``;
+  ``DeepseekScalingRotaryEmbedding`` then calls ``get_device()``: ``RuntimeError: No accelerator
+  (CUDA, XPU, HPU, NPU, MUSA, MPS) or platform plugin is available.`` (rope_variant.py:373).
+* LongCat-Flash (``LongcatFlashForCausalLM``): ``LongcatFlashModel.__init__`` takes a CUDA stream
+  (``get_stream("alt")``): ``torch.AcceleratorError: CUDA error: CUDA driver version is insufficient
+  for CUDA runtime version`` (longcat_flash.py:573); its zero experts are a Triton kernel too
+  (``zero_experts_compute_triton``).
+* Qwen3-Next (``Qwen3NextForCausalLM``): ``Qwen3GatedDeltaNet.__init__`` builds its gated norm on
+  ``torch.get_device_module().current_device()``: ``RuntimeError: Found no NVIDIA driver on your
+  system`` (qwen3_next.py:252).
+* Qwen3.5 (``Qwen3_5ForCausalLM``): builds, but the first linear-attention layer's forward runs the
+  Triton kernel ``fused_qkvzba_split_reshape_cat_contiguous_kernel``: ``RuntimeError: 0 active
+  drivers ([]). There should only be one.`` (triton_gdn_fused_proj.py:324); the gated-delta-net
+  layers also need SGLang's hybrid linear-attention backend and Mamba state pool, which
+  torch_native does not provide.
 """
 import copy
 
@@ -493,3 +523,5 @@ def test_bailing_moe_v2(sglang_cpu, fused_norm_qualified):
     assert type(model.model) is BailingMoEModel
     state = check_family(h, model, cfg, [0, 1, 2], [1, 2, 3], "model")
     assert state.fused_sites == [f"model.layers.{i}.input_layernorm" for i in (1, 2, 3)]
+
+
