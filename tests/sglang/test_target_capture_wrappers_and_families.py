@@ -22,8 +22,9 @@ Covered here:
   (``Llama4Model``, AuxHiddenStateList): QK L2-norm, a NoPE layer every 4th, the wrapper's weight
   loader (q/k permutation for rotary). Text-only (no vision weights in the checkpoint path: SGLang
   builds no vision tower), bf16, dense layers only, stock vs plugin only (the test says why no HF).
-* Qwen2.5-VL and Qwen3-VL (``Qwen2_5_VLForConditionalGeneration`` / ``Qwen3VLForConditionalGeneration``):
-  ``self.model`` (Qwen2Model / Qwen3LLMModel) flagged and configured by the wrapper; text-only M-RoPE
+* Qwen2.5-VL, Qwen3-VL and Qwen3-VL-MoE (``Qwen2_5_VLForConditionalGeneration`` /
+  ``Qwen3VLForConditionalGeneration`` / ``Qwen3VLMoeForConditionalGeneration``): ``self.model``
+  (Qwen2Model / Qwen3LLMModel / Qwen3MoeLLMModel) flagged and configured by the wrapper; text-only M-RoPE
   batches; HF reference: transformers' VL models. Plus the states dump on Qwen2.5-VL (a plugin fix).
 * Gemma-3 (``Gemma3ForCausalLM``, plain-list capture) and Gemma-4 (``Gemma4ForCausalLM``,
   AuxHiddenStateList) with boundary L, appended after the loop; Gemma-4 against HF (a plugin fix:
@@ -525,3 +526,26 @@ def test_bailing_moe_v2(sglang_cpu, fused_norm_qualified):
     assert state.fused_sites == [f"model.layers.{i}.input_layernorm" for i in (1, 2, 3)]
 
 
+
+
+def test_qwen3_vl_moe_wrapper(sglang_cpu, fused_norm_qualified, mrope_batches):
+    """Qwen3-VL-MoE (``Qwen3VLMoeForConditionalGeneration``): ``self.model`` is ``Qwen3MoeLLMModel``,
+    built from ``config.text_config``; experts in the released checkpoints' fused layout
+    (``experts.gate_up_proj`` [E, H, 2I], ``experts.down_proj`` [E, I, H]: transformers 5 keeps them
+    transposed). HF reference: transformers' Qwen3-VL-MoE, text only."""
+    h = sglang_cpu
+    from transformers import Qwen3VLMoeConfig
+    from sglang.srt.models.qwen3_vl_moe import Qwen3MoeLLMModel, Qwen3VLMoeForConditionalGeneration
+
+    text = dict(_VL_TEXT, head_dim=16, moe_intermediate_size=32, num_experts=4, num_experts_per_tok=2,
+                decoder_sparse_step=1, mlp_only_layers=[], norm_topk_prob=True)
+    cfg = _vl_cfg(Qwen3VLMoeConfig, "Qwen3VLMoeForConditionalGeneration", text,
+                  dict(_VL_VISION, deepstack_visual_indexes=[0]), flatten_text=False)
+    cfg.text_config.rope_scaling = cfg.text_config.rope_parameters  # read as config.rope_scaling
+    hf = _hf("Qwen3VLMoeForConditionalGeneration", cfg)
+    weights = [(n, t.transpose(-1, -2).contiguous() if n.endswith(("experts.gate_up_proj", "experts.down_proj"))
+                else t) for n, t in hf.state_dict().items()]
+    model = _build(Qwen3VLMoeForConditionalGeneration, cfg, weights)
+    assert model.is_mrope_enabled and type(model.model) is Qwen3MoeLLMModel
+    state = check_family(h, model, cfg.text_config, [0, 1, 2], [1, 2, 3], "model", hf=hf)
+    assert state.fused_sites == [f"model.layers.{i}.input_layernorm" for i in (1, 2, 3)]
