@@ -31,6 +31,8 @@ Covered here:
   that append used to send every such forward to stock), Gemma-3's logits against HF.
 * MiniMax-M2 (no QK norm, see the test), EXAONE MoE (HF reference), Bailing MoE V2 (Ling-2.0 shape,
   seeded weights).
+* Qwen2-MoE, Phi-3 (fused checkpoint q/k/v and gate/up), Apertus (xIELU, QK norm; HF at the captures
+  only, see ``DECODERS``) and Ministral-3, against HF (``test_more_decoders``).
 
 Not covered (tried; the exact reasons):
 * Llama-4's MoE layers: SGLang's CPU MoE path ``moe_forward_native`` raises ``NotImplementedError``
@@ -103,11 +105,12 @@ def _build(cls, cfg, weights=None, dtype=DTYPE, seed=0):
 
 
 def check_family(h, model, kv_cfg, layer_ids, capture_ids, inner_path, hf=None, refs=None, kv_factory=None,
-                 dtype=DTYPE, hf_logits=None):
+                 dtype=DTYPE, hf_logits=None, hf_captures=None):
     """Stock vs plugin on ``model`` (see the module docstring). ``kv_cfg``: the text config the KV
     cache is sized from; ``inner_path``: where the capture owner (the decoder loop) sits; ``hf``: the
-    HF reference for captures and logits; ``hf_logits``: one for the logits only (where SGLang's
-    captures are not HF hidden states). Returns the plugin's capture state."""
+    HF reference for captures and logits; ``hf_logits`` / ``hf_captures``: one for the logits only
+    (where SGLang's captures are not HF hidden states) / the captures only. Returns the plugin's
+    capture state."""
     from eagle3_ops.sglang.capture_hooks import capture_state, find_capture_owner
 
     make_kv = kv_factory or (lambda: h.KVCache(kv_cfg, dtype))
@@ -135,6 +138,13 @@ def check_family(h, model, kv_cfg, layer_ids, capture_ids, inner_path, hf=None, 
             h.assert_plugin_matches_stock(p, s, dtype, f"plugin {name} vs stock")
         h.assert_plugin_matches_stock(p_ext.next_token_logits, s_ext.next_token_logits, dtype, "extend logits")
         h.assert_plugin_matches_stock(p_ver.next_token_logits, s_ver.next_token_logits, dtype, "verify logits")
+    if hf_captures is not None:
+        outs = h.hf_hidden_states(hf_captures, [p + d for p, d in zip(PROMPTS, DRAFTS)])
+        for name, p, rows in (("extend", p_ext_aux, [slice(0, len(q)) for q in PROMPTS]),
+                              ("verify", p_ver.hidden_states,
+                               [slice(len(q), len(q) + len(d)) for q, d in zip(PROMPTS, DRAFTS)])):
+            torch.testing.assert_close(p.float(), h.hf_aux(outs, capture_ids, rows).float(), **h.tolerances(dtype),
+                                       msg=f"plugin {name} vs HF")
     if hf_logits is not None:
         with torch.no_grad():
             ref = torch.stack([hf_logits(torch.tensor(p)[None]).logits[0, -1] for p in PROMPTS])
@@ -305,7 +315,8 @@ def test_qwen2_5_vl_wrapper(sglang_cpu, fused_norm_qualified, mrope_batches, cap
     h = sglang_cpu
     cfg, hf, model = _qwen2_5_vl(h)
     state = check_family(h, model, cfg.text_config, [0, 1, 2], [1, 2, 3], "model", hf=hf)
-    assert state.fused_sites == [f"model.layers.{i}.input_layernorm" for i in (1, 2, 3)]
+    norm = "attention_layernorm" if family == "apertus" else "input_layernorm"  # Apertus names it so
+    assert state.fused_sites == [f"model.layers.{i}.{norm}" for i in (1, 2, 3)]
     # the rest of the install (states dump, live wiring check) ran too: no "could not patch" error
     assert not [r for r in caplog.records if "could not patch" in r.getMessage()]
 
@@ -355,7 +366,8 @@ def test_qwen3_vl_wrapper(sglang_cpu, fused_norm_qualified, mrope_batches):
     model = _build(Qwen3VLForConditionalGeneration, cfg, list(hf.state_dict().items()))
     assert model.is_mrope_enabled and type(model.model) is Qwen3LLMModel
     state = check_family(h, model, cfg.text_config, [0, 1, 2], [1, 2, 3], "model", hf=hf)
-    assert state.fused_sites == [f"model.layers.{i}.input_layernorm" for i in (1, 2, 3)]
+    norm = "attention_layernorm" if family == "apertus" else "input_layernorm"  # Apertus names it so
+    assert state.fused_sites == [f"model.layers.{i}.{norm}" for i in (1, 2, 3)]
 
 
 # ---- Gemma-3 / Gemma-4 ----------------------------------------------------------------------------
@@ -463,7 +475,8 @@ def test_minimax_m2(sglang_cpu, fused_norm_qualified):
     model = _build(MiniMaxM2ForCausalLM, cfg, seed=3)
     assert type(model.model) is MiniMaxM2Model
     state = check_family(h, model, cfg, [0, 1, 2], [1, 2, 3], "model")
-    assert state.fused_sites == [f"model.layers.{i}.input_layernorm" for i in (1, 2, 3)]
+    norm = "attention_layernorm" if family == "apertus" else "input_layernorm"  # Apertus names it so
+    assert state.fused_sites == [f"model.layers.{i}.{norm}" for i in (1, 2, 3)]
 
 
 # ---- EXAONE MoE -----------------------------------------------------------------------------------
@@ -491,7 +504,8 @@ def test_exaone_moe(sglang_cpu, fused_norm_qualified):
     model = _build(ExaoneMoEForCausalLM, cfg, weights)
     assert type(model.model) is ExaoneMoEModel
     state = check_family(h, model, cfg, [0, 1, 2], [1, 2, 3], "model", hf=hf)
-    assert state.fused_sites == [f"model.layers.{i}.input_layernorm" for i in (1, 2, 3)]
+    norm = "attention_layernorm" if family == "apertus" else "input_layernorm"  # Apertus names it so
+    assert state.fused_sites == [f"model.layers.{i}.{norm}" for i in (1, 2, 3)]
 
 
 # ---- Bailing (Ling) MoE ---------------------------------------------------------------------------
@@ -523,7 +537,8 @@ def test_bailing_moe_v2(sglang_cpu, fused_norm_qualified):
     model = _build(BailingMoeV2ForCausalLM, cfg, seed=4)
     assert type(model.model) is BailingMoEModel
     state = check_family(h, model, cfg, [0, 1, 2], [1, 2, 3], "model")
-    assert state.fused_sites == [f"model.layers.{i}.input_layernorm" for i in (1, 2, 3)]
+    norm = "attention_layernorm" if family == "apertus" else "input_layernorm"  # Apertus names it so
+    assert state.fused_sites == [f"model.layers.{i}.{norm}" for i in (1, 2, 3)]
 
 
 
@@ -548,4 +563,70 @@ def test_qwen3_vl_moe_wrapper(sglang_cpu, fused_norm_qualified, mrope_batches):
     model = _build(Qwen3VLMoeForConditionalGeneration, cfg, weights)
     assert model.is_mrope_enabled and type(model.model) is Qwen3MoeLLMModel
     state = check_family(h, model, cfg.text_config, [0, 1, 2], [1, 2, 3], "model", hf=hf)
-    assert state.fused_sites == [f"model.layers.{i}.input_layernorm" for i in (1, 2, 3)]
+    norm = "attention_layernorm" if family == "apertus" else "input_layernorm"  # Apertus names it so
+    assert state.fused_sites == [f"model.layers.{i}.{norm}" for i in (1, 2, 3)]
+
+
+# ---- more decoder families with a transformers model: HF reference, the same checks ------------------
+_DECODER = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
+                num_key_value_heads=2, max_position_embeddings=256, rms_norm_eps=1e-6, tie_word_embeddings=False,
+                bos_token_id=None, eos_token_id=None, pad_token_id=None)
+
+
+def _qwen2_moe_cfg():
+    from transformers import Qwen2MoeConfig
+
+    # experts + a gated shared expert on every layer, q/k/v bias
+    return Qwen2MoeConfig(**_DECODER, moe_intermediate_size=32, shared_expert_intermediate_size=64, num_experts=4,
+                          num_experts_per_tok=2, decoder_sparse_step=1, mlp_only_layers=[], norm_topk_prob=False)
+
+
+def _phi3_cfg():
+    from transformers import Phi3Config
+
+    return Phi3Config(**_DECODER)  # checkpoints keep q/k/v and gate/up fused (qkv_proj, gate_up_proj)
+
+
+def _apertus_cfg():
+    from transformers import ApertusConfig
+
+    return ApertusConfig(**_DECODER, head_dim=16)  # xIELU MLP (no gate), QK norm
+
+
+def _ministral3_cfg():
+    from transformers import Ministral3Config
+
+    return Ministral3Config(**_DECODER, head_dim=16)
+
+
+# name: (config builder, HF class, SGLang module, SGLang class, SGLang inner class). Apertus is checked
+# against HF at the captures only: SGLang's XIELU keeps its eps (-1e-6) in bf16 whatever the model dtype,
+# which moves fp32 logits by up to 1.5e-4 from HF's (the fp32 tolerance is 1e-4)
+DECODERS = {
+    "qwen2_moe": (_qwen2_moe_cfg, "Qwen2MoeForCausalLM", "sglang.srt.models.qwen2_moe", "Qwen2MoeForCausalLM",
+                  "Qwen2MoeModel"),
+    "phi3": (_phi3_cfg, "Phi3ForCausalLM", "sglang.srt.models.llama", "Phi3ForCausalLM", "LlamaModel"),
+    "apertus": (_apertus_cfg, "ApertusForCausalLM", "sglang.srt.models.apertus", "ApertusForCausalLM",
+                "ApertusModel"),
+    "ministral3": (_ministral3_cfg, "Ministral3ForCausalLM", "sglang.srt.models.ministral3",
+                   "Ministral3ForCausalLM", "Ministral3Model"),
+}
+
+
+@pytest.mark.parametrize("family", list(DECODERS))
+def test_more_decoders(sglang_cpu, fused_norm_qualified, family):
+    import importlib
+
+    h = sglang_cpu
+    make_cfg, hf_cls, module, cls_name, inner_name = DECODERS[family]
+    cfg = make_cfg()
+    cfg.architectures = [cls_name]
+    hf = _hf(hf_cls, cfg)
+    model = _build(getattr(importlib.import_module(module), cls_name), cfg, h.checkpoint_weights(hf))
+    assert type(model.model).__name__ == inner_name
+    if family == "apertus":
+        state = check_family(h, model, cfg, [0, 1, 2], [1, 2, 3], "model", hf_captures=hf)
+    else:
+        state = check_family(h, model, cfg, [0, 1, 2], [1, 2, 3], "model", hf=hf)
+    norm = "attention_layernorm" if family == "apertus" else "input_layernorm"  # Apertus names it so
+    assert state.fused_sites == [f"model.layers.{i}.{norm}" for i in (1, 2, 3)]
