@@ -630,3 +630,37 @@ def test_more_decoders(sglang_cpu, fused_norm_qualified, family):
         state = check_family(h, model, cfg, [0, 1, 2], [1, 2, 3], "model", hf=hf)
     norm = "attention_layernorm" if family == "apertus" else "input_layernorm"  # Apertus names it so
     assert state.fused_sites == [f"model.layers.{i}.{norm}" for i in (1, 2, 3)]
+
+
+def test_gemma3_wrapper(sglang_cpu, fused_norm_qualified):
+    """Gemma-3 multimodal (``Gemma3ForConditionalGeneration``, gemma3_mm.py: SigLIP + projector around
+    ``Gemma3ForCausalLM``; capture by ``language_model.model``), text only, boundary L. Logits vs HF's
+    Gemma-3 (captures: SGLang's own "hidden-only" values, see test_gemma3_with_boundary_L)."""
+    h = sglang_cpu
+    from transformers import Gemma3Config, SiglipVisionConfig
+    from sglang.srt.models.gemma3_causal import Gemma3TextModel
+    from sglang.srt.models.gemma3_mm import Gemma3ForConditionalGeneration
+
+    text = _gemma3_text_cfg()
+    vision = SiglipVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                                image_size=28, patch_size=14, vision_use_head=False)
+    cfg = Gemma3Config(text_config=text.to_dict(), vision_config=vision.to_dict(), mm_tokens_per_image=4)
+    cfg.architectures = ["Gemma3ForConditionalGeneration"]
+    cfg._attn_implementation = "eager"
+    cfg.text_config._attn_implementation = "eager"
+    hf = _hf("Gemma3ForConditionalGeneration", cfg)
+    weights = []
+    for n, t in hf.state_dict().items():
+        for old, new in (("model.language_model.", "language_model.model."),
+                         ("model.vision_tower.", "vision_tower.vision_model."),
+                         ("model.multi_modal_projector.", "multi_modal_projector."),
+                         ("lm_head.", "language_model.lm_head.")):
+            if n.startswith(old):
+                n = new + n[len(old):]
+                break
+        weights.append((n, t))
+    model = _build(Gemma3ForConditionalGeneration, cfg, weights)
+    assert type(model.language_model.model) is Gemma3TextModel
+    L = text.num_hidden_layers
+    state = check_family(h, model, cfg.text_config, [0, 1, L - 1], [1, 2, L], "language_model.model", hf_logits=hf)
+    assert state.fused_sites == [] and state.stats["copied_captures"] == 2 * 3
