@@ -28,7 +28,9 @@ Covered here:
   batches; HF reference: transformers' VL models. Plus the states dump on Qwen2.5-VL (a plugin fix).
 * Gemma-3 (``Gemma3ForCausalLM``, plain-list capture) and Gemma-4 (``Gemma4ForCausalLM``,
   AuxHiddenStateList) with boundary L, appended after the loop; Gemma-4 against HF (a plugin fix:
-  that append used to send every such forward to stock), Gemma-3's logits against HF.
+  that append used to send every such forward to stock), Gemma-3's logits against HF. Their
+  multimodal wrappers too (``Gemma3ForConditionalGeneration``: owner ``language_model.model``;
+  ``Gemma4ForConditionalGeneration``: owner ``language_model``, flag on the wrapper), text only.
 * MiniMax-M2 (no QK norm, see the test), EXAONE MoE (HF reference), Bailing MoE V2 (Ling-2.0 shape,
   seeded weights).
 * Qwen2-MoE, Phi-3 (fused checkpoint q/k/v and gate/up), Apertus (xIELU, QK norm; HF at the captures
@@ -663,4 +665,35 @@ def test_gemma3_wrapper(sglang_cpu, fused_norm_qualified):
     assert type(model.language_model.model) is Gemma3TextModel
     L = text.num_hidden_layers
     state = check_family(h, model, cfg.text_config, [0, 1, L - 1], [1, 2, L], "language_model.model", hf_logits=hf)
+    assert state.fused_sites == [] and state.stats["copied_captures"] == 2 * 3
+
+
+def test_gemma4_wrapper(sglang_cpu, fused_norm_qualified):
+    """Gemma-4 multimodal (``Gemma4ForConditionalGeneration``, gemma4_mm.py: vision encoder +
+    embedder around ``Gemma4TextModel``, which is the capture owner at ``language_model``; the flag
+    sits on the wrapper), text only, boundary L. HF reference: transformers' Gemma-4, boundaries
+    1, 2 and L (the final norm's input)."""
+    h = sglang_cpu
+    from transformers import Gemma4Config, Gemma4VisionConfig
+    from sglang.srt.models.gemma4_causal import Gemma4TextModel
+    from sglang.srt.models.gemma4_mm import Gemma4ForConditionalGeneration
+
+    text = _gemma4_text_cfg()
+    vision = Gemma4VisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                                num_key_value_heads=2, head_dim=16, patch_size=14, pooling_kernel_size=2,
+                                position_embedding_size=64)
+    # media tokens 121..127: in the tiny vocabulary, none in the tests' prompts
+    cfg = Gemma4Config(text_config=text.to_dict(), vision_config=vision.to_dict(), audio_config=None,
+                       boi_token_id=121, eoi_token_id=122, image_token_id=123, video_token_id=124,
+                       boa_token_id=125, eoa_token_index=126, audio_token_id=127)
+    cfg.architectures = ["Gemma4ForConditionalGeneration"]
+    cfg._attn_implementation = "eager"
+    cfg.text_config._attn_implementation = "eager"
+    hf = _hf("Gemma4ForConditionalGeneration", cfg)
+    model = _build(Gemma4ForConditionalGeneration, cfg, list(hf.state_dict().items()))
+    assert type(model.language_model) is Gemma4TextModel
+    L = text.num_hidden_layers
+    hf.model.norm = hf.model.language_model.norm  # where _refs_with_last hooks the final norm
+    state = check_family(h, model, cfg.text_config, [0, 1, L - 1], [1, 2, L], "language_model", hf=hf,
+                         refs=_refs_with_last(h, hf))
     assert state.fused_sites == [] and state.stats["copied_captures"] == 2 * 3
