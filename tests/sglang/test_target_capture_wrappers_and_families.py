@@ -33,6 +33,7 @@ Covered here:
   ``Gemma4ForConditionalGeneration``: owner ``language_model``, flag on the wrapper), text only.
 * MiniMax-M2 (no QK norm, see the test), EXAONE MoE (HF reference), Bailing MoE V2 (Ling-2.0 shape,
   seeded weights).
+* Mistral-Large-3 (DeepSeek-V3 code under Mistral's native weight names; HF reference).
 * Qwen2-MoE, Phi-3 (fused checkpoint q/k/v and gate/up), Apertus (xIELU, QK norm; HF at the captures
   only, see ``DECODERS``) and Ministral-3, against HF (``test_more_decoders``).
 
@@ -52,6 +53,9 @@ Not covered (tried; the exact reasons):
   (``get_stream("alt")``): ``torch.AcceleratorError: CUDA error: CUDA driver version is insufficient
   for CUDA runtime version`` (longcat_flash.py:573); its zero experts are a Triton kernel too
   (``zero_experts_compute_triton``).
+* DeepSeek-V3.2 (``DeepseekV32ForCausalLM``, DSA): builds, but the MLA forward's sparse-attention
+  indexer has no CPU path: ``NotImplementedError: Indexer has no native (pure-torch) path``
+  (dsa_indexer.py:1891). GlmMoeDsa / GLM-5 use the same indexer (not run separately).
 * Qwen3-Next (``Qwen3NextForCausalLM``): ``Qwen3GatedDeltaNet.__init__`` builds its gated norm on
   ``torch.get_device_module().current_device()``: ``RuntimeError: Found no NVIDIA driver on your
   system`` (qwen3_next.py:252).
@@ -697,3 +701,44 @@ def test_gemma4_wrapper(sglang_cpu, fused_norm_qualified):
     state = check_family(h, model, cfg.text_config, [0, 1, L - 1], [1, 2, L], "language_model", hf=hf,
                          refs=_refs_with_last(h, hf))
     assert state.fused_sites == [] and state.stats["copied_captures"] == 2 * 3
+
+
+# ---- Mistral-Large-3 ------------------------------------------------------------------------------
+def _mistral_native_names(weights):
+    """DeepSeek-V3 checkpoint names in Mistral's native naming, by inverting SGLang's own
+    ``MistralLarge3ForCausalLM.remapping`` (each mistral regex -> deepseek template)."""
+    import re
+
+    from sglang.srt.models.mistral_large_3 import MistralLarge3ForCausalLM
+
+    inverse = []
+    for mistral, deepseek in MistralLarge3ForCausalLM.remapping.items():
+        groups = re.findall(r"\((\\d\+|\\w\+)\)", mistral)
+        parts = re.split(r"\\(\d)", deepseek)  # literal, group number, literal, ...
+        pattern = "".join(re.escape(p) if i % 2 == 0 else f"({groups[int(p) - 1]})" for i, p in enumerate(parts))
+        n = iter(range(1, len(groups) + 1))
+        template = re.sub(r"\((\\d\+|\\w\+)\)", lambda _m: f"\\{next(n)}", mistral).replace(r"\.", ".")
+        inverse.append((pattern, template))
+    out = []
+    for name, t in weights:
+        new = next((re.sub(p, tpl, name) for p, tpl in inverse if re.fullmatch(p, name)), None)
+        assert new is not None, f"no Mistral name for {name}"
+        out.append((new, t))
+    return out
+
+
+def test_mistral_large_3(sglang_cpu, fused_norm_qualified):
+    """Mistral-Large-3 (``MistralLarge3ForCausalLM``: SGLang's DeepSeek-V3 code under Mistral's native
+    weight names; capture by ``DeepseekV2Model``, AuxHiddenStatePacker). HF reference: the same
+    DeepSeek-V3 weights in transformers' DeepseekV3ForCausalLM, renamed to Mistral's names."""
+    h = sglang_cpu
+    from sglang.srt.models.deepseek_v2 import DeepseekV2Model
+    from sglang.srt.models.mistral_large_3 import MistralLarge3ForCausalLM
+
+    cfg = _deepseek_v3_text_cfg()
+    cfg.architectures = ["MistralLarge3ForCausalLM"]
+    hf = _hf("DeepseekV3ForCausalLM", cfg)
+    model = _build(MistralLarge3ForCausalLM, cfg, _mistral_native_names(h.checkpoint_weights(hf)))
+    assert type(model.model) is DeepseekV2Model
+    state = check_family(h, model, cfg, [1, 2], [2, 3], "model", hf=hf)
+    assert state.fused_sites == [f"model.layers.{i}.input_layernorm" for i in (2, 3)]
