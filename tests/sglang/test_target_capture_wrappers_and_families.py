@@ -251,7 +251,7 @@ def test_llama4_wrapper(sglang_cpu, fused_norm_qualified):
     assert state.fused_sites == [f"language_model.model.layers.{i}.input_layernorm" for i in (1, 2, 3)]
 
 
-# ---- Qwen2.5-VL / Qwen3-VL ------------------------------------------------------------------------
+# ---- Qwen2.5-VL / Qwen3-VL / Qwen3-VL-MoE ---------------------------------------------------------
 @pytest.fixture
 def mrope_batches(monkeypatch):
     """Text-only M-RoPE batches: SGLang's VL wrappers read ``forward_batch.mrope_positions`` ([3, T]);
@@ -321,8 +321,7 @@ def test_qwen2_5_vl_wrapper(sglang_cpu, fused_norm_qualified, mrope_batches, cap
     h = sglang_cpu
     cfg, hf, model = _qwen2_5_vl(h)
     state = check_family(h, model, cfg.text_config, [0, 1, 2], [1, 2, 3], "model", hf=hf)
-    norm = "attention_layernorm" if family == "apertus" else "input_layernorm"  # Apertus names it so
-    assert state.fused_sites == [f"model.layers.{i}.{norm}" for i in (1, 2, 3)]
+    assert state.fused_sites == [f"model.layers.{i}.input_layernorm" for i in (1, 2, 3)]
     # the rest of the install (states dump, live wiring check) ran too: no "could not patch" error
     assert not [r for r in caplog.records if "could not patch" in r.getMessage()]
 
@@ -372,8 +371,30 @@ def test_qwen3_vl_wrapper(sglang_cpu, fused_norm_qualified, mrope_batches):
     model = _build(Qwen3VLForConditionalGeneration, cfg, list(hf.state_dict().items()))
     assert model.is_mrope_enabled and type(model.model) is Qwen3LLMModel
     state = check_family(h, model, cfg.text_config, [0, 1, 2], [1, 2, 3], "model", hf=hf)
-    norm = "attention_layernorm" if family == "apertus" else "input_layernorm"  # Apertus names it so
-    assert state.fused_sites == [f"model.layers.{i}.{norm}" for i in (1, 2, 3)]
+    assert state.fused_sites == [f"model.layers.{i}.input_layernorm" for i in (1, 2, 3)]
+
+
+def test_qwen3_vl_moe_wrapper(sglang_cpu, fused_norm_qualified, mrope_batches):
+    """Qwen3-VL-MoE (``Qwen3VLMoeForConditionalGeneration``): ``self.model`` is ``Qwen3MoeLLMModel``,
+    built from ``config.text_config``; experts in the released checkpoints' fused layout
+    (``experts.gate_up_proj`` [E, H, 2I], ``experts.down_proj`` [E, I, H]: transformers 5 keeps them
+    transposed). HF reference: transformers' Qwen3-VL-MoE, text only."""
+    h = sglang_cpu
+    from transformers import Qwen3VLMoeConfig
+    from sglang.srt.models.qwen3_vl_moe import Qwen3MoeLLMModel, Qwen3VLMoeForConditionalGeneration
+
+    text = dict(_VL_TEXT, head_dim=16, moe_intermediate_size=32, num_experts=4, num_experts_per_tok=2,
+                decoder_sparse_step=1, mlp_only_layers=[], norm_topk_prob=True)
+    cfg = _vl_cfg(Qwen3VLMoeConfig, "Qwen3VLMoeForConditionalGeneration", text,
+                  dict(_VL_VISION, deepstack_visual_indexes=[0]), flatten_text=False)
+    cfg.text_config.rope_scaling = cfg.text_config.rope_parameters  # read as config.rope_scaling
+    hf = _hf("Qwen3VLMoeForConditionalGeneration", cfg)
+    weights = [(n, t.transpose(-1, -2).contiguous() if n.endswith(("experts.gate_up_proj", "experts.down_proj"))
+                else t) for n, t in hf.state_dict().items()]
+    model = _build(Qwen3VLMoeForConditionalGeneration, cfg, weights)
+    assert model.is_mrope_enabled and type(model.model) is Qwen3MoeLLMModel
+    state = check_family(h, model, cfg.text_config, [0, 1, 2], [1, 2, 3], "model", hf=hf)
+    assert state.fused_sites == [f"model.layers.{i}.input_layernorm" for i in (1, 2, 3)]
 
 
 # ---- Gemma-3 / Gemma-4 ----------------------------------------------------------------------------
@@ -461,183 +482,6 @@ def test_gemma4_with_boundary_L(sglang_cpu, fused_norm_qualified):
     assert state.fused_sites == [] and state.stats["copied_captures"] == 2 * 3
 
 
-# ---- MiniMax-M2 -----------------------------------------------------------------------------------
-def test_minimax_m2(sglang_cpu, fused_norm_qualified):
-    """MiniMax-M2: partial rotary, sigmoid router with a correction bias, MoE every layer; WITHOUT the
-    released model's QK norm (``use_qk_norm=False``): off CUDA, SGLang's MiniMaxM2QKRMSNorm runs the
-    Triton kernel ``rms_sumsq_serial`` (``assert x1.is_cuda and x2.is_cuda``: AssertionError) unless
-    the CPU has AMX and sgl_kernel's CPU build. Hence no HF reference either (transformers'
-    MiniMaxM2Attention always applies its q/k norms): seeded weights, stock vs plugin bitwise."""
-    h = sglang_cpu
-    from transformers import MiniMaxM2Config
-    from sglang.srt.models.minimax_m2 import MiniMaxM2ForCausalLM, MiniMaxM2Model
-
-    cfg = MiniMaxM2Config(vocab_size=128, hidden_size=64, intermediate_size=32, num_hidden_layers=4,
-                          num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=256,
-                          rms_norm_eps=1e-6, num_experts_per_tok=2, num_local_experts=4, use_qk_norm=False,
-                          rotary_dim=8, scoring_func="sigmoid", use_routing_bias=True, tie_word_embeddings=False,
-                          bos_token_id=None, eos_token_id=None)
-    cfg.architectures = ["MiniMaxM2ForCausalLM"]
-    model = _build(MiniMaxM2ForCausalLM, cfg, seed=3)
-    assert type(model.model) is MiniMaxM2Model
-    state = check_family(h, model, cfg, [0, 1, 2], [1, 2, 3], "model")
-    norm = "attention_layernorm" if family == "apertus" else "input_layernorm"  # Apertus names it so
-    assert state.fused_sites == [f"model.layers.{i}.{norm}" for i in (1, 2, 3)]
-
-
-# ---- EXAONE MoE -----------------------------------------------------------------------------------
-def test_exaone_moe(sglang_cpu, fused_norm_qualified):
-    """EXAONE MoE (``ExaoneMoEForCausalLM``): sliding/full attention (window 32 > the tests'
-    sequences) with QK norm, a dense first layer, sigmoid-routed experts with a correction bias and
-    a shared expert. HF reference: transformers' ExaoneMoeForCausalLM. SGLang reads two fields the
-    released config.json carries and transformers 5 does not define: ``is_moe_layer`` and a top-level
-    ``rope_theta`` (else it assumes 1e6)."""
-    h = sglang_cpu
-    from transformers import ExaoneMoeConfig
-    from sglang.srt.models.exaone_moe import ExaoneMoEForCausalLM, ExaoneMoEModel
-
-    cfg = ExaoneMoeConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
-                          num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=256,
-                          rms_norm_eps=1e-6, sliding_window=32, sliding_window_pattern=4, first_k_dense_replace=1,
-                          moe_intermediate_size=32, num_experts=4, num_experts_per_tok=2, num_shared_experts=1,
-                          tie_word_embeddings=False, bos_token_id=None, eos_token_id=None, pad_token_id=None)
-    cfg.architectures = ["ExaoneMoEForCausalLM"]
-    cfg.is_moe_layer = [t == "sparse" for t in cfg.mlp_layer_types]
-    cfg.rope_theta = cfg.rope_parameters["rope_theta"]
-    hf = _hf("ExaoneMoeForCausalLM", cfg)
-    weights = [(n.replace(".mlp.gate.e_score_correction_bias", ".mlp.e_score_correction_bias"), t)
-               for n, t in h.checkpoint_weights(hf)]
-    model = _build(ExaoneMoEForCausalLM, cfg, weights)
-    assert type(model.model) is ExaoneMoEModel
-    state = check_family(h, model, cfg, [0, 1, 2], [1, 2, 3], "model", hf=hf)
-    norm = "attention_layernorm" if family == "apertus" else "input_layernorm"  # Apertus names it so
-    assert state.fused_sites == [f"model.layers.{i}.{norm}" for i in (1, 2, 3)]
-
-
-# ---- Bailing (Ling) MoE ---------------------------------------------------------------------------
-def _bailing_v2_cfg():
-    from transformers import PretrainedConfig
-
-    # Ling-2.0's shape (BailingMoeV2), tiny: a dense first layer, sigmoid-routed experts with an expert
-    # bias, one shared expert, routed scaling, QK norm, partial rotary. transformers has no Bailing
-    # model: a plain config with the released config.json's fields
-    cfg = PretrainedConfig(
-        vocab_size=128, hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
-        moe_shared_expert_intermediate_size=32, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
-        head_dim=16, hidden_act="silu", max_position_embeddings=256, rms_norm_eps=1e-6, num_experts=4,
-        num_experts_per_tok=2, num_shared_experts=1, norm_topk_prob=True, first_k_dense_replace=1,
-        score_function="sigmoid", moe_router_enable_expert_bias=True, routed_scaling_factor=2.5, n_group=1,
-        topk_group=1, use_qk_norm=True, partial_rotary_factor=0.5, use_qkv_bias=False, use_bias=False,
-        embedding_dropout=0.0, norm_head=False, num_nextn_predict_layers=0, tie_word_embeddings=False,
-        rope_parameters=dict(rope_type="default", rope_theta=600000.0), torch_dtype=DTYPE)
-    cfg.architectures = ["BailingMoeV2ForCausalLM"]
-    return cfg
-
-
-def test_bailing_moe_v2(sglang_cpu, fused_norm_qualified):
-    """Bailing MoE V2 (Ling-2.0; ``BailingMoEModel``). No HF model: seeded weights, stock vs plugin."""
-    h = sglang_cpu
-    from sglang.srt.models.bailing_moe import BailingMoeV2ForCausalLM, BailingMoEModel
-
-    cfg = _bailing_v2_cfg()
-    model = _build(BailingMoeV2ForCausalLM, cfg, seed=4)
-    assert type(model.model) is BailingMoEModel
-    state = check_family(h, model, cfg, [0, 1, 2], [1, 2, 3], "model")
-    norm = "attention_layernorm" if family == "apertus" else "input_layernorm"  # Apertus names it so
-    assert state.fused_sites == [f"model.layers.{i}.{norm}" for i in (1, 2, 3)]
-
-
-
-
-def test_qwen3_vl_moe_wrapper(sglang_cpu, fused_norm_qualified, mrope_batches):
-    """Qwen3-VL-MoE (``Qwen3VLMoeForConditionalGeneration``): ``self.model`` is ``Qwen3MoeLLMModel``,
-    built from ``config.text_config``; experts in the released checkpoints' fused layout
-    (``experts.gate_up_proj`` [E, H, 2I], ``experts.down_proj`` [E, I, H]: transformers 5 keeps them
-    transposed). HF reference: transformers' Qwen3-VL-MoE, text only."""
-    h = sglang_cpu
-    from transformers import Qwen3VLMoeConfig
-    from sglang.srt.models.qwen3_vl_moe import Qwen3MoeLLMModel, Qwen3VLMoeForConditionalGeneration
-
-    text = dict(_VL_TEXT, head_dim=16, moe_intermediate_size=32, num_experts=4, num_experts_per_tok=2,
-                decoder_sparse_step=1, mlp_only_layers=[], norm_topk_prob=True)
-    cfg = _vl_cfg(Qwen3VLMoeConfig, "Qwen3VLMoeForConditionalGeneration", text,
-                  dict(_VL_VISION, deepstack_visual_indexes=[0]), flatten_text=False)
-    cfg.text_config.rope_scaling = cfg.text_config.rope_parameters  # read as config.rope_scaling
-    hf = _hf("Qwen3VLMoeForConditionalGeneration", cfg)
-    weights = [(n, t.transpose(-1, -2).contiguous() if n.endswith(("experts.gate_up_proj", "experts.down_proj"))
-                else t) for n, t in hf.state_dict().items()]
-    model = _build(Qwen3VLMoeForConditionalGeneration, cfg, weights)
-    assert model.is_mrope_enabled and type(model.model) is Qwen3MoeLLMModel
-    state = check_family(h, model, cfg.text_config, [0, 1, 2], [1, 2, 3], "model", hf=hf)
-    norm = "attention_layernorm" if family == "apertus" else "input_layernorm"  # Apertus names it so
-    assert state.fused_sites == [f"model.layers.{i}.{norm}" for i in (1, 2, 3)]
-
-
-# ---- more decoder families with a transformers model: HF reference, the same checks ------------------
-_DECODER = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
-                num_key_value_heads=2, max_position_embeddings=256, rms_norm_eps=1e-6, tie_word_embeddings=False,
-                bos_token_id=None, eos_token_id=None, pad_token_id=None)
-
-
-def _qwen2_moe_cfg():
-    from transformers import Qwen2MoeConfig
-
-    # experts + a gated shared expert on every layer, q/k/v bias
-    return Qwen2MoeConfig(**_DECODER, moe_intermediate_size=32, shared_expert_intermediate_size=64, num_experts=4,
-                          num_experts_per_tok=2, decoder_sparse_step=1, mlp_only_layers=[], norm_topk_prob=False)
-
-
-def _phi3_cfg():
-    from transformers import Phi3Config
-
-    return Phi3Config(**_DECODER)  # checkpoints keep q/k/v and gate/up fused (qkv_proj, gate_up_proj)
-
-
-def _apertus_cfg():
-    from transformers import ApertusConfig
-
-    return ApertusConfig(**_DECODER, head_dim=16)  # xIELU MLP (no gate), QK norm
-
-
-def _ministral3_cfg():
-    from transformers import Ministral3Config
-
-    return Ministral3Config(**_DECODER, head_dim=16)
-
-
-# name: (config builder, HF class, SGLang module, SGLang class, SGLang inner class). Apertus is checked
-# against HF at the captures only: SGLang's XIELU keeps its eps (-1e-6) in bf16 whatever the model dtype,
-# which moves fp32 logits by up to 1.5e-4 from HF's (the fp32 tolerance is 1e-4)
-DECODERS = {
-    "qwen2_moe": (_qwen2_moe_cfg, "Qwen2MoeForCausalLM", "sglang.srt.models.qwen2_moe", "Qwen2MoeForCausalLM",
-                  "Qwen2MoeModel"),
-    "phi3": (_phi3_cfg, "Phi3ForCausalLM", "sglang.srt.models.llama", "Phi3ForCausalLM", "LlamaModel"),
-    "apertus": (_apertus_cfg, "ApertusForCausalLM", "sglang.srt.models.apertus", "ApertusForCausalLM",
-                "ApertusModel"),
-    "ministral3": (_ministral3_cfg, "Ministral3ForCausalLM", "sglang.srt.models.ministral3",
-                   "Ministral3ForCausalLM", "Ministral3Model"),
-}
-
-
-@pytest.mark.parametrize("family", list(DECODERS))
-def test_more_decoders(sglang_cpu, fused_norm_qualified, family):
-    import importlib
-
-    h = sglang_cpu
-    make_cfg, hf_cls, module, cls_name, inner_name = DECODERS[family]
-    cfg = make_cfg()
-    cfg.architectures = [cls_name]
-    hf = _hf(hf_cls, cfg)
-    model = _build(getattr(importlib.import_module(module), cls_name), cfg, h.checkpoint_weights(hf))
-    assert type(model.model).__name__ == inner_name
-    if family == "apertus":
-        state = check_family(h, model, cfg, [0, 1, 2], [1, 2, 3], "model", hf_captures=hf)
-    else:
-        state = check_family(h, model, cfg, [0, 1, 2], [1, 2, 3], "model", hf=hf)
-    norm = "attention_layernorm" if family == "apertus" else "input_layernorm"  # Apertus names it so
-    assert state.fused_sites == [f"model.layers.{i}.{norm}" for i in (1, 2, 3)]
-
-
 def test_gemma3_wrapper(sglang_cpu, fused_norm_qualified):
     """Gemma-3 multimodal (``Gemma3ForConditionalGeneration``, gemma3_mm.py: SigLIP + projector around
     ``Gemma3ForCausalLM``; capture by ``language_model.model``), text only, boundary L. Logits vs HF's
@@ -701,6 +545,156 @@ def test_gemma4_wrapper(sglang_cpu, fused_norm_qualified):
     state = check_family(h, model, cfg.text_config, [0, 1, L - 1], [1, 2, L], "language_model", hf=hf,
                          refs=_refs_with_last(h, hf))
     assert state.fused_sites == [] and state.stats["copied_captures"] == 2 * 3
+
+
+# ---- MiniMax-M2 -----------------------------------------------------------------------------------
+def test_minimax_m2(sglang_cpu, fused_norm_qualified):
+    """MiniMax-M2: partial rotary, sigmoid router with a correction bias, MoE every layer; WITHOUT the
+    released model's QK norm (``use_qk_norm=False``): off CUDA, SGLang's MiniMaxM2QKRMSNorm runs the
+    Triton kernel ``rms_sumsq_serial`` (``assert x1.is_cuda and x2.is_cuda``: AssertionError) unless
+    the CPU has AMX and sgl_kernel's CPU build. Hence no HF reference either (transformers'
+    MiniMaxM2Attention always applies its q/k norms): seeded weights, stock vs plugin bitwise."""
+    h = sglang_cpu
+    from transformers import MiniMaxM2Config
+    from sglang.srt.models.minimax_m2 import MiniMaxM2ForCausalLM, MiniMaxM2Model
+
+    cfg = MiniMaxM2Config(vocab_size=128, hidden_size=64, intermediate_size=32, num_hidden_layers=4,
+                          num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=256,
+                          rms_norm_eps=1e-6, num_experts_per_tok=2, num_local_experts=4, use_qk_norm=False,
+                          rotary_dim=8, scoring_func="sigmoid", use_routing_bias=True, tie_word_embeddings=False,
+                          bos_token_id=None, eos_token_id=None)
+    cfg.architectures = ["MiniMaxM2ForCausalLM"]
+    model = _build(MiniMaxM2ForCausalLM, cfg, seed=3)
+    assert type(model.model) is MiniMaxM2Model
+    state = check_family(h, model, cfg, [0, 1, 2], [1, 2, 3], "model")
+    assert state.fused_sites == [f"model.layers.{i}.input_layernorm" for i in (1, 2, 3)]
+
+
+# ---- EXAONE MoE -----------------------------------------------------------------------------------
+def test_exaone_moe(sglang_cpu, fused_norm_qualified):
+    """EXAONE MoE (``ExaoneMoEForCausalLM``): sliding/full attention (window 32 > the tests'
+    sequences) with QK norm, a dense first layer, sigmoid-routed experts with a correction bias and
+    a shared expert. HF reference: transformers' ExaoneMoeForCausalLM. SGLang reads two fields the
+    released config.json carries and transformers 5 does not define: ``is_moe_layer`` and a top-level
+    ``rope_theta`` (else it assumes 1e6)."""
+    h = sglang_cpu
+    from transformers import ExaoneMoeConfig
+    from sglang.srt.models.exaone_moe import ExaoneMoEForCausalLM, ExaoneMoEModel
+
+    cfg = ExaoneMoeConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+                          num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=256,
+                          rms_norm_eps=1e-6, sliding_window=32, sliding_window_pattern=4, first_k_dense_replace=1,
+                          moe_intermediate_size=32, num_experts=4, num_experts_per_tok=2, num_shared_experts=1,
+                          tie_word_embeddings=False, bos_token_id=None, eos_token_id=None, pad_token_id=None)
+    cfg.architectures = ["ExaoneMoEForCausalLM"]
+    cfg.is_moe_layer = [t == "sparse" for t in cfg.mlp_layer_types]
+    cfg.rope_theta = cfg.rope_parameters["rope_theta"]
+    hf = _hf("ExaoneMoeForCausalLM", cfg)
+    weights = [(n.replace(".mlp.gate.e_score_correction_bias", ".mlp.e_score_correction_bias"), t)
+               for n, t in h.checkpoint_weights(hf)]
+    model = _build(ExaoneMoEForCausalLM, cfg, weights)
+    assert type(model.model) is ExaoneMoEModel
+    state = check_family(h, model, cfg, [0, 1, 2], [1, 2, 3], "model", hf=hf)
+    assert state.fused_sites == [f"model.layers.{i}.input_layernorm" for i in (1, 2, 3)]
+
+
+# ---- Bailing (Ling) MoE ---------------------------------------------------------------------------
+def _bailing_v2_cfg():
+    from transformers import PretrainedConfig
+
+    # Ling-2.0's shape (BailingMoeV2), tiny: a dense first layer, sigmoid-routed experts with an expert
+    # bias, one shared expert, routed scaling, QK norm, partial rotary. transformers has no Bailing
+    # model: a plain config with the released config.json's fields
+    cfg = PretrainedConfig(
+        vocab_size=128, hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
+        moe_shared_expert_intermediate_size=32, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+        head_dim=16, hidden_act="silu", max_position_embeddings=256, rms_norm_eps=1e-6, num_experts=4,
+        num_experts_per_tok=2, num_shared_experts=1, norm_topk_prob=True, first_k_dense_replace=1,
+        score_function="sigmoid", moe_router_enable_expert_bias=True, routed_scaling_factor=2.5, n_group=1,
+        topk_group=1, use_qk_norm=True, partial_rotary_factor=0.5, use_qkv_bias=False, use_bias=False,
+        embedding_dropout=0.0, norm_head=False, num_nextn_predict_layers=0, tie_word_embeddings=False,
+        rope_parameters=dict(rope_type="default", rope_theta=600000.0), torch_dtype=DTYPE)
+    cfg.architectures = ["BailingMoeV2ForCausalLM"]
+    return cfg
+
+
+def test_bailing_moe_v2(sglang_cpu, fused_norm_qualified):
+    """Bailing MoE V2 (Ling-2.0; ``BailingMoEModel``). No HF model: seeded weights, stock vs plugin."""
+    h = sglang_cpu
+    from sglang.srt.models.bailing_moe import BailingMoeV2ForCausalLM, BailingMoEModel
+
+    cfg = _bailing_v2_cfg()
+    model = _build(BailingMoeV2ForCausalLM, cfg, seed=4)
+    assert type(model.model) is BailingMoEModel
+    state = check_family(h, model, cfg, [0, 1, 2], [1, 2, 3], "model")
+    assert state.fused_sites == [f"model.layers.{i}.input_layernorm" for i in (1, 2, 3)]
+
+
+
+
+# ---- more decoder families with a transformers model (HF reference) -------------------------------
+_DECODER = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
+                num_key_value_heads=2, max_position_embeddings=256, rms_norm_eps=1e-6, tie_word_embeddings=False,
+                bos_token_id=None, eos_token_id=None, pad_token_id=None)
+
+
+def _qwen2_moe_cfg():
+    from transformers import Qwen2MoeConfig
+
+    # experts + a gated shared expert on every layer, q/k/v bias
+    return Qwen2MoeConfig(**_DECODER, moe_intermediate_size=32, shared_expert_intermediate_size=64, num_experts=4,
+                          num_experts_per_tok=2, decoder_sparse_step=1, mlp_only_layers=[], norm_topk_prob=False)
+
+
+def _phi3_cfg():
+    from transformers import Phi3Config
+
+    return Phi3Config(**_DECODER)  # checkpoints keep q/k/v and gate/up fused (qkv_proj, gate_up_proj)
+
+
+def _apertus_cfg():
+    from transformers import ApertusConfig
+
+    return ApertusConfig(**_DECODER, head_dim=16)  # xIELU MLP (no gate), QK norm
+
+
+def _ministral3_cfg():
+    from transformers import Ministral3Config
+
+    return Ministral3Config(**_DECODER, head_dim=16)
+
+
+# name: (config builder, HF class, SGLang module, SGLang class, SGLang inner class). Apertus is checked
+# against HF at the captures only: SGLang's XIELU keeps its eps (-1e-6) in bf16 whatever the model dtype,
+# which moves fp32 logits by up to 1.5e-4 from HF's (the fp32 tolerance is 1e-4)
+DECODERS = {
+    "qwen2_moe": (_qwen2_moe_cfg, "Qwen2MoeForCausalLM", "sglang.srt.models.qwen2_moe", "Qwen2MoeForCausalLM",
+                  "Qwen2MoeModel"),
+    "phi3": (_phi3_cfg, "Phi3ForCausalLM", "sglang.srt.models.llama", "Phi3ForCausalLM", "LlamaModel"),
+    "apertus": (_apertus_cfg, "ApertusForCausalLM", "sglang.srt.models.apertus", "ApertusForCausalLM",
+                "ApertusModel"),
+    "ministral3": (_ministral3_cfg, "Ministral3ForCausalLM", "sglang.srt.models.ministral3",
+                   "Ministral3ForCausalLM", "Ministral3Model"),
+}
+
+
+@pytest.mark.parametrize("family", list(DECODERS))
+def test_more_decoders(sglang_cpu, fused_norm_qualified, family):
+    import importlib
+
+    h = sglang_cpu
+    make_cfg, hf_cls, module, cls_name, inner_name = DECODERS[family]
+    cfg = make_cfg()
+    cfg.architectures = [cls_name]
+    hf = _hf(hf_cls, cfg)
+    model = _build(getattr(importlib.import_module(module), cls_name), cfg, h.checkpoint_weights(hf))
+    assert type(model.model).__name__ == inner_name
+    if family == "apertus":
+        state = check_family(h, model, cfg, [0, 1, 2], [1, 2, 3], "model", hf_captures=hf)
+    else:
+        state = check_family(h, model, cfg, [0, 1, 2], [1, 2, 3], "model", hf=hf)
+    norm = "attention_layernorm" if family == "apertus" else "input_layernorm"  # Apertus names it so
+    assert state.fused_sites == [f"model.layers.{i}.{norm}" for i in (1, 2, 3)]
 
 
 # ---- Mistral-Large-3 ------------------------------------------------------------------------------
