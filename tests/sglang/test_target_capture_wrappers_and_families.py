@@ -34,6 +34,8 @@ Covered here:
 * MiniMax-M2 (no QK norm, see the test), EXAONE MoE (HF reference), Bailing MoE V2 (Ling-2.0 shape,
   seeded weights).
 * Mistral-Large-3 (DeepSeek-V3 code under Mistral's native weight names; HF reference).
+* MiniMax-M3 with boundary L at its final norm (no sparse-attention layers, bf16 router GEMM off: see
+  the test), seeded weights.
 * Qwen2-MoE, Phi-3 (fused checkpoint q/k/v and gate/up), Apertus (xIELU, QK norm; HF at the captures
   only, see ``DECODERS``) and Ministral-3, against HF (``test_more_decoders``).
 
@@ -736,3 +738,32 @@ def test_mistral_large_3(sglang_cpu, fused_norm_qualified):
     assert type(model.model) is DeepseekV2Model
     state = check_family(h, model, cfg, [1, 2], [2, 3], "model", hf=hf)
     assert state.fused_sites == [f"model.layers.{i}.input_layernorm" for i in (2, 3)]
+
+
+# ---- MiniMax-M3 -----------------------------------------------------------------------------------
+def test_minimax_m3_with_boundary_L(sglang_cpu, fused_norm_qualified, monkeypatch):
+    """MiniMax-M3 (``MiniMaxM3SparseForCausalLM``; capture by ``MiniMaxM3Model``, boundary L at its
+    final norm): a dense first layer, sigmoid-routed experts with a bias and a shared expert. Two
+    departures from the released model, both forced by the CPU: no sparse-attention layers
+    (``sparse_attention_config`` unset; not tried), and SGLang's bf16 router GEMM off
+    (``SGLANG_OPT_USE_BF16_ROUTER_GEMM=0``: its default path calls ``torch.mm(..., out_dtype=float32)``,
+    ``NotImplementedError: Could not run 'aten::mm.dtype' with arguments from the 'CPU' backend``).
+    No HF model: seeded weights, stock vs plugin bitwise."""
+    h = sglang_cpu
+    from transformers import PretrainedConfig
+
+    monkeypatch.setenv("SGLANG_OPT_USE_BF16_ROUTER_GEMM", "0")
+    from sglang.srt.models.minimax_m3 import MiniMaxM3Model, MiniMaxM3SparseForCausalLM
+
+    cfg = PretrainedConfig(
+        vocab_size=128, hidden_size=64, intermediate_size=32, dense_intermediate_size=128, n_shared_experts=1,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_experts_per_tok=2, num_local_experts=4,
+        num_hidden_layers=4, num_mtp_modules=0, rms_norm_eps=1e-6, scoring_func="sigmoid", swiglu_alpha=None,
+        swiglu_limit=None, hidden_act="silu", max_position_embeddings=256, use_routing_bias=True,
+        moe_layer_freq=[0, 1, 1, 1], rope_parameters=dict(rope_type="default", rope_theta=10000.0),
+        tie_word_embeddings=False, torch_dtype=DTYPE)
+    cfg.architectures = ["MiniMaxM3SparseForCausalLM"]
+    model = _build(MiniMaxM3SparseForCausalLM, cfg, seed=2)
+    assert type(model.model) is MiniMaxM3Model
+    L = cfg.num_hidden_layers
+    check_family(h, model, cfg, [0, 1, L - 1], [1, 2, L], "model")
