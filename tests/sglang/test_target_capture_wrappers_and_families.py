@@ -12,60 +12,8 @@ stock), the verify output is that buffer, the aux hidden states and logits are B
 (reference backend), and, where transformers has the model and SGLang's captures are its hidden
 states, both are Hugging Face ``output_hidden_states`` at the capture indices.
 
-Covered here:
-* Kimi-K2.5 (``KimiK25ForConditionalGeneration``, kimi_k25.py): MoonViT + projector around a
-  DeepSeek-V3 language model (MLA with a q LoRA, sigmoid router with correction bias, shared
-  expert); capture by ``language_model.model`` (``DeepseekV2Model``, AuxHiddenStatePacker), both id
-  rules. Text-only forward (no image); HF reference ``DeepseekV3ForCausalLM`` with the checkpoint's
-  ``language_model.`` names.
-* Llama-4 (``Llama4ForConditionalGeneration``, mllama4.py) around ``Llama4ForCausalLM``
-  (``Llama4Model``, AuxHiddenStateList): QK L2-norm, a NoPE layer every 4th, the wrapper's weight
-  loader (q/k permutation for rotary). Text-only (no vision weights in the checkpoint path: SGLang
-  builds no vision tower), bf16, dense layers only, stock vs plugin only (the test says why no HF).
-* Qwen2.5-VL, Qwen3-VL and Qwen3-VL-MoE (``Qwen2_5_VLForConditionalGeneration`` /
-  ``Qwen3VLForConditionalGeneration`` / ``Qwen3VLMoeForConditionalGeneration``): ``self.model``
-  (Qwen2Model / Qwen3LLMModel / Qwen3MoeLLMModel) flagged and configured by the wrapper; text-only M-RoPE
-  batches; HF reference: transformers' VL models. Plus the states dump on Qwen2.5-VL (a plugin fix).
-* Gemma-3 (``Gemma3ForCausalLM``, plain-list capture) and Gemma-4 (``Gemma4ForCausalLM``,
-  AuxHiddenStateList) with boundary L, appended after the loop; Gemma-4 against HF (a plugin fix:
-  that append used to send every such forward to stock), Gemma-3's logits against HF. Their
-  multimodal wrappers too (``Gemma3ForConditionalGeneration``: owner ``language_model.model``;
-  ``Gemma4ForConditionalGeneration``: owner ``language_model``, flag on the wrapper), text only.
-* MiniMax-M2 (no QK norm, see the test), EXAONE MoE (HF reference), Bailing MoE V2 (Ling-2.0 shape,
-  seeded weights).
-* Mistral-Large-3 (DeepSeek-V3 code under Mistral's native weight names; HF reference).
-* MiniMax-M3 with boundary L at its final norm (no sparse-attention layers, bf16 router GEMM off: see
-  the test), seeded weights.
-* Qwen2-MoE, Phi-3 (fused checkpoint q/k/v and gate/up), Apertus (xIELU, QK norm; HF at the captures
-  only, see ``DECODERS``) and Ministral-3, against HF (``test_more_decoders``).
-
-Not covered (tried; the exact reasons):
-* Llama-4's MoE layers: SGLang's CPU MoE path ``moe_forward_native`` raises ``NotImplementedError``
-  for ``apply_router_weight_on_input=True`` (Llama4MoE's FusedMoE), the only CPU MoE runner without
-  sgl_kernel's CPU build. The test's Llama-4 has dense layers only (interleave step > layers).
-* MiniMax-M2's QK norm (``use_qk_norm=True``, as released): ``MiniMaxM2QKRMSNorm._forward_naive`` runs
-  the Triton kernel ``rms_sumsq_serial``: ``AssertionError`` at ``assert x1.is_cuda and x2.is_cuda``
-  (minimax_m2.py:205); its CPU path needs AMX and sgl_kernel's CPU build.
-* GLM-4-MoE-Lite (``Glm4MoeLiteForCausalLM``, GLM-4.7-Flash): cannot be built on a CPU.
-  ``Glm4MoeLiteDecoderLayer`` passes ``get_rope_config``'s ``rope_parameters`` even for
-  ``rope_type: default``, which ``DeepseekV2AttentionMLA`` rewrites to ``deepseek_yarn``;
-  ``DeepseekScalingRotaryEmbedding`` then calls ``get_device()``: ``RuntimeError: No accelerator
-  (CUDA, XPU, HPU, NPU, MUSA, MPS) or platform plugin is available.`` (rope_variant.py:373).
-* LongCat-Flash (``LongcatFlashForCausalLM``): ``LongcatFlashModel.__init__`` takes a CUDA stream
-  (``get_stream("alt")``): ``torch.AcceleratorError: CUDA error: CUDA driver version is insufficient
-  for CUDA runtime version`` (longcat_flash.py:573); its zero experts are a Triton kernel too
-  (``zero_experts_compute_triton``).
-* DeepSeek-V3.2 (``DeepseekV32ForCausalLM``, DSA): builds, but the MLA forward's sparse-attention
-  indexer has no CPU path: ``NotImplementedError: Indexer has no native (pure-torch) path``
-  (dsa_indexer.py:1891). GlmMoeDsa / GLM-5 use the same indexer (not run separately).
-* Qwen3-Next (``Qwen3NextForCausalLM``): ``Qwen3GatedDeltaNet.__init__`` builds its gated norm on
-  ``torch.get_device_module().current_device()``: ``RuntimeError: Found no NVIDIA driver on your
-  system`` (qwen3_next.py:252).
-* Qwen3.5 (``Qwen3_5ForCausalLM``): builds, but the first linear-attention layer's forward runs the
-  Triton kernel ``fused_qkvzba_split_reshape_cat_contiguous_kernel``: ``RuntimeError: 0 active
-  drivers ([]). There should only be one.`` (triton_gdn_fused_proj.py:324); the gated-delta-net
-  layers also need SGLang's hybrid linear-attention backend and Mamba state pool, which
-  torch_native does not provide.
+What is covered, and what was tried and is not (with the exact exception), is ``COVERED`` and
+``NOT_COVERED`` below; ``python tests/sglang/families_table.py`` prints both as markdown tables.
 """
 import copy
 
@@ -75,6 +23,93 @@ import torch
 PROMPTS = [[5, 17, 3, 99, 42], [7, 1, 64, 23, 88, 120, 11]]
 DRAFTS = [[9, 31, 2, 77], [54, 6, 101, 13]]  # one chain of draft tokens per request
 DTYPE = torch.float32
+
+
+# One row per test of this file (test_coverage_table_names_every_test keeps it complete):
+# family, SGLang class, capture owner (its path in the model; the accumulator), reference, dtype.
+COVERED = {
+    "test_kimi_k25_wrapper": ("Kimi-K2.5", "KimiK25ForConditionalGeneration",
+                              "language_model.model: DeepseekV2Model (AuxHiddenStatePacker), both id rules",
+                              "HF DeepseekV3ForCausalLM", "fp32"),
+    "test_llama4_wrapper": ("Llama-4 (dense layers, text only)", "Llama4ForConditionalGeneration",
+                            "language_model.model: Llama4Model (AuxHiddenStateList)",
+                            "stock only (SGLang drops RoPE off CUDA)", "bf16"),
+    "test_qwen2_5_vl_wrapper": ("Qwen2.5-VL (text only, M-RoPE)", "Qwen2_5_VLForConditionalGeneration",
+                                "model: Qwen2Model (AuxHiddenStateList)", "HF Qwen2_5_VLForConditionalGeneration",
+                                "fp32"),
+    "test_qwen2_5_vl_states_dump": ("Qwen2.5-VL: the states dump", "Qwen2_5_VLForConditionalGeneration",
+                                    "model: Qwen2Model", "HF greedy next tokens; bitwise captures", "fp32"),
+    "test_qwen3_vl_wrapper": ("Qwen3-VL (text only, M-RoPE)", "Qwen3VLForConditionalGeneration",
+                              "model: Qwen3LLMModel (AuxHiddenStateList)", "HF Qwen3VLForConditionalGeneration",
+                              "fp32"),
+    "test_qwen3_vl_moe_wrapper": ("Qwen3-VL-MoE (text only, M-RoPE)", "Qwen3VLMoeForConditionalGeneration",
+                                  "model: Qwen3MoeLLMModel (AuxHiddenStateList)",
+                                  "HF Qwen3VLMoeForConditionalGeneration", "fp32"),
+    "test_gemma3_with_boundary_L": ("Gemma-3, boundary L", "Gemma3ForCausalLM",
+                                    "model: Gemma3TextModel (plain list)", "HF logits (captures: hidden-only)", "fp32"),
+    "test_gemma4_with_boundary_L": ("Gemma-4, boundary L", "Gemma4ForCausalLM",
+                                    "model: Gemma4TextModel (AuxHiddenStateList + append)", "HF Gemma4ForCausalLM",
+                                    "fp32"),
+    "test_gemma3_wrapper": ("Gemma-3 multimodal (text only), boundary L", "Gemma3ForConditionalGeneration",
+                            "language_model.model: Gemma3TextModel (plain list)", "HF logits (captures: hidden-only)",
+                            "fp32"),
+    "test_gemma4_wrapper": ("Gemma-4 multimodal (text only), boundary L", "Gemma4ForConditionalGeneration",
+                            "language_model: Gemma4TextModel (AuxHiddenStateList + append)",
+                            "HF Gemma4ForConditionalGeneration", "fp32"),
+    "test_minimax_m2": ("MiniMax-M2 (no QK norm)", "MiniMaxM2ForCausalLM", "model: MiniMaxM2Model",
+                        "stock only (seeded)", "fp32"),
+    "test_exaone_moe": ("EXAONE MoE", "ExaoneMoEForCausalLM", "model: ExaoneMoEModel", "HF ExaoneMoeForCausalLM",
+                        "fp32"),
+    "test_bailing_moe_v2": ("Bailing MoE V2 (Ling-2.0 shape)", "BailingMoeV2ForCausalLM", "model: BailingMoEModel",
+                            "stock only (seeded)", "fp32"),
+    "test_more_decoders": ("Qwen2-MoE, Phi-3, Apertus, Ministral-3", "Qwen2MoeForCausalLM, Phi3ForCausalLM, "
+                           "ApertusForCausalLM, Ministral3ForCausalLM", "model: their decoder loops",
+                           "HF (Apertus: captures only)", "fp32"),
+    "test_mistral_large_3": ("Mistral-Large-3", "MistralLarge3ForCausalLM", "model: DeepseekV2Model "
+                             "(AuxHiddenStatePacker)", "HF DeepseekV3ForCausalLM (renamed weights)", "fp32"),
+    "test_minimax_m3_with_boundary_L": ("MiniMax-M3 (no sparse attention), boundary L", "MiniMaxM3SparseForCausalLM",
+                                        "model: MiniMaxM3Model (final norm)", "stock only (seeded)", "fp32"),
+}
+
+# Tried and not covered, with the exact reason (what SGLang 0.5.23 raised on this CPU).
+NOT_COVERED = {
+    "Llama-4 MoE layers (Llama4MoE)": (
+        "SGLang's CPU MoE path moe_forward_native raises NotImplementedError for apply_router_weight_on_input=True "
+        "(Llama4MoE's FusedMoE), the only CPU MoE runner without sgl_kernel's CPU build"),
+    "MiniMax-M2 QK norm (use_qk_norm=True, as released)": (
+        "MiniMaxM2QKRMSNorm._forward_naive runs the Triton kernel rms_sumsq_serial: AssertionError at "
+        "`assert x1.is_cuda and x2.is_cuda` (minimax_m2.py:205); the CPU path needs AMX and sgl_kernel's CPU build"),
+    "GLM-4-MoE-Lite / GLM-4.7-Flash (Glm4MoeLiteForCausalLM)": (
+        "cannot be built: Glm4MoeLiteDecoderLayer passes get_rope_config's rope_parameters even for rope_type "
+        "default, which DeepseekV2AttentionMLA rewrites to deepseek_yarn; DeepseekScalingRotaryEmbedding then calls "
+        "get_device(): RuntimeError: No accelerator (CUDA, XPU, HPU, NPU, MUSA, MPS) or platform plugin is "
+        "available. (rope_variant.py:373)"),
+    "LongCat-Flash (LongcatFlashForCausalLM)": (
+        "LongcatFlashModel.__init__ takes a CUDA stream (get_stream(\"alt\")): torch.AcceleratorError: CUDA error: "
+        "CUDA driver version is insufficient for CUDA runtime version (longcat_flash.py:573); its zero experts are "
+        "a Triton kernel too (zero_experts_compute_triton)"),
+    "DeepSeek-V3.2 (DeepseekV32ForCausalLM, DSA)": (
+        "builds, but the MLA forward's sparse-attention indexer has no CPU path: NotImplementedError: Indexer has "
+        "no native (pure-torch) path (dsa_indexer.py:1891). GlmMoeDsa / GLM-5 use the same indexer (not run "
+        "separately)"),
+    "Qwen3-Next (Qwen3NextForCausalLM)": (
+        "Qwen3GatedDeltaNet.__init__ builds its gated norm on torch.get_device_module().current_device(): "
+        "RuntimeError: Found no NVIDIA driver on your system (qwen3_next.py:252)"),
+    "Qwen3.5 (Qwen3_5ForCausalLM)": (
+        "builds, but the first linear-attention layer's forward runs the Triton kernel "
+        "fused_qkvzba_split_reshape_cat_contiguous_kernel: RuntimeError: 0 active drivers ([]). There should only "
+        "be one. (triton_gdn_fused_proj.py:324); the gated-delta-net layers also need SGLang's hybrid "
+        "linear-attention backend and Mamba state pool, which torch_native does not provide"),
+}
+
+
+def test_coverage_table_names_every_test():
+    import inspect
+    import sys
+
+    tests = {name for name, f in inspect.getmembers(sys.modules[__name__], inspect.isfunction)
+             if name.startswith("test_") and name != "test_coverage_table_names_every_test"}
+    assert tests == set(COVERED), (sorted(tests - set(COVERED)), sorted(set(COVERED) - tests))
 
 
 def _randomise_hf(hf):
