@@ -9,7 +9,9 @@ model ...). That forward collects the captures of one forward in an accumulator 
 
 * an ``AuxHiddenStateList`` (``capture`` clones each value; the logits processor ``torch.cat``s them),
 * an ``AuxHiddenStatePacker`` (a fresh ``[T, K*H]`` tensor; ``append`` copies each value into its slot),
-* or a plain ``list`` (Gemma-3, LongCat: values appended as they are, cat later).
+* or a plain ``list`` (Gemma-3, LongCat: values appended as they are, cat later); an
+  ``AuxHiddenStateList`` may also get a value by plain ``append`` after its captures (Gemma-4's
+  boundary L, appended after the loop).
 
 This module hooks exactly that shared mechanism, not a list of model classes:
 
@@ -270,6 +272,7 @@ class ForwardCapture:
         self.count = 0                  # captures recorded so far (= the next slot)
         self.fused: Dict[int, torch.Tensor] = {}  # slot -> residual the fused norm wrote
         self.recent: List[Tuple[Any, torch.Tensor]] = []  # (norm, residual it returned) since the last capture
+        self.views: List[torch.Tensor] = []  # the slot views list_capture_hook put in the owner list
 
     def claim(self, accumulator) -> bool:
         if self.owner is None:
@@ -321,6 +324,7 @@ def list_capture_hook(original, self, hidden, *args, **kwargs):
     if view is None:
         return original(self, hidden, *args, **kwargs)
     list.append(self, view)
+    cap.views.append(view)
     return None
 
 
@@ -376,9 +380,12 @@ def _finish(cap: ForwardCapture, out):
         if _copy_plain_list(cap, aux):
             _count(state, True)
             return hidden, cap.packed()
-    elif cap.mode == "buffer" and aux is cap.owner and cap.count == state.num_captures == len(aux):
-        _count(state, True)
-        return hidden, cap.packed()  # the list holds slot views; hand over the packed view, no cat
+    elif cap.mode == "buffer" and aux is cap.owner and len(aux) == state.num_captures:
+        if cap.count < len(aux):
+            _copy_appended(cap, aux)  # Gemma-4's boundary L: list.append after the loop
+        if cap.count == state.num_captures:
+            _count(state, True)
+            return hidden, cap.packed()  # the list holds slot views; hand over the packed view, no cat
     if cap.mode == "buffer" and cap.count != state.num_captures:
         _warn_once(f"count:{state.model_name}:{cap.count}",
                    "eagle3_ops: %s: this forward captured %d of the %d configured boundaries %s (the model cannot "
@@ -408,6 +415,18 @@ def _copy_plain_list(cap: ForwardCapture, values: list) -> bool:
     state.stats["copied_captures"] += len(values)
     cap.count = len(values)
     return True
+
+
+def _copy_appended(cap: ForwardCapture, aux: list) -> None:
+    """The owner list holds this forward's slot views first, then values the model appended itself
+    (``list.append``, not ``capture``: Gemma-4 appends boundary L, the last layer's output, after its
+    loop): each goes into its slot, in list order, which is what ``torch.cat`` of the list (stock)
+    makes. Anything else (a view missing or out of place) leaves ``cap.count`` short: stock."""
+    if len(cap.views) != cap.count or any(a is not v for a, v in zip(aux, cap.views)):
+        return
+    for value in aux[cap.count:]:
+        if cap.write(value) is None:
+            return
 
 
 def _count(state: TargetCaptureState, buffered: bool) -> None:

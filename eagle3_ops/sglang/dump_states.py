@@ -55,7 +55,7 @@ import torch
 from ..doctor.states import (ENV_DUMP_BOUNDARIES, ENV_DUMP_STATES, ENV_DUMP_TOKENS, DumpSettings, needed_boundaries,
                              write_states)
 from ..settings import SettingError, report_once
-from .capture_hooks import resolve_causal_lm
+from .capture_hooks import find_capture_owner
 
 log = logging.getLogger("eagle3_ops.sglang")
 
@@ -485,16 +485,36 @@ def _room_problem(settings: DumpSettings, nbytes: int) -> Optional[str]:
     return None
 
 
+def _recorded_modules(model):
+    """(lm, inner) for a target configured for EAGLE-3 capture, else (None, None): ``inner`` the
+    module whose forward runs the decoder loop and holds SGLang's ``layers_to_capture`` (the capture
+    owner's, not ``lm.model``: Qwen2.5-VL flags that module itself), ``lm`` the closest module at or
+    above it with an ``lm_head`` (the recorder's next-token head; a VL wrapper's own), else the
+    module SGLang flagged ``capture_aux_hidden_states``."""
+    owner, _ = find_capture_owner(model)
+    if owner is None or not getattr(owner.lm, "capture_aux_hidden_states", False):
+        return None, None
+    modules = dict(model.named_modules()) if isinstance(model, torch.nn.Module) else {"": model}
+    chain = [owner.path]
+    while chain[-1]:
+        chain.append(chain[-1].rsplit(".", 1)[0] if "." in chain[-1] else "")
+    for name in chain:  # inner, its parent, ..., the model
+        m = modules.get(name)
+        if m is not None and isinstance(getattr(m, "lm_head", None), torch.nn.Module):
+            return m, owner.inner
+    return owner.lm, owner.inner
+
+
 def install_dump(model, settings: Optional[DumpSettings] = None) -> Optional[StatesRecorder]:
     """Start recording for a target configured for EAGLE-3 capture (when the dump is switched on;
     ``settings`` None: read from the environment). Returns the recorder, or None (with one log
     line saying why). Under TP > 1 the ranks agree: every rank records (rank 0 keeps the values,
     all take part in the next-token all-gather) or none does."""
-    lm = resolve_causal_lm(model)
-    if lm is None or not getattr(lm, "capture_aux_hidden_states", False):
+    lm, inner = _recorded_modules(model)
+    if inner is None:
         return None
-    if lm.model.__dict__.get(_STATE_ATTR) is not None:
-        return lm.model.__dict__[_STATE_ATTR]
+    if inner.__dict__.get(_STATE_ATTR) is not None:
+        return inner.__dict__[_STATE_ATTR]
     requested, settings = _requested_settings(settings)
     if not requested:
         return None
@@ -510,10 +530,9 @@ def install_recorder(model, settings: Optional[DumpSettings], *, boundaries: Opt
     """A recorder on ``model`` (one per model: the states dump or the live wiring check) at ``boundaries``
     (default: what ``settings.boundaries`` names), or None with one log line. Every TP rank calls this;
     they agree (every rank records or none). ``settings`` None: this rank refused its settings."""
-    lm = resolve_causal_lm(model)
-    if lm is None or not getattr(lm, "capture_aux_hidden_states", False):
+    lm, inner = _recorded_modules(model)
+    if inner is None:
         return None
-    inner = lm.model
     if inner.__dict__.get(_STATE_ATTR) is not None:
         return None  # one recorder per model: the other feature has it
     if dp_attention_enabled():  # the same answer on every rank (a server setting)
@@ -636,7 +655,7 @@ _graph_error_logged = False
 
 
 def dump_state(model) -> Optional[StatesRecorder]:
-    lm = resolve_causal_lm(model)
-    return lm.model.__dict__.get(_STATE_ATTR) if lm is not None else None
+    _, inner = _recorded_modules(model)
+    return inner.__dict__.get(_STATE_ATTR) if inner is not None else None
 
 
