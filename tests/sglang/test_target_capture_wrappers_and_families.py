@@ -13,7 +13,8 @@ stock), the verify output is that buffer, the aux hidden states and logits are B
 states, both are Hugging Face ``output_hidden_states`` at the capture indices.
 
 What is covered, and what was tried and is not (with the exact exception), is ``COVERED`` and
-``NOT_COVERED`` below; ``python tests/sglang/families_table.py`` prints both as markdown tables.
+``NOT_COVERED`` below; ``python tests/sglang/families.py --write`` turns them (with the older files'
+families) into docs/sglang_families.md.
 """
 import copy
 
@@ -62,8 +63,10 @@ COVERED = {
                         "fp32"),
     "test_bailing_moe_v2": ("Bailing MoE V2 (Ling-2.0 shape)", "BailingMoeV2ForCausalLM", "model: BailingMoEModel",
                             "stock only (seeded)", "fp32"),
-    "test_more_decoders": ("Qwen2-MoE, Phi-3, Apertus, Ministral-3", "Qwen2MoeForCausalLM, Phi3ForCausalLM, "
-                           "ApertusForCausalLM, Ministral3ForCausalLM", "model: their decoder loops",
+    "test_more_decoders": ("Qwen2-MoE, Phi-3, Apertus, Ministral-3, Mistral, InternLM3, IQuest-Coder, Mellum",
+                           "Qwen2MoeForCausalLM, Phi3ForCausalLM, ApertusForCausalLM, Ministral3ForCausalLM, "
+                           "MistralForCausalLM, InternLM3ForCausalLM, IQuestCoderForCausalLM, MellumForCausalLM",
+                           "model: their decoder loops",
                            "HF (Apertus: captures only)", "fp32"),
     "test_mistral_large_3": ("Mistral-Large-3", "MistralLarge3ForCausalLM", "model: DeepseekV2Model "
                              "(AuxHiddenStatePacker)", "HF DeepseekV3ForCausalLM (renamed weights)", "fp32"),
@@ -701,6 +704,24 @@ def _ministral3_cfg():
     return Ministral3Config(**_DECODER, head_dim=16)
 
 
+def _mistral_cfg():
+    from transformers import MistralConfig
+
+    return MistralConfig(**_DECODER, head_dim=16, sliding_window=None)
+
+
+def _llama_variant_cfg():  # InternLM3 / IQuest-Coder: SGLang serves them with its llama code (subclasses)
+    from transformers import LlamaConfig
+
+    return LlamaConfig(**_DECODER)
+
+
+def _mellum_cfg():
+    from transformers import MellumConfig
+
+    return MellumConfig(**_DECODER, head_dim=16)
+
+
 # name: (config builder, HF class, SGLang module, SGLang class, SGLang inner class). Apertus is checked
 # against HF at the captures only: SGLang's XIELU keeps its eps (-1e-6) in bf16 whatever the model dtype,
 # which moves fp32 logits by up to 1.5e-4 from HF's (the fp32 tolerance is 1e-4)
@@ -712,6 +733,12 @@ DECODERS = {
                 "ApertusModel"),
     "ministral3": (_ministral3_cfg, "Ministral3ForCausalLM", "sglang.srt.models.ministral3",
                    "Ministral3ForCausalLM", "Ministral3Model"),
+    "mistral": (_mistral_cfg, "MistralForCausalLM", "sglang.srt.models.mistral", "MistralForCausalLM", "LlamaModel"),
+    "internlm3": (_llama_variant_cfg, "LlamaForCausalLM", "sglang.srt.models.llama", "InternLM3ForCausalLM",
+                  "LlamaModel"),
+    "iquest_coder": (_llama_variant_cfg, "LlamaForCausalLM", "sglang.srt.models.llama", "IQuestCoderForCausalLM",
+                     "LlamaModel"),
+    "mellum": (_mellum_cfg, "MellumForCausalLM", "sglang.srt.models.mellum", "MellumForCausalLM", "MellumModel"),
 }
 
 
