@@ -31,9 +31,12 @@ What it costs and what it changes:
 * forwards replayed from a prefill CUDA graph do not run Python, so a prefill the recorder wants is
   run eagerly instead (:func:`around_can_run_graph`, AROUND ``PrefillCudaGraphRunner.can_run_graph``;
   every TP rank sees the same batch and decides the same); until the recording is written, those
-  prefills only. Under DP attention the graph decision is a vote of the DP group that one rank must
-  not change, so there prefills replayed from a graph are not seen: serve with
-  ``--disable-prefill-cuda-graph`` while dumping (logged at install).
+  prefills only. In an EAGLE-3 server only the scheduler's batches are recorded (they carry its
+  ``spec_algorithm``), never SGLang's graph-capture or compile warm-ups (eager dummy EXTENDs).
+* not under DP attention: each TP rank runs another batch there, so the next-token all-gather would
+  pair rows of different requests and wait for ranks that never reach it (one line; off).
+* a rank that fails while recording (host memory, say) stops keeping values but keeps taking part in
+  the all-gathers, so no rank is left waiting; nothing raised here reaches SGLang's forward.
 
 When the budget is full (or at process exit with anything recorded) rank 0 writes one
 safetensors file, format ``eagle3_ops.doctor.states/2`` (see ``eagle3_ops.doctor.states``), and
@@ -625,9 +628,6 @@ def _prefill_graph_note() -> str:
         return ""
     if sa is None or getattr(sa, "disable_prefill_cuda_graph", True) or getattr(sa, "disable_cuda_graph", False):
         return ""
-    if getattr(sa, "enable_dp_attention", False):
-        return ("; prefill CUDA graphs are on under DP attention: prefills they replay are not recorded, serve "
-                "with --disable-prefill-cuda-graph while dumping")
     return "; prefill CUDA graphs are on: each prefill recorded runs eagerly instead (until the file is written)"
 
 

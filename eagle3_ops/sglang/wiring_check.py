@@ -19,7 +19,9 @@ off), with SGLang's default flags:
    part in the next-token all-gather, the dump's one collective). SGLang's breakable prefill CUDA
    graphs would replay such a prefill without running Python, so for that one forward the graph runner
    is told it cannot run it (``dump_states.around_can_run_graph``; every TP rank sees the same batch
-   and decides the same): one prefill runs eagerly, nothing else changes.
+   and decides the same): those prefills of the target run eagerly (SGLang's own eager path), nothing
+   else changes. Only the scheduler's batches are recorded, never SGLang's graph-capture warm-ups;
+   under DP attention (each rank runs another batch) the check is off.
 3. **In the background** (TP rank 0): the recording is written next to the qualification cache and the
    doctor's replay runs on it in a subprocess (``python -m eagle3_ops doctor --replay``: nice 19,
    :data:`THREADS` threads, no GPU, an address-space limit, :data:`TIME_LIMIT_S` seconds), reading only
@@ -32,11 +34,13 @@ off), with SGLang's default flags:
    wiring; a large gap with the wiring right points at something else (tokenizer, vocabulary map,
    embedding scale).
 
-What it changes: nothing the target computes. The recorded layers complete their deferred all-reduce
-before their input norm, as SGLang does for its own captured layers; where SGLang would instead fuse
-that all-reduce with the add+RMSNorm (FlashInfer's fusion, TP > 1 on sm_90/sm_100, up to
-``FUSE_ALLREDUCE_MAX_BATCH_SIZE`` tokens), only forwards longer than that are recorded, so no recorded
-forward runs another kernel than stock. After it has run, it costs one flag check per hooked call.
+What it changes: the recorded layers complete their deferred all-reduce before their input norm, as
+SGLang does for its own captured layers; where SGLang would instead fuse that all-reduce with the
+add+RMSNorm (FlashInfer's, CuTe DSL's or aiter's fusion at TP > 1; the largest fused forward found with
+SGLang's own predicates, :func:`_largest_fused_forward`), only longer forwards are recorded, so no
+recorded forward runs another kernel than stock. The recorded prefills run SGLang's eager path instead
+of its prefill graph (on a GPU the exact token count instead of the padded bucket). After it has run,
+it costs one list check per hooked call.
 """
 from __future__ import annotations
 
