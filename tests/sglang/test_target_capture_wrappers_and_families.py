@@ -61,8 +61,11 @@ COVERED = {
                         "stock only (seeded)", "fp32"),
     "test_exaone_moe": ("EXAONE MoE", "ExaoneMoEForCausalLM", "model: ExaoneMoEModel", "HF ExaoneMoeForCausalLM",
                         "fp32"),
-    "test_bailing_moe_v2": ("Bailing MoE V2 (Ling-2.0 shape)", "BailingMoeV2ForCausalLM", "model: BailingMoEModel",
-                            "stock only (seeded)", "fp32"),
+    "test_bailing_moe_v2": ("Bailing MoE V2 (Ling-2.0 shape), Bailing V1, Sarvam-MoE",
+                            "BailingMoeV2ForCausalLM, BailingMoeForCausalLM, BailingMoEForCausalLM, SarvamMoEForCausalLM",
+                            "model: BailingMoEModel", "stock only (seeded)", "fp32"),
+    "test_deepseek_v3": ("DeepSeek-V3", "DeepseekV3ForCausalLM", "model: DeepseekV2Model (AuxHiddenStatePacker)",
+                         "HF DeepseekV3ForCausalLM", "fp32"),
     "test_more_decoders": ("Qwen2-MoE, Phi-3, Apertus, Ministral-3, Mistral, InternLM3, IQuest-Coder, Mellum",
                            "Qwen2MoeForCausalLM, Phi3ForCausalLM, ApertusForCausalLM, Ministral3ForCausalLM, "
                            "MistralForCausalLM, InternLM3ForCausalLM, IQuestCoderForCausalLM, MellumForCausalLM",
@@ -248,6 +251,20 @@ def test_kimi_k25_wrapper(sglang_cpu, fused_norm_qualified, layer_ids, capture_i
     state = check_family(h, model, text, layer_ids, capture_ids, "language_model.model", hf=hf)
     # the EXTEND learns (by identity) which norm's residual SGLang captures; the VERIFY fuses there
     assert state.fused_sites == [f"language_model.model.layers.{i}.input_layernorm" for i in capture_ids if i > 0]
+
+
+def test_deepseek_v3(sglang_cpu, fused_norm_qualified):
+    """DeepSeek-V3 itself (the language model of the Kimi test, as its own checkpoint), SGLang's id rule for
+    it (first id 1: every id + 1); HF reference."""
+    h = sglang_cpu
+    from sglang.srt.models.deepseek_v2 import DeepseekV2Model, DeepseekV3ForCausalLM
+
+    cfg = _deepseek_v3_text_cfg()
+    hf = _hf("DeepseekV3ForCausalLM", cfg)
+    model = _build(DeepseekV3ForCausalLM, cfg, h.checkpoint_weights(hf))
+    assert type(model.model) is DeepseekV2Model
+    state = check_family(h, model, cfg, [1, 2], [2, 3], "model", hf=hf)
+    assert state.fused_sites == [f"model.layers.{i}.input_layernorm" for i in (2, 3)]
 
 
 # ---- Llama-4 --------------------------------------------------------------------------------------
@@ -658,13 +675,20 @@ def _bailing_v2_cfg():
     return cfg
 
 
-def test_bailing_moe_v2(sglang_cpu, fused_norm_qualified):
-    """Bailing MoE V2 (Ling-2.0; ``BailingMoEModel``). No HF model: seeded weights, stock vs plugin."""
-    h = sglang_cpu
-    from sglang.srt.models.bailing_moe import BailingMoeV2ForCausalLM, BailingMoEModel
+@pytest.mark.parametrize("cls_name", ["BailingMoeV2ForCausalLM", "BailingMoeForCausalLM", "BailingMoEForCausalLM",
+                                      "SarvamMoEForCausalLM"])
+def test_bailing_moe_v2(sglang_cpu, fused_norm_qualified, cls_name):
+    """Bailing MoE V2 (Ling-2.0; ``BailingMoEModel``), and the classes SGLang serves on the same model
+    (Bailing V1's two names, Sarvam-MoE). No HF model: seeded weights, stock vs plugin."""
+    import importlib
 
+    h = sglang_cpu
+    from sglang.srt.models.bailing_moe import BailingMoEModel
+
+    module = "sglang.srt.models.sarvam_moe" if cls_name.startswith("Sarvam") else "sglang.srt.models.bailing_moe"
     cfg = _bailing_v2_cfg()
-    model = _build(BailingMoeV2ForCausalLM, cfg, seed=4)
+    cfg.architectures = [cls_name]
+    model = _build(getattr(importlib.import_module(module), cls_name), cfg, seed=4)
     assert type(model.model) is BailingMoEModel
     state = check_family(h, model, cfg, [0, 1, 2], [1, 2, 3], "model")
     assert state.fused_sites == [f"model.layers.{i}.input_layernorm" for i in (1, 2, 3)]
