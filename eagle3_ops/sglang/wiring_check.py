@@ -441,6 +441,17 @@ def _largest_fused_forward(hidden_size, dtype) -> Optional[int]:
         return None
 
 
+def _mlp_sync() -> bool:
+    """SGLang's own ``require_mlp_sync`` (DP attention, or an MoE all-to-all / dense-TP layout): then
+    ``global_num_tokens_cpu`` is set and the prefill graph is a group decision."""
+    try:
+        from sglang.srt.utils.common import require_mlp_sync
+
+        return bool(require_mlp_sync())
+    except Exception:
+        return False
+
+
 def _draft_dir(draft_path) -> Optional[Path]:
     """The draft checkpoint's local folder: the path itself, or the Hugging Face cache's snapshot of it."""
     if draft_path is None:
@@ -611,6 +622,9 @@ def start(model, *, draft_path=None, target_config=None) -> Optional[WiringCheck
     waits = (f"the first prompt(s) of at least {MIN_PROMPT_TOKENS} tokens" if not min_forward else
              f"the first prefill of more than {min_forward - 1} tokens (shorter ones may take SGLang's fused "
              f"all-reduce+RMSNorm, which recording would change)")
+    if _mlp_sync():  # the prefill-graph decision is then a group vote the plugin leaves alone
+        waits += (" that SGLang runs eagerly (this server syncs MLP batches across ranks, so prefills replayed "
+                  "from a CUDA graph are not seen)")
     unreachable = f"; boundaries {recorder.unreachable} cannot be recorded on this model" if recorder.unreachable else ""
     say("eagle3_ops: %s: %s feeds its draft %s (boundaries %s); %s; the live check will replay the draft (%s) on %s "
         "(%d+ positions, boundaries %s, up to %.1f MiB host memory) in the background%s (%s=0 turns it off)", LABEL,
