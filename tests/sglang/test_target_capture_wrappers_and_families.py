@@ -59,7 +59,10 @@ COVERED = {
                             "HF Gemma4ForConditionalGeneration", "fp32"),
     "test_minimax_m2": ("MiniMax-M2 (no QK norm)", "MiniMaxM2ForCausalLM", "model: MiniMaxM2Model",
                         "stock only (seeded)", "fp32"),
-    "test_exaone_moe": ("EXAONE MoE", "ExaoneMoEForCausalLM", "model: ExaoneMoEModel", "HF ExaoneMoeForCausalLM",
+    "test_llama4_text": ("Llama-4 text-only (dense layers)", "Llama4ForCausalLM", "model: Llama4Model "
+                         "(AuxHiddenStateList)", "stock only (SGLang drops RoPE off CUDA)", "bf16"),
+    "test_exaone_moe": ("EXAONE MoE", "ExaoneMoEForCausalLM, ExaoneMoeForCausalLM", "model: ExaoneMoEModel",
+                        "HF ExaoneMoeForCausalLM",
                         "fp32"),
     "test_bailing_moe_v2": ("Bailing MoE V2 (Ling-2.0 shape), Bailing V1, Sarvam-MoE",
                             "BailingMoeV2ForCausalLM, BailingMoeForCausalLM, BailingMoEForCausalLM, SarvamMoEForCausalLM",
@@ -306,6 +309,21 @@ def test_llama4_wrapper(sglang_cpu, fused_norm_qualified):
     assert model.vision_model is None and type(model.language_model.model) is Llama4Model
     state = check_family(h, model, cfg.text_config, [0, 1, 2], [1, 2, 3], "language_model.model", dtype=dtype)
     assert state.fused_sites == [f"language_model.model.layers.{i}.input_layernorm" for i in (1, 2, 3)]
+
+
+def test_llama4_text(sglang_cpu, fused_norm_qualified):
+    """Llama-4's text-only class (``Llama4ForCausalLM``, a checkpoint of the language model alone); stock
+    vs plugin only, bf16, for the reasons of test_llama4_wrapper."""
+    h = sglang_cpu
+    from sglang.srt.models.llama4 import Llama4ForCausalLM, Llama4Model
+
+    text = _llama4_cfg().text_config
+    dtype = torch.bfloat16
+    hf = _hf("Llama4ForCausalLM", text, dtype)
+    model = _build(Llama4ForCausalLM, text, list(hf.state_dict().items()), dtype)
+    assert type(model.model) is Llama4Model
+    state = check_family(h, model, text, [0, 1, 2], [1, 2, 3], "model", dtype=dtype)
+    assert state.fused_sites == [f"model.layers.{i}.input_layernorm" for i in (1, 2, 3)]
 
 
 # ---- Qwen2.5-VL / Qwen3-VL / Qwen3-VL-MoE ---------------------------------------------------------
@@ -628,29 +646,31 @@ def test_minimax_m2(sglang_cpu, fused_norm_qualified):
 
 
 # ---- EXAONE MoE -----------------------------------------------------------------------------------
-def test_exaone_moe(sglang_cpu, fused_norm_qualified):
+@pytest.mark.parametrize("cls_name", ["ExaoneMoEForCausalLM", "ExaoneMoeForCausalLM"])  # both names SGLang registers
+def test_exaone_moe(sglang_cpu, fused_norm_qualified, cls_name):
     """EXAONE MoE (``ExaoneMoEForCausalLM``): sliding/full attention (window 32 > the tests'
     sequences) with QK norm, a dense first layer, sigmoid-routed experts with a correction bias and
     a shared expert. HF reference: transformers' ExaoneMoeForCausalLM. SGLang reads two fields the
     released config.json carries and transformers 5 does not define: ``is_moe_layer`` and a top-level
     ``rope_theta`` (else it assumes 1e6)."""
+    import sglang.srt.models.exaone_moe as exaone
+
     h = sglang_cpu
     from transformers import ExaoneMoeConfig
-    from sglang.srt.models.exaone_moe import ExaoneMoEForCausalLM, ExaoneMoEModel
 
     cfg = ExaoneMoeConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
                           num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=256,
                           rms_norm_eps=1e-6, sliding_window=32, sliding_window_pattern=4, first_k_dense_replace=1,
                           moe_intermediate_size=32, num_experts=4, num_experts_per_tok=2, num_shared_experts=1,
                           tie_word_embeddings=False, bos_token_id=None, eos_token_id=None, pad_token_id=None)
-    cfg.architectures = ["ExaoneMoEForCausalLM"]
+    cfg.architectures = [cls_name]
     cfg.is_moe_layer = [t == "sparse" for t in cfg.mlp_layer_types]
     cfg.rope_theta = cfg.rope_parameters["rope_theta"]
     hf = _hf("ExaoneMoeForCausalLM", cfg)
     weights = [(n.replace(".mlp.gate.e_score_correction_bias", ".mlp.e_score_correction_bias"), t)
                for n, t in h.checkpoint_weights(hf)]
-    model = _build(ExaoneMoEForCausalLM, cfg, weights)
-    assert type(model.model) is ExaoneMoEModel
+    model = _build(getattr(exaone, cls_name), cfg, weights)
+    assert type(model.model) is exaone.ExaoneMoEModel
     state = check_family(h, model, cfg, [0, 1, 2], [1, 2, 3], "model", hf=hf)
     assert state.fused_sites == [f"model.layers.{i}.input_layernorm" for i in (1, 2, 3)]
 
