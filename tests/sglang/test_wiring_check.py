@@ -378,3 +378,18 @@ def test_the_replay_runs_niced_bounded_off_the_gpu(tmp_path, wc):
     out = subprocess.run(wc.limited([sys.executable, "-m", "show_limits"], 6 << 30, 123), env=env,
                          capture_output=True, text=True, check=True).stdout.split()
     assert out == ["19", str(6 << 30), "123", "True", str(wc.THREADS), "0"], out
+
+
+def test_an_unreadable_checkpoint_gets_one_line_and_serving_goes_on(sglang_cpu, wc, pair, tmp_path, caplog):
+    """A draft folder that is there but whose weights cannot be read (a truncated safetensors header)."""
+    h = sglang_cpu
+    draft = copy_draft_with_ids(pair, tmp_path / "broken", nested=[2, 4, 6])
+    (draft / "model.safetensors").write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{\"a\":")
+    cfg, model = _target(h, pair)
+    h.configure_capture(model, [2, 4, 6])
+    with caplog.at_level(logging.INFO, logger="eagle3_ops.sglang"):
+        assert wc.start(model, draft_path=str(draft), target_config=cfg) is None
+    lines = _lines(caplog, "live wiring check")
+    assert len(lines) == 1 and "cannot run: the doctor could not read the configs" in lines[0], caplog.text
+    assert "model.safetensors" in lines[0]
+    _serve(h, model, cfg, json.loads(pair.prompts_file.read_text())[:2])
