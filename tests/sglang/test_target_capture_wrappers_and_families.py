@@ -43,6 +43,8 @@ COVERED = {
     "test_qwen3_vl_wrapper": ("Qwen3-VL (text only, M-RoPE)", "Qwen3VLForConditionalGeneration",
                               "model: Qwen3LLMModel (AuxHiddenStateList)", "HF Qwen3VLForConditionalGeneration",
                               "fp32"),
+    "test_cosmos3_wrapper": ("Cosmos3 (Qwen3-VL understanding tower, text only)", "Cosmos3ForConditionalGeneration",
+                             "model: Qwen3LLMModel (AuxHiddenStateList)", "stock only (seeded)", "fp32"),
     "test_qwen3_vl_moe_wrapper": ("Qwen3-VL-MoE (text only, M-RoPE)", "Qwen3VLMoeForConditionalGeneration",
                                   "model: Qwen3MoeLLMModel (AuxHiddenStateList)",
                                   "HF Qwen3VLMoeForConditionalGeneration", "fp32"),
@@ -446,6 +448,24 @@ def test_qwen3_vl_wrapper(sglang_cpu, fused_norm_qualified, mrope_batches):
     model = _build(Qwen3VLForConditionalGeneration, cfg, list(hf.state_dict().items()))
     assert model.is_mrope_enabled and type(model.model) is Qwen3LLMModel
     state = check_family(h, model, cfg.text_config, [0, 1, 2], [1, 2, 3], "model", hf=hf)
+    assert state.fused_sites == [f"model.layers.{i}.input_layernorm" for i in (1, 2, 3)]
+
+
+def test_cosmos3_wrapper(sglang_cpu, fused_norm_qualified, mrope_batches):
+    """Cosmos3 (``Cosmos3ForConditionalGeneration``: SGLang's Qwen3-VL subclass for Cosmos3's unified
+    checkpoints, whose understanding tower it serves). Its weight mapper reads Cosmos3's flat naming,
+    which no transformers model writes: seeded weights, stock vs plugin."""
+    h = sglang_cpu
+    from transformers import Qwen3VLConfig
+    from sglang.srt.models.cosmos3 import Cosmos3ForConditionalGeneration
+    from sglang.srt.models.qwen3_vl import Qwen3LLMModel
+
+    cfg = _vl_cfg(Qwen3VLConfig, "Cosmos3ForConditionalGeneration", dict(_VL_TEXT, head_dim=16),
+                  dict(_VL_VISION, deepstack_visual_indexes=[0]), flatten_text=True)
+    cfg.rope_scaling = cfg.text_config.rope_parameters
+    model = _build(Cosmos3ForConditionalGeneration, cfg, seed=7)
+    assert type(model.model) is Qwen3LLMModel
+    state = check_family(h, model, cfg.text_config, [0, 1, 2], [1, 2, 3], "model")
     assert state.fused_sites == [f"model.layers.{i}.input_layernorm" for i in (1, 2, 3)]
 
 
