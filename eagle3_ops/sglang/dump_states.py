@@ -95,11 +95,7 @@ def _scheduled(fb) -> bool:
     """Whether ``fb`` is a batch the scheduler made for requests: an EAGLE-3 server's target batches carry
     its ``spec_algorithm``; the dummy batches SGLang's CUDA-graph capture and compile warm-ups run
     eagerly (EXTEND, prefix 0, token ids of a static buffer) carry none."""
-    alg = getattr(fb, "spec_algorithm", None)
-    if alg is None:
-        return False
-    is_none = getattr(alg, "is_none", None)
-    return not (is_none() if callable(is_none) else False)
+    return getattr(fb, "spec_algorithm", None) is not None  # NONE too: a scheduler batch of a server without one
 
 
 def dp_attention_enabled() -> bool:
@@ -180,7 +176,8 @@ class StatesRecorder:
         self.model = None                 # the model SGLang's runner holds (install_recorder)
         # in an EAGLE-3 server, only the scheduler's batches (not SGLang's warm-up forwards) are recorded
         sa = _server_args()
-        self.scheduled_only = sa is not None and str(getattr(sa, "speculative_algorithm", "") or "").upper() == "EAGLE3"
+        self.scheduled_only = sa is not None and (getattr(sa, "speculative_algorithm", None) is not None or
+                                                  bool(getattr(sa, "enable_return_aux_hidden_states", False)))
         self.background_write = False     # write the file in a thread (the live check), not in the forward
         self.failure: Optional[str] = None  # why this rank stopped keeping values (it still takes part)
         self.lock = threading.Lock()
@@ -261,15 +258,17 @@ class StatesRecorder:
             return
         if not isinstance(normed, torch.Tensor) or normed.dim() != 2 or normed.shape[0] != cur.num_tokens:
             return
-        nxt = self._greedy_next(normed, cur)  # every rank: the one collective
-        if self.keep_values:  # rank 0 (a rank > 0 takes part in the all-gathers only)
-            try:
-                self._keep(cur, nxt)
-            except Exception as e:  # local: the count below stays the same on every rank
-                self.stop_keeping(e)
-        self.remaining -= int(cur.rows.numel())
-        if self._full():
-            self.write()
+        try:
+            nxt = self._greedy_next(normed, cur)  # every rank: the one collective
+            if self.keep_values:  # rank 0 (a rank > 0 takes part in the all-gathers only)
+                try:
+                    self._keep(cur, nxt)
+                except Exception as e:  # local
+                    self.stop_keeping(e)
+        finally:  # the count, and so the forward the recording closes after, is the same on every rank
+            self.remaining -= int(cur.rows.numel())
+            if self._full():
+                self.write()
 
     def _keep(self, cur: _Forward, nxt: torch.Tensor) -> None:
         ids = cur.forward_batch.input_ids.index_select(0, cur.rows.to(cur.forward_batch.input_ids.device)).cpu()
@@ -293,24 +292,31 @@ class StatesRecorder:
         idx = getattr(head, "shard_indices", None)
         lo = int(getattr(idx, "org_vocab_start_index", 0)) if idx is not None else 0
         hi = int(getattr(idx, "org_vocab_end_index", weight.shape[0])) if idx is not None else weight.shape[0]
-        rows_dev = cur.rows.to(normed.device)
+        rows = cur.rows
         out = []
         with torch.no_grad():
-            for s in range(0, rows_dev.numel(), NEXT_TOKEN_CHUNK):
+            for s in range(0, rows.numel(), NEXT_TOKEN_CHUNK):
+                n = int(rows[s:s + NEXT_TOKEN_CHUNK].numel())
+                ok = 1.0
                 try:
-                    x = normed.index_select(0, rows_dev[s:s + NEXT_TOKEN_CHUNK])
+                    x = normed.index_select(0, rows[s:s + NEXT_TOKEN_CHUNK].to(normed.device))
                     logits = torch.nn.functional.linear(x.to(weight.dtype), weight[: hi - lo]).float()
                     best, arg = logits.max(dim=-1)
                 except Exception as e:  # local (memory): this rank still joins the all-gather below
                     self.stop_keeping(e)
-                    n = int(rows_dev[s:s + NEXT_TOKEN_CHUNK].numel())
+                    ok = 0.0
                     best = torch.full((n,), float("-inf"), device=normed.device)
                     arg = torch.zeros(n, dtype=torch.long, device=normed.device)
                 if self.tp_size > 1:
                     from sglang.srt.distributed import tensor_model_parallel_all_gather
 
-                    pair = torch.stack([best.double(), (arg + lo).double()], dim=-1)  # [n, 2]
-                    gathered = tensor_model_parallel_all_gather(pair, dim=-1).view(-1, self.tp_size, 2)
+                    # [n, 3]: best logit, token id, and whether this rank computed them (a rank that
+                    # could not would leave rank 0 an argmax over the other shards only)
+                    pair = torch.stack([best.double(), (arg + lo).double(), torch.full_like(best.double(), ok)],
+                                       dim=-1)
+                    gathered = tensor_model_parallel_all_gather(pair, dim=-1).view(-1, self.tp_size, 3)
+                    if bool((gathered[..., 2] == 0).any()):
+                        self.stop_keeping(RuntimeError("another TP rank could not compute its next tokens"))
                     pick = gathered[..., 0].argmax(dim=-1)  # ties: the lowest rank = the lowest token id
                     arg = gathered[..., 1].gather(1, pick[:, None])[:, 0].long()
                 else:
@@ -346,10 +352,8 @@ class StatesRecorder:
     def _write(self, prompts) -> Optional[str]:
         if not prompts:
             if self.label == ENV_DUMP_STATES:
-                log.warning("eagle3_ops: %s=%s: no prefill of at least %d tokens from position 0 was recorded "
-                            "(under DP attention, prefills replayed from a prefill CUDA graph are not seen: serve "
-                            "with --disable-prefill-cuda-graph while dumping); nothing written", ENV_DUMP_STATES,
-                            self.settings.path, self.min_prompt_tokens)
+                log.warning("eagle3_ops: %s=%s: no prefill of at least %d tokens from position 0 was recorded; "
+                            "nothing written", ENV_DUMP_STATES, self.settings.path, self.min_prompt_tokens)
             return None
         recorded = sorted(set().union(*(p["boundaries"].keys() for p in prompts)))
         try:
@@ -440,9 +444,8 @@ def final_norm_hook(original, *args, **kwargs):
     out = original(*args, **kwargs)
     try:
         recorder.finish(cur, out)
-    except Exception as e:  # never stop SGLang (finish catches what is local; this is the rest)
+    except Exception as e:  # never stop SGLang (finish still counted this forward, as every rank does)
         recorder.stop_keeping(e)
-        recorder.write()
     return out
 
 

@@ -129,7 +129,9 @@ class WiringCheck:
         self.first_accepted = 0       # of them, with the first draft token accepted
         self.acceptance_logged = False
         self.thread: Optional[threading.Thread] = None
-        self.workdir = _workdir(model_name)
+        # rank 0 alone keeps files (other ranks record nothing to disk)
+        self.workdir = _workdir(model_name) if tp_rank == 0 else Path(tempfile.gettempdir()) / "eagle3_ops-unused"
+        self.lock = threading.Lock()
 
     @property
     def talks(self) -> bool:
@@ -222,7 +224,7 @@ class WiringCheck:
             self._fail("the served wiring could not be scored (see the doctor's errors: "
                        + "; ".join(c for c in codes if c.startswith("E_")) + ")")
             return
-        self.predicted = float(conf["accuracy"])
+        predicted = float(conf["accuracy"])
         if "E_REPLAY_BETTER_WIRING" in codes:
             gain, se = float(replay.get("gain", 0.0)), float(replay.get("gain_stderr", 0.0))
             fix = self._fix(best["boundaries"])
@@ -244,8 +246,10 @@ class WiringCheck:
         low = codes.get("W_REPLAY_LOW_ACCURACY") or codes.get("W_REPLAY_FEW_TOKENS")
         if low:
             log.warning("eagle3_ops: %s: %s", LABEL, low.get("message"))
-        self.verdict = result
-        self.phase = "done"
+        with self.lock:  # the verdict first: the acceptance line reads both
+            self.verdict = result
+            self.predicted = predicted
+            self.phase = "done"
         _write_result(result, self.model_name)
         self.maybe_log_acceptance()
 
@@ -273,9 +277,10 @@ class WiringCheck:
         self.maybe_log_acceptance()
 
     def maybe_log_acceptance(self) -> None:
-        if self.acceptance_logged or self.predicted is None or self.steps < ACCEPTANCE_STEPS:
-            return
-        self.acceptance_logged = True
+        with self.lock:  # the forward's thread (counting) and the scoring thread both get here
+            if self.acceptance_logged or self.predicted is None or self.steps < ACCEPTANCE_STEPS:
+                return
+            self.acceptance_logged = True
         observed = self.first_accepted / self.steps
         gap = 100 * (self.predicted - observed)
         wiring_ok = self.verdict is not None and self.verdict.get("verdict") == "OK"
@@ -309,12 +314,15 @@ def _workdir(model_name: str) -> Path:
 
 
 def _prune(base: Path, model_name: str) -> None:
-    """Keep the newest KEEP_RECORDINGS - 1 earlier recordings of this model (each server start makes one)."""
+    """Keep the newest KEEP_RECORDINGS - 1 earlier recordings of this model (each server start makes one),
+    never one touched within the replay's time bound (another server on this host may be using it)."""
     import shutil
 
+    recent = time.time() - 2 * TIME_LIMIT_S
     old = sorted((d for d in base.glob(f"{model_name}-*") if d.is_dir()), key=lambda d: d.stat().st_mtime)
     for d in old[:max(0, len(old) - (KEEP_RECORDINGS - 1))]:
-        shutil.rmtree(d, ignore_errors=True)
+        if d.stat().st_mtime < recent:
+            shutil.rmtree(d, ignore_errors=True)
 
 
 def _shell(cmd: List[str]) -> str:
@@ -441,6 +449,21 @@ def _largest_fused_forward(hidden_size, dtype) -> Optional[int]:
         return None
 
 
+def _largest_forward() -> Optional[int]:
+    """The most tokens one prefill forward can have in this server (``--chunked-prefill-size``, else
+    ``--max-prefill-tokens``), or None (no server)."""
+    from .dump_states import _server_args
+
+    sa = _server_args()
+    if sa is None:
+        return None
+    for name in ("chunked_prefill_size", "max_prefill_tokens"):
+        v = getattr(sa, name, None)
+        if isinstance(v, int) and v > 0:
+            return v
+    return None
+
+
 def _mlp_sync() -> bool:
     """SGLang's own ``require_mlp_sync`` (DP attention, or an MoE all-to-all / dense-TP layout): then
     ``global_num_tokens_cpu`` is set and the prefill graph is a group decision."""
@@ -541,11 +564,19 @@ def _prepare_check(model, name, cfg, draft_path, served, num_layers, tp_rank, tp
                    f"{expected}; report this (the doctor's engine rules may be out of date)")
     if why_not is not None:
         return check, why_not, None, 0
-    fused = _largest_fused_forward(getattr(cfg, "hidden_size", None) or raw_cfg.get("hidden_size"),
-                                   next(model.parameters()).dtype if isinstance(model, torch.nn.Module) else None)
+    text = getattr(cfg, "text_config", None) or raw_cfg.get("text_config") or {}
+    hidden = getattr(cfg, "hidden_size", None) or raw_cfg.get("hidden_size") or (
+        text.get("hidden_size") if isinstance(text, dict) else getattr(text, "hidden_size", None))
+    dtype = getattr(getattr(model, "config", None), "torch_dtype", None)
+    fused = _largest_fused_forward(hidden, dtype if isinstance(dtype, torch.dtype) else torch.bfloat16)
     if fused is None:
         return check, ("SGLang may fuse a layer's all-reduce with its add+RMSNorm here for forwards of any size, "
                        "and recording would change that layer's kernels"), None, 0
+    largest = _largest_forward()
+    if fused and largest is not None and fused >= largest:
+        return check, (f"SGLang may fuse a layer's all-reduce with its add+RMSNorm in every prefill here (up to "
+                       f"{fused} tokens; the largest prefill is {largest}), and recording would change that "
+                       f"layer's kernels"), None, 0
     return check, None, _needed_boundaries(check.report, served, num_layers), fused + 1 if fused else 0
 
 
@@ -608,7 +639,7 @@ def start(model, *, draft_path=None, target_config=None) -> Optional[WiringCheck
             why_not or "the TP ranks disagree on what to record (see their logs)")
         return None
     draft_dir = check.draft_dir
-    states = check.workdir / "states.safetensors"
+    states = check.workdir / "states.safetensors"  # rank 0's (other ranks never write it)
     recorder = dump_states.install_recorder(
         model, DumpSettings(states, RECORD_TOKENS, "auto"), boundaries=needed, label=LABEL,
         min_prompt_tokens=MIN_PROMPT_TOKENS, min_forward_tokens=min_forward, close_after=CLOSE_AFTER_TOKENS,
