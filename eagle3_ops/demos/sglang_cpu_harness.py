@@ -226,6 +226,12 @@ def sglang_model(family: str, config, dtype: torch.dtype, weights=None, seed: in
     import importlib
 
     cls = getattr(importlib.import_module(FAMILIES[family].sglang_module), FAMILIES[family].sglang_class)
+    return build_model(cls, config, dtype, weights, seed)
+
+
+def build_model(cls, config, dtype: torch.dtype, weights=None, seed: int = 0):
+    """SGLang class ``cls`` built with ``dtype`` as default dtype, ``weights`` (checkpoint naming) loaded
+    through its ``load_weights`` or parameters seeded, its ``post_load_weights`` run, in eval mode."""
     model = _construct(cls, config, dtype)
     if weights is not None:
         model.load_weights(list(weights))

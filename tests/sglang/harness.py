@@ -62,6 +62,25 @@ def hf_hidden_states(hf, sequences: List[List[int]]):
     return outs
 
 
+def hf_refs_with_last(hf, prompts, drafts, boundaries=(1, 2)):
+    """HF references (extend rows, verify rows) for capture indices ``boundaries`` + L, where boundary L
+    is the last layer's output before the final norm (HF's last hidden state is after it: the norm's
+    input, grabbed by a hook)."""
+    grabbed = []
+    hook = hf.model.norm.register_forward_hook(lambda _m, inp, _out: grabbed.append(inp[0][0]))
+    try:
+        hf_out = hf_hidden_states(hf, [p + d for p, d in zip(prompts, drafts)])
+    finally:
+        hook.remove()
+
+    def ref(rows):
+        return torch.cat([torch.cat([hs[b][r] for b in boundaries] + [last[r]], dim=-1)
+                          for (hs, _), last, r in zip(hf_out, grabbed, rows)])
+
+    return (ref([slice(0, len(p)) for p in prompts]),
+            ref([slice(len(p), len(p) + len(d)) for p, d in zip(prompts, drafts)]))
+
+
 def hf_aux(outs, capture_indices: Sequence[int], rows: List[slice]) -> torch.Tensor:
     """The packed [T, K*H] aux matrix HF gives for the capture indices (rows[i]: which positions of
     sequence i this forward covered)."""

@@ -147,19 +147,7 @@ def test_gpt_oss_end_boundary_capture_is_a_buffer_slot(sglang_cpu, fused_norm_qu
     assert state is not None and state.layer_ids == [1, 2, L]  # boundary L is the last slot
     plugin = h.two_forwards(model, cfg, dtype, PROMPTS, DRAFTS, kv=_kv_cache(h, cfg, dtype))
 
-    grabbed = []
-    hook = hf.model.norm.register_forward_hook(lambda _m, inp, _out: grabbed.append(inp[0][0]))
-    try:
-        hf_out = h.hf_hidden_states(hf, [p + d for p, d in zip(PROMPTS, DRAFTS)])
-    finally:
-        hook.remove()
-
-    def ref(rows):  # boundaries 1, 2 and L (HF's last hidden state is after the norm: its input)
-        return torch.cat([torch.cat([hs[1][r], hs[2][r], last[r]], dim=-1)
-                          for (hs, _), last, r in zip(hf_out, grabbed, rows)])
-
-    refs = (ref([slice(0, len(p)) for p in PROMPTS]),
-            ref([slice(len(p), len(p) + len(d)) for p, d in zip(PROMPTS, DRAFTS)]))
+    refs = h.hf_refs_with_last(hf, PROMPTS, DRAFTS)  # boundaries 1, 2 and L
     h.assert_captures_match_hf_and_stock(stock, plugin, hf, [1, 2, L], PROMPTS, DRAFTS, dtype, cfg.hidden_size,
                                          refs=refs)
     p_ver = plugin[3]

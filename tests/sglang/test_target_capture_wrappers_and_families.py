@@ -145,17 +145,9 @@ def _hf(cls_name, cfg, dtype=DTYPE, seed=0):
 
 
 def _build(cls, cfg, weights=None, dtype=DTYPE, seed=0):
-    from eagle3_ops.demos.sglang_cpu_harness import _construct, fill_random
+    from eagle3_ops.demos.sglang_cpu_harness import build_model
 
-    model = _construct(cls, cfg, dtype)
-    if weights is not None:
-        model.load_weights(list(weights))
-    else:
-        fill_random(model, seed)
-    post = getattr(model, "post_load_weights", None)
-    if post is not None:
-        post()
-    return model.eval()
+    return build_model(cls, cfg, dtype, weights, seed)
 
 
 def check_family(h, model, kv_cfg, layer_ids, capture_ids, inner_path, hf=None, refs=None, kv_factory=None,
@@ -493,24 +485,6 @@ def test_qwen3_vl_moe_wrapper(sglang_cpu, fused_norm_qualified, mrope_batches):
 
 
 # ---- Gemma-3 / Gemma-4 ----------------------------------------------------------------------------
-def _refs_with_last(h, hf, boundaries=(1, 2)):
-    """HF references for capture indices ``boundaries`` + L: boundary L is the last layer's output
-    before the final norm (HF's last hidden state is after it: the norm's input)."""
-    grabbed = []
-    hook = hf.model.norm.register_forward_hook(lambda _m, inp, _out: grabbed.append(inp[0][0]))
-    try:
-        hf_out = h.hf_hidden_states(hf, [p + d for p, d in zip(PROMPTS, DRAFTS)])
-    finally:
-        hook.remove()
-
-    def ref(rows):
-        return torch.cat([torch.cat([hs[b][r] for b in boundaries] + [last[r]], dim=-1)
-                          for (hs, _), last, r in zip(hf_out, grabbed, rows)])
-
-    return (ref([slice(0, len(p)) for p in PROMPTS]),
-            ref([slice(len(p), len(p) + len(d)) for p, d in zip(PROMPTS, DRAFTS)]))
-
-
 def _gemma3_text_cfg():
     from transformers import Gemma3TextConfig
 
@@ -572,7 +546,8 @@ def test_gemma4_with_boundary_L(sglang_cpu, fused_norm_qualified):
     model = _build(Gemma4ForCausalLM, cfg, list(hf.state_dict().items()))
     assert type(model.model) is Gemma4TextModel
     L = cfg.num_hidden_layers
-    state = check_family(h, model, cfg, [0, 1, L - 1], [1, 2, L], "model", hf=hf, refs=_refs_with_last(h, hf))
+    state = check_family(h, model, cfg, [0, 1, L - 1], [1, 2, L], "model", hf=hf,
+                         refs=h.hf_refs_with_last(hf, PROMPTS, DRAFTS))
     # Gemma's norms are GemmaRMSNorm ((1 + w) scaling), not the fused op's RMSNorm: every capture a copy
     assert state.fused_sites == [] and state.stats["copied_captures"] == 2 * 3
 
@@ -636,9 +611,9 @@ def test_gemma4_wrapper(sglang_cpu, fused_norm_qualified):
     model = _build(Gemma4ForConditionalGeneration, cfg, list(hf.state_dict().items()))
     assert type(model.language_model) is Gemma4TextModel
     L = text.num_hidden_layers
-    hf.model.norm = hf.model.language_model.norm  # where _refs_with_last hooks the final norm
+    hf.model.norm = hf.model.language_model.norm  # where hf_refs_with_last hooks the final norm
     state = check_family(h, model, cfg.text_config, [0, 1, L - 1], [1, 2, L], "language_model", hf=hf,
-                         refs=_refs_with_last(h, hf))
+                         refs=h.hf_refs_with_last(hf, PROMPTS, DRAFTS))
     assert state.fused_sites == [] and state.stats["copied_captures"] == 2 * 3
 
 
