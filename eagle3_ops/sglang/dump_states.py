@@ -623,15 +623,14 @@ def _prepare(model, lm, inner, settings: DumpSettings, boundaries: Optional[List
 
 
 def _prefill_graph_note() -> str:
-    try:
-        from sglang.srt.runtime_context import get_server_args
-
-        sa = get_server_args()
-    except Exception:
-        return ""
+    sa = _server_args()
     if sa is None or getattr(sa, "disable_prefill_cuda_graph", True) or getattr(sa, "disable_cuda_graph", False):
         return ""
     return "; prefill CUDA graphs are on: each prefill recorded runs eagerly instead (until the file is written)"
+
+
+CAN_RUN_GRAPH_TARGET = ("sglang.srt.model_executor.runner.prefill_cuda_graph_runner."
+                        "PrefillCudaGraphRunner.can_run_graph")
 
 
 def around_can_run_graph(original, self, forward_batch, *args, **kwargs):

@@ -179,7 +179,7 @@ def _start_wiring_check(model) -> None:
 
 
 def _around_can_run_graph(original, *args, **kwargs):
-    from .wiring_check import around_can_run_graph
+    from .dump_states import around_can_run_graph
 
     return around_can_run_graph(original, *args, **kwargs)
 
@@ -256,7 +256,9 @@ def register() -> None:
         HookRegistry.register(FINAL_NORM_TARGET, _around_final_norm, HookType.AROUND)
         from . import wiring_check as wc
 
-        HookRegistry.register(wc.CAN_RUN_GRAPH_TARGET, _around_can_run_graph, HookType.AROUND)
+        from .dump_states import CAN_RUN_GRAPH_TARGET
+
+        HookRegistry.register(CAN_RUN_GRAPH_TARGET, _around_can_run_graph, HookType.AROUND)
         HookRegistry.register(wc.ACCEPTANCE_TARGET, _after_resolve_spec_tokens, HookType.AFTER)
         for target in WEIGHT_UPDATE_TARGETS:
             HookRegistry.register(target, _after_weight_update, HookType.AFTER)

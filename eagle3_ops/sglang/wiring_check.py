@@ -69,8 +69,6 @@ ACCEPTANCE_STEPS = 1000    # verified (request, step) pairs before the observed-
 GAP_POINTS = 15.0          # observed vs predicted first-token acceptance: a gap worth a line of its own
 LABEL = "live wiring check"
 
-CAN_RUN_GRAPH_TARGET = ("sglang.srt.model_executor.runner.prefill_cuda_graph_runner."
-                        "PrefillCudaGraphRunner.can_run_graph")
 ACCEPTANCE_TARGET = ("sglang.srt.managers.scheduler_components.batch_result_processor."
                      "SchedulerBatchResultProcessor._resolve_spec_v2_tokens")
 
@@ -601,16 +599,10 @@ def start(model, *, draft_path=None, target_config=None) -> Optional[WiringCheck
             "that file)", LABEL)
         return None
     if draft_path is None:
-        try:
-            from sglang.srt.runtime_context import get_server_args
-
-            sa = get_server_args()
-            algo = str(getattr(sa, "speculative_algorithm", "") or "")
-            if algo.upper() != "EAGLE3":
-                return None
-            draft_path = getattr(sa, "speculative_draft_model_path", None)
-        except Exception:
-            return None  # no server here (a script): nothing to check against
+        sa = dump_states._server_args()
+        if sa is None or str(getattr(sa, "speculative_algorithm", "") or "").upper() != "EAGLE3":
+            return None  # no EAGLE-3 server here (a script): nothing to check against
+        draft_path = getattr(sa, "speculative_draft_model_path", None)
     owner, _ = find_capture_owner(model)
     if owner is None:
         return None
@@ -665,14 +657,6 @@ def start(model, *, draft_path=None, target_config=None) -> Optional[WiringCheck
 
 
 # ---- SGLang hooks ----------------------------------------------------------------------------------
-def around_can_run_graph(original, self, forward_batch, *args, **kwargs):
-    """AROUND ``PrefillCudaGraphRunner.can_run_graph``: a prefill a pending recording (this check's, or
-    the states dump's) wants runs eagerly (a graph replay runs no Python): dump_states.py."""
-    from .dump_states import around_can_run_graph as around
-
-    return around(original, self, forward_batch, *args, **kwargs)
-
-
 def after_resolve_spec_tokens(result, *args, **kwargs):
     """AFTER SGLang's ``_resolve_spec_v2_tokens(self, result, batch)``: count the verify steps whose first
     draft token was accepted (``num_correct_drafts_per_req_cpu``, host ints SGLang already made)."""

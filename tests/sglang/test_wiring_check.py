@@ -21,6 +21,7 @@ import pytest
 import torch
 
 from doctor_fixtures import copy_draft_with_ids
+from eagle3_ops.sglang import dump_states
 
 SEQ = 32  # the tiny pair's held-out prompts are 32 tokens: each qualifies (MIN_PROMPT_TOKENS)
 
@@ -90,7 +91,7 @@ def test_miswired_draft_gets_a_warning_with_the_trained_wiring_and_the_fix(sglan
     prompts = json.loads(pair.prompts_file.read_text())[:wc.CLOSE_AFTER_TOKENS // SEQ + 4]
     draft = copy_draft_with_ids(pair, tmp_path / "miswired", nested=[1, 3, 5])
     check, outs, model, cfg = _run_check(h, wc, pair, draft, [1, 3, 5], prompts, caplog)
-    assert wc.around_can_run_graph(lambda *a: True, None, h.extend_batch(h.KVCache(cfg, torch.float32),
+    assert dump_states.around_can_run_graph(lambda *a: True, None, h.extend_batch(h.KVCache(cfg, torch.float32),
                                    [h.Req(0)], [prompts[0]])) is True, "after its recording, SGLang decides alone"
 
     start = _lines(caplog, "feeds its draft")
@@ -230,26 +231,26 @@ def test_default_flags_the_wanted_prefill_runs_eagerly_and_nothing_else(sglang_c
         seen.append(fb)
         return True
 
-    assert wc.around_can_run_graph(stock, None, wanted) is False and not seen
+    assert dump_states.around_can_run_graph(stock, None, wanted) is False and not seen
     for fb in (short, cached, verify, warmup):
-        assert wc.around_can_run_graph(stock, None, fb) is True
+        assert dump_states.around_can_run_graph(stock, None, fb) is True
     assert seen == [short, cached, verify, warmup]
     assert not wc.checks()[0].recorder.wants(warmup)
     dp = scheduled(h.extend_batch(kv, reqs[1:2], [prompts[4]]))
     dp.global_num_tokens_cpu = [SEQ, SEQ]  # DP attention / MLP sync: a group vote, SGLang decides alone
-    assert wc.around_can_run_graph(stock, None, dp) is True
+    assert dump_states.around_can_run_graph(stock, None, dp) is True
     # the draft's prefill graph runner (another model) is not taken off its graph
     draft_runner = types.SimpleNamespace(model_runner=types.SimpleNamespace(model=torch.nn.Linear(1, 1)))
-    assert wc.around_can_run_graph(stock, draft_runner, wanted) is True
+    assert dump_states.around_can_run_graph(stock, draft_runner, wanted) is True
     target_runner = types.SimpleNamespace(model_runner=types.SimpleNamespace(model=model))
-    assert wc.around_can_run_graph(stock, target_runner, wanted) is False
+    assert dump_states.around_can_run_graph(stock, target_runner, wanted) is False
     # the plugin hooked SGLang's class: on a wanted batch the graph runner is not consulted at all
     bare = object.__new__(PrefillCudaGraphRunner)
     assert PrefillCudaGraphRunner.can_run_graph(
         bare, scheduled(h.extend_batch(kv, [h.Req(kv.new_req())], [prompts[5]]))) is False
     # once the recording is written (its write() sets done), SGLang decides every forward again
     wc.checks()[0].recorder.done = True
-    assert wc.around_can_run_graph(stock, None, wanted) is True
+    assert dump_states.around_can_run_graph(stock, None, wanted) is True
 
 
 def test_observed_acceptance_against_predicted(wc, caplog, tmp_path):
