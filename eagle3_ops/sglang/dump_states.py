@@ -179,6 +179,7 @@ class StatesRecorder:
         self.scheduled_only = sa is not None and (getattr(sa, "speculative_algorithm", None) is not None or
                                                   bool(getattr(sa, "enable_return_aux_hidden_states", False)))
         self.background_write = False     # write the file in a thread (the live check), not in the forward
+        self.writer: Optional[threading.Thread] = None  # that thread, once started
         self.failure: Optional[str] = None  # why this rank stopped keeping values (it still takes part)
         self.lock = threading.Lock()
 
@@ -335,8 +336,10 @@ class StatesRecorder:
             h.remove()
         self.handles = []
         if self.keep_values and self.background_write:  # the file is written off the forward's thread
-            threading.Thread(target=self._write_and_follow, args=(prompts,), name="eagle3_ops-recording",
-                             daemon=True).start()
+            writer = threading.Thread(target=self._write_and_follow, args=(prompts,), name="eagle3_ops-recording",
+                                      daemon=True)
+            writer.start()
+            self.writer = writer  # assigned once started, so whoever sees it can join it
             return None
         return self._write_and_follow(prompts if self.keep_values else None)
 

@@ -145,9 +145,18 @@ class WiringCheck:
             self._fail(failure or "nothing was recorded (no prefill qualified before the recording was closed)")
             return
         self.phase = "scoring"
-        self.thread = threading.Thread(target=self._score, args=(Path(path),), name="eagle3_ops-wiring-check",
-                                       daemon=True)
-        self.thread.start()
+        thread = threading.Thread(target=self._score, args=(Path(path),), name="eagle3_ops-wiring-check",
+                                  daemon=True)
+        thread.start()
+        self.thread = thread  # assigned once started, so whoever sees it can join it
+
+    def wait(self, timeout: Optional[float] = None) -> None:
+        """Block until the recording is written and its replay scored (tests and tools; SGLang never waits)."""
+        writer = getattr(self.recorder, "writer", None)
+        if writer is not None:
+            writer.join(timeout)  # recorded() runs at its end, so self.thread is set (and started) after this
+        if self.thread is not None:
+            self.thread.join(timeout)
 
     def _fail(self, why: str) -> None:
         self.phase = "failed"

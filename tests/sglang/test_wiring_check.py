@@ -76,9 +76,9 @@ def _run_check(h, wc, pair, draft_dir, served_ids, prompts, caplog):
         check = wc.start(model, draft_path=str(draft_dir), target_config=cfg)
         assert check is not None, caplog.text
         outs = _serve(h, model, cfg, prompts)
-        assert check.phase in ("scoring", "done", "failed"), "the recording closed after CLOSE_AFTER_TOKENS"
-        if check.thread is not None:
-            check.thread.join()
+        assert check.recorder.done, "the recording closed after CLOSE_AFTER_TOKENS"
+        check.wait()  # the file is written, then scored, in threads of their own
+        assert check.phase in ("done", "failed"), check.phase
     return check, outs, model, cfg
 
 

@@ -189,8 +189,7 @@ def wiring_part(rank, outdir, results):
     for s in range(0, len(prompts), 4):
         chunk = prompts[s:s + 4]
         h.run(model, h.extend_batch(kv, [h.Req(kv.new_req()) for _ in chunk], chunk), kv)
-    if check.thread is not None:
-        check.thread.join()
+    check.wait()
     results["wiring"] = {"phase": check.phase, "verdict": check.verdict, "thread": check.thread is not None,
                          "boundaries": check.recorder.boundaries, "done": check.recorder.done,
                          "result_file": wiring_check.result_path("LlamaForCausalLM").is_file()}
@@ -209,6 +208,7 @@ def wiring_part(rank, outdir, results):
     for s in range(0, len(prompts), 4):
         chunk = prompts[s:s + 4]
         h.run(model, h.extend_batch(kv, [h.Req(kv.new_req()) for _ in chunk], chunk), kv)
+    check.wait()
     results["wiring_failure"] = {"phase": check.phase, "done": check.recorder.done,
                                  "failure": check.recorder.failure}
 
