@@ -69,6 +69,13 @@ def cases(device):
     ws = torch.empty(max(need, 1), dtype=torch.uint8, device=device)
     out.append(("draft_fc_out", lambda: eagle3_ops.draft_fc_out(*p.args, p.eps, fc_out, ws),
                 lambda: fc_fn(*p.args, p.eps, fc_out, ws if need else None, False), fc_backend))
+    # the same without host-side rows: what a GPU call pays (device rows are not range-checked on the
+    # host), and the share of the row above that is the host rows' range check (one aminmax)
+    q = testing.fc_problem(2, 16, 2, dt, device, N=16, rows=False, chunk=True, key=("host-path",))
+    q_need = dispatch.function(fc_backend, "draft_fc_workspace_bytes")(*q.args, False)
+    q_ws = torch.empty(max(q_need, 1), dtype=torch.uint8, device=device)
+    out.append(("draft_fc_out (no rows)", lambda: eagle3_ops.draft_fc_out(*q.args, q.eps, fc_out, q_ws),
+                lambda: fc_fn(*q.args, q.eps, fc_out, q_ws if q_need else None, False), fc_backend))
     return out
 
 
@@ -132,7 +139,7 @@ if pytest is not None:
     def host_cases():
         return {name: (face, backend, served_by) for name, face, backend, served_by in cases(_device())}
 
-    @pytest.mark.parametrize("op", ["capture", "fused_add_rmsnorm_capture", "draft_fc_out"])
+    @pytest.mark.parametrize("op", ["capture", "fused_add_rmsnorm_capture", "draft_fc_out", "draft_fc_out (no rows)"])
     def test_host_path(op, host_cases, benchmark):
         face, backend, served_by = host_cases[op]
         r = measure(face, backend, device=_device())

@@ -56,6 +56,11 @@ def raw_env(name: str):
     return _ENV_DATA.get(key)
 
 
+if _ENV_DATA is not None:
+    _KEY_BACKEND, _KEY_VERIFY, _KEY_INTERPRET = (os.environ.encodekey(n) for n in
+                                                 ("EAGLE3_OPS_BACKEND", "EAGLE3_OPS_VERIFY", "TRITON_INTERPRET"))
+
+
 def forced_backend() -> Optional[str]:
     """The backend EAGLE3_OPS_BACKEND forces, or None (auto). A bad value raises
     ``settings.SettingError`` (a ValueError) naming the variable and the accepted values."""
@@ -198,8 +203,12 @@ _selected: Dict[tuple, tuple] = {}
 def select(op: str, device: torch.device, dtype: torch.dtype = torch.bfloat16) -> tuple:
     """(backend name, function) serving ``op`` on ``device`` for inputs of ``dtype``."""
     scoped = getattr(_scoped, "backend", None)
-    key = (op, device, dtype, scoped, raw_env("EAGLE3_OPS_BACKEND"), raw_env("EAGLE3_OPS_VERIFY"),
-           raw_env("TRITON_INTERPRET"))
+    if _ENV_DATA is not None:  # raw_env of the three variables, inlined (this runs on every op call)
+        key = (op, device, dtype, scoped, _ENV_DATA.get(_KEY_BACKEND), _ENV_DATA.get(_KEY_VERIFY),
+               _ENV_DATA.get(_KEY_INTERPRET))
+    else:
+        key = (op, device, dtype, scoped, raw_env("EAGLE3_OPS_BACKEND"), raw_env("EAGLE3_OPS_VERIFY"),
+               raw_env("TRITON_INTERPRET"))
     hit = _selected.get(key)
     if hit is not None:
         return hit

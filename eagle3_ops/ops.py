@@ -11,9 +11,10 @@ whole table. Adding an op: a row here, a check in ``validation.py``, a self-chec
 Every backend function has the signature of the op (draft_fc: into ``out``, with a ``workspace``),
 receives validated arguments and a non-empty output, and allocates nothing (docs/design.md §4, §7.2).
 Model code calls the Python functions at the bottom, never ``torch.ops.eagle3`` directly. In plain
-eager mode those run the op's implementation themselves (the same checks, forward-only guard and
-backend: :func:`_call`), sparing two dispatcher round trips per call; under torch.compile, fake
-tensors or any Python mode they call ``torch.ops.eagle3``.
+eager mode those run the op's implementation themselves, sparing two dispatcher round trips per
+call: straight to the backend when :mod:`accept` finds the call certainly within the contract (the
+usual call, ~1 µs per tensor), else through the full checks and forward-only guard (:func:`_call`);
+under torch.compile, fake tensors or any Python mode they call ``torch.ops.eagle3``.
 """
 from __future__ import annotations
 
@@ -24,7 +25,7 @@ from typing import Callable, Dict, Optional
 
 import torch
 
-from . import dispatch, validation, verify
+from . import accept, dispatch, validation, verify
 from . import workspace as _workspace
 
 # Backend -> the module(s) holding its functions, per op (a dict) or for every op (a str).
@@ -251,6 +252,9 @@ def _call(name: str, *args):
 
 def capture(hidden: torch.Tensor, residual: Optional[torch.Tensor], buffer: torch.Tensor, slot: int) -> None:
     """``buffer[:T, slot*H:(slot+1)*H] = hidden + residual`` (or ``hidden``); nothing else changes."""
+    if accept.plain_eager() and accept.capture_accepted(hidden, residual, buffer, slot):
+        dispatch.select("capture", hidden.device, hidden.dtype)[1](hidden, residual, buffer, slot)
+        return
     validation.check_int("capture", "slot", slot)
     _call("capture", hidden, residual, buffer, slot)
 
@@ -259,6 +263,10 @@ def fused_add_rmsnorm_capture(input: torch.Tensor, residual: torch.Tensor, weigh
                               buffer: torch.Tensor, slot: int) -> None:
     """SGLang ``fused_add_rmsnorm(input, residual, weight, eps)`` that also writes the new residual
     into ``buffer`` slot ``slot``."""
+    if accept.plain_eager() and accept.fused_add_rmsnorm_capture_accepted(input, residual, weight, eps, buffer, slot):
+        dispatch.select("fused_add_rmsnorm_capture", input.device, input.dtype)[1](
+            input, residual, weight, eps, buffer, slot)
+        return
     validation.check_int("fused_add_rmsnorm_capture", "slot", slot)
     validation.check_eps("fused_add_rmsnorm_capture", eps)
     _call("fused_add_rmsnorm_capture", input, residual, weight, float(eps), buffer, slot)
@@ -272,6 +280,13 @@ def draft_fc(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]
     scratch (uint8, at least :func:`draft_fc_workspace_bytes`); default: the face's per-stream one.
     ``norm_folded``: ``weight`` is :func:`fold_norm_weights` of the fc weight with these norm
     weights (the kernels then apply only the RMS scales: the plain hot loop)."""
+    M = accept.draft_fc_accepted(x, weight, bias, rows, chunk_norm_weight, input_norm_weight, eps, None, workspace,
+                                 norm_folded) if accept.plain_eager() else -1
+    if M >= 0:
+        out = torch.empty((M, weight.shape[0]), dtype=x.dtype, device=x.device)
+        _run_draft_fc(x, weight, bias, rows, chunk_norm_weight, input_norm_weight, eps, out, workspace, "draft_fc",
+                      norm_folded)
+        return out
     validation.check_eps("draft_fc", eps)
     norm_folded = bool(norm_folded)
     if workspace is None:
@@ -289,6 +304,11 @@ def draft_fc_out(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Ten
                  input_norm_weight: Optional[torch.Tensor], eps: float, out: torch.Tensor,
                  workspace: Optional[torch.Tensor] = None, *, norm_folded: bool = False) -> None:
     """``draft_fc`` into a preallocated ``out`` [M, N] (no allocation: CUDA-graph friendly)."""
+    if accept.plain_eager() and accept.draft_fc_accepted(x, weight, bias, rows, chunk_norm_weight, input_norm_weight,
+                                                         eps, out, workspace, norm_folded) >= 0:
+        _run_draft_fc(x, weight, bias, rows, chunk_norm_weight, input_norm_weight, eps, out, workspace,
+                      "draft_fc_out", norm_folded)
+        return
     validation.check_eps("draft_fc_out", eps)
     _call("draft_fc_out", x, weight, bias, rows, chunk_norm_weight, input_norm_weight, float(eps), out, workspace,
           bool(norm_folded))

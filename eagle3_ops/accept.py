@@ -1,0 +1,199 @@
+"""Fast acceptance: the eager face's common case decided in about a microsecond.
+
+Each ``*_accepted`` function here is a *sufficient* condition of the op's contract in
+``validation.py``: when it returns True (or M >= 0 for draft_fc), the full check would pass with
+the same arguments, so the face may skip it. When it returns False / -1, nothing is decided: the
+face runs the full check, which raises with its message or passes (the fast test is conservative:
+empty inputs, zero-stride or unusual layouts, any subclass, meta or fake tensor, a tensor that
+requires grad, overlap it cannot rule out by address ranges alone, all go the full way).
+
+Why it is cheap: the full check compares storages (``untyped_storage()`` allocates a Python
+object per tensor) and builds dicts of names for its messages; here two views are independent
+when their byte ranges ``[data_ptr, data_ptr + extent)`` are disjoint, which needs only
+``data_ptr()`` and the strides, and no message is built until something fails.
+
+``tests/ops/test_accept.py`` holds the invariant (accepted => the full check passes) over
+generated arguments, good and bad, and that the common SGLang calls are accepted.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from .validation import ROW_INDEX_DTYPES, SUPPORTED_DTYPES
+
+_Tensor = torch.Tensor
+_INF = math.inf
+
+
+def plain_eager() -> bool:
+    """No torch.compile trace, Python dispatch mode or torch-function mode is active (fake tensors,
+    functionalization, ...): the face may run the implementation itself."""
+    return not (torch.compiler.is_compiling() or torch._C._len_torch_dispatch_stack()
+                or torch._C._is_torch_function_mode_enabled())
+
+
+def _matrix(t, dtype, device):
+    """(rows, cols, row stride, address) of a plain, non-empty 2-D view with a unit last stride on
+    ``device`` in ``dtype`` that does not require grad; None otherwise."""
+    if type(t) is not _Tensor or t.dtype is not dtype or t.requires_grad or t.device != device:
+        return None
+    try:
+        r, c = t.shape
+        s0, s1 = t.stride()
+    except ValueError:  # not 2-D
+        return None
+    if r == 0 or c == 0 or s1 != 1:
+        return None
+    return r, c, s0, t.data_ptr()
+
+
+def _vector(t, dtype, device, n):
+    """The address of a plain 1-D view of ``n`` > 0 elements, unit stride, on ``device`` in
+    ``dtype``, not requiring grad; None otherwise."""
+    if type(t) is not _Tensor or t.dtype is not dtype or t.requires_grad or t.device != device or n <= 0:
+        return None
+    try:
+        (size,), (stride,) = t.shape, t.stride()
+    except ValueError:  # not 1-D
+        return None
+    return t.data_ptr() if size == n and stride == 1 else None
+
+
+def _served(t) -> bool:
+    """A plain CPU or CUDA tensor of a dtype the ops serve."""
+    return type(t) is _Tensor and t.dtype in SUPPORTED_DTYPES and (t.is_cuda or t.is_cpu)
+
+
+def _disjoint(lo, hi, spans) -> bool:
+    for a, b in spans:
+        if a < hi and lo < b:
+            return False
+    return True
+
+
+def _apart(writes, reads) -> bool:
+    """Every written byte range disjoint from every read range and from the other written ones."""
+    for i, (lo, hi) in enumerate(writes):
+        if not _disjoint(lo, hi, reads) or not _disjoint(lo, hi, writes[i + 1:]):
+            return False
+    return True
+
+
+def capture_accepted(hidden, residual, buffer, slot) -> bool:
+    if type(slot) is not int or not _served(hidden):
+        return False
+    dtype, device = hidden.dtype, hidden.device
+    m, b = _matrix(hidden, dtype, device), _matrix(buffer, dtype, device)
+    if m is None or b is None:
+        return False
+    T, H, hs, h0 = m
+    R, W, bs, b0 = b
+    if W % H or not 0 <= slot < W // H or R < T or (T > 1 and bs < W):
+        return False
+    es = hidden.element_size()
+    lo = b0 + slot * H * es
+    hi = lo + ((T - 1) * bs + H) * es
+    if lo < h0 + ((T - 1) * hs + H) * es and h0 < hi:
+        return False
+    if residual is None:
+        return True
+    r = _matrix(residual, dtype, device)
+    if r is None or r[0] != T or r[1] != H:
+        return False
+    r0 = r[3]
+    return not (lo < r0 + ((T - 1) * r[2] + H) * es and r0 < hi)
+
+
+def fused_add_rmsnorm_capture_accepted(input, residual, weight, eps, buffer, slot) -> bool:
+    if type(slot) is not int or type(eps) is not float or not 0.0 < eps < _INF or not _served(input):
+        return False
+    dtype, device = input.dtype, input.device
+    m, r, b = _matrix(input, dtype, device), _matrix(residual, dtype, device), _matrix(buffer, dtype, device)
+    if m is None or r is None or b is None:
+        return False
+    T, H, xs, x0 = m
+    R, W, bs, b0 = b
+    w0 = _vector(weight, dtype, device, H)
+    if w0 is None or r[0] != T or r[1] != H or W % H or not 0 <= slot < W // H or R < T:
+        return False
+    if T > 1 and (xs < H or r[2] < H or bs < W):  # a written view must not overlap itself
+        return False
+    es = input.element_size()
+    r0, s0 = r[3], b0 + slot * H * es
+    x1, r1, s1, w1 = x0 + ((T - 1) * xs + H) * es, r0 + ((T - 1) * r[2] + H) * es, s0 + ((T - 1) * bs + H) * es, \
+        w0 + H * es
+    # input, residual and the buffer slot are written: apart from each other and from weight
+    return not (x0 < r1 and r0 < x1 or x0 < s1 and s0 < x1 or r0 < s1 and s0 < r1
+                or x0 < w1 and w0 < x1 or r0 < w1 and w0 < r1 or s0 < w1 and w0 < s1)
+
+
+def draft_fc_accepted(x, weight, bias, rows, chunk_norm_weight, input_norm_weight, eps, out, workspace,
+                      norm_folded) -> int:
+    """M (the output rows, > 0) when the arguments are accepted, else -1. ``out`` None: the functional
+    op (the face allocates it)."""
+    if type(eps) is not float or not 0.0 < eps < _INF or type(norm_folded) is not bool:
+        return -1
+    if not _served(x):
+        return -1
+    dtype, device = x.dtype, x.device
+    m, w = _matrix(x, dtype, device), _matrix(weight, dtype, device)
+    if m is None or w is None or w[1] != m[1]:
+        return -1
+    R, KH, xs, x0 = m
+    N, _, ws, w0 = w
+    es = x.element_size()
+    reads = [(x0, x0 + ((R - 1) * xs + KH) * es), (w0, w0 + ((N - 1) * ws + KH) * es)]
+    if bias is not None:
+        b0 = _vector(bias, dtype, device, N)
+        if b0 is None:
+            return -1
+        reads.append((b0, b0 + N * es))
+    if chunk_norm_weight is not None:
+        c = _matrix(chunk_norm_weight, dtype, device)
+        if c is None or c[0] * c[1] != KH or (c[0] > 1 and c[2] != c[1]):  # [K, hidden], contiguous
+            return -1
+        reads.append((c[3], c[3] + KH * es))
+    if input_norm_weight is not None:
+        i0 = _vector(input_norm_weight, dtype, device, KH)
+        if i0 is None:
+            return -1
+        reads.append((i0, i0 + KH * es))
+    if norm_folded and (chunk_norm_weight is None and input_norm_weight is None
+                        or dtype is torch.float16 and input_norm_weight is not None):
+        return -1
+    if rows is None:
+        M = R
+    else:
+        if type(rows) is not _Tensor or rows.dtype not in ROW_INDEX_DTYPES or rows.requires_grad \
+                or rows.device != device:
+            return -1
+        try:
+            (M,), (stride,) = rows.shape, rows.stride()
+        except ValueError:  # not 1-D
+            return -1
+        if M == 0 or stride != 1:
+            return -1
+        r0 = rows.data_ptr()
+        reads.append((r0, r0 + M * rows.element_size()))
+    writes = []
+    if out is not None:
+        o = _matrix(out, dtype, device)
+        if o is None or o[0] != M or o[1] != N or (M > 1 and o[2] < N):
+            return -1
+        o0 = o[3]
+        writes.append((o0, o0 + ((M - 1) * o[2] + N) * es))
+    if workspace is not None:
+        if type(workspace) is not _Tensor or workspace.dtype is not torch.uint8 or workspace.requires_grad \
+                or workspace.device != device:
+            return -1
+        try:
+            (n,), (stride,) = workspace.shape, workspace.stride()
+        except ValueError:  # not 1-D
+            return -1
+        p = workspace.data_ptr()
+        if n == 0 or stride != 1 or p % 16:
+            return -1
+        writes.append((p, p + n))
+    return M if _apart(writes, reads) else -1

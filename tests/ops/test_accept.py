@@ -1,0 +1,215 @@
+"""``eagle3_ops.accept``: the face's fast acceptance is a sufficient condition of the contract.
+
+For every generated call (views carved at random from one shared storage, so overlaps of every
+kind occur, and mutations of good calls: dtypes, devices, layouts, grads, scalars), accepted
+implies that the full check in ``validation.py`` passes. And the calls SGLang makes are accepted
+(else the fast path would be dead code and the host path back at its old cost).
+"""
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from eagle3_ops import accept, testing, validation
+
+DT = torch.bfloat16
+CPU = torch.device("cpu")
+
+
+def _full_passes(fn, *args, **kwargs) -> bool:
+    try:
+        fn(*args, **kwargs)
+    except validation.Eagle3ArgumentError:
+        return False
+    return True
+
+
+def _capture_full(hidden, residual, buffer, slot):
+    validation.check_int("capture", "slot", slot)
+    validation.check_capture(hidden, residual, buffer, slot)
+
+
+def _fused_full(input, residual, weight, eps, buffer, slot):
+    validation.check_int("fused_add_rmsnorm_capture", "slot", slot)
+    validation.check_eps("fused_add_rmsnorm_capture", eps)
+    validation.check_fused_add_rmsnorm_capture(input, residual, weight, eps, buffer, slot)
+
+
+def _fc_full(x, weight, bias, rows, cnw, inw, eps, out, workspace, norm_folded):
+    validation.check_eps("draft_fc_out", eps)
+    if isinstance(norm_folded, bool) is False:
+        raise validation.Eagle3ArgumentError("norm_folded")
+    validation.check_draft_fc(x, weight, bias, rows, cnw, inw, eps, out, op="draft_fc_out", workspace=workspace,
+                              norm_folded=norm_folded)
+
+
+# ---- the calls SGLang makes are accepted --------------------------------------------------------
+def test_common_calls_are_accepted():
+    gen = testing.generator(CPU, "accept-common")
+    T, H, K = 5, 32, 3
+    hidden, residual = testing.randn((T, H), DT, CPU, gen), testing.randn((T, H), DT, CPU, gen)
+    buffer = torch.zeros(16, K * H, dtype=DT)
+    for slot in range(K):
+        assert accept.capture_accepted(hidden, residual, buffer, slot)
+        assert accept.capture_accepted(hidden, None, buffer, slot)
+        # another slot of the same buffer: the rows interleave in memory, so only the full check (by
+        # rows and columns) can tell they are apart; the fast test leaves it to it
+        other = buffer[:T, :H]
+        assert not accept.capture_accepted(other, None, buffer, 1) and _full_passes(_capture_full, other, None,
+                                                                                   buffer, 1)
+    weight = testing.positive((H,), DT, CPU, gen)
+    assert accept.fused_add_rmsnorm_capture_accepted(hidden, residual, weight, 1e-6, buffer, 2)
+    for bias in (False, True):
+        for rows in (None, torch.int32, torch.int64):
+            for chunk, inorm, folded in ((False, False, False), (True, False, False), (False, True, False),
+                                         (True, True, False), (True, False, True), (True, True, True)):
+                R, N = 7, 24
+                x = testing.randn((R, K * H), DT, CPU, gen)
+                w = testing.randn((N, K * H), DT, CPU, gen)
+                args = (x, w, testing.randn((N,), DT, CPU, gen) if bias else None,
+                        None if rows is None else torch.tensor([3, 0, 6], dtype=rows),
+                        testing.positive((K, H), DT, CPU, gen) if chunk else None,
+                        testing.positive((K * H,), DT, CPU, gen) if inorm else None, 1e-5)
+                M = R if rows is None else 3
+                out = torch.empty(M, N, dtype=DT)
+                ws = torch.empty(256, dtype=torch.uint8)
+                assert accept.draft_fc_accepted(*args, None, None, folded) == M
+                assert accept.draft_fc_accepted(*args, out, ws, folded) == M
+                assert _full_passes(_fc_full, *args, out, ws, folded)
+
+
+# ---- accepted => the full check passes ----------------------------------------------------------
+def _carve(storage: torch.Tensor, rng: random.Random, shape, *, dtype=DT):
+    """A view of ``storage`` (a flat tensor) with ``shape``'s rank, at a random offset, with random
+    (sometimes overlapping, zero, or transposed) strides; sizes mostly ``shape``, sometimes off by one."""
+    sizes = [s if rng.random() < 0.93 else max(0, s + rng.choice((-1, 1))) for s in shape]
+    if len(sizes) == 2:
+        c = sizes[1]
+        good = [(c, 1), (c + rng.randrange(1, 9), 1)]
+        odd = [(rng.randrange(0, c + 1), 1), (1, sizes[0]), (0, 1), (c, 2)]
+        strides = rng.choice(good if rng.random() < 0.85 else odd)
+    else:
+        strides = (1,) if rng.random() < 0.9 else (rng.choice((0, 2)),)
+    extent = sum((s - 1) * st for s, st in zip(sizes, strides) if s > 0) + 1
+    if extent >= storage.numel():
+        return torch.zeros(*sizes, dtype=dtype)
+    offset = rng.randrange(0, storage.numel() - extent)
+    return storage.as_strided(sizes, strides, offset)
+
+
+def _mutate(t, rng: random.Random):
+    """Sometimes another dtype, a meta tensor, one that requires grad, or a Parameter."""
+    if t is None:
+        return None
+    r = rng.random()
+    if r < 0.015:
+        return t.to(torch.float16 if t.dtype != torch.float16 else torch.float32)
+    if r < 0.025:
+        return torch.empty(t.shape, dtype=t.dtype, device="meta")
+    if r < 0.035 and t.dtype.is_floating_point:
+        return t.detach().clone().requires_grad_(True)
+    if r < 0.04 and t.dtype.is_floating_point:
+        return torch.nn.Parameter(t.detach().clone(), requires_grad=False)
+    if r < 0.045:
+        return t.to(torch.int64)
+    return t
+
+
+def _scalar(rng, good):
+    if rng.random() < 0.9:
+        return good
+    return rng.choice([True, 1, float("nan"), float("inf"), -1e-6, 0.0, 2 ** 70, 1.5, -1])
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_capture_accepted_implies_the_contract(seed):
+    rng = random.Random(seed)
+    storage = torch.randn(16384).to(DT)
+    accepted = 0
+    for _ in range(1500):
+        T, H, K = rng.randrange(1, 6), rng.choice((1, 4, 8)), rng.randrange(1, 4)
+        buffer = _mutate(_carve(storage, rng, (T + rng.randrange(0, 3), K * H)), rng)
+        hidden = _mutate(_carve(storage, rng, (T, H)), rng)
+        residual = None if rng.random() < 0.3 else _mutate(_carve(storage, rng, (T, H)), rng)
+        if rng.random() < 0.05:
+            residual = hidden
+        slot = _scalar(rng, rng.randrange(0, K + 1))
+        if accept.capture_accepted(hidden, residual, buffer, slot):
+            accepted += 1
+            assert _full_passes(_capture_full, hidden, residual, buffer, slot), \
+                (hidden.shape, hidden.stride(), buffer.shape, buffer.stride(), slot)
+    assert accepted > 20, "the generator must reach accepted calls, else this test checks nothing"
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_fused_accepted_implies_the_contract(seed):
+    rng = random.Random(100 + seed)
+    storage = torch.randn(16384).to(DT)
+    accepted = 0
+    for _ in range(1500):
+        T, H, K = rng.randrange(1, 6), rng.choice((1, 4, 8)), rng.randrange(1, 4)
+        input = _mutate(_carve(storage, rng, (T, H)), rng)
+        residual = input if rng.random() < 0.05 else _mutate(_carve(storage, rng, (T, H)), rng)
+        weight = _mutate(_carve(storage, rng, (H,)), rng)
+        buffer = _mutate(_carve(storage, rng, (T + rng.randrange(0, 3), K * H)), rng)
+        eps, slot = _scalar(rng, 1e-6), _scalar(rng, rng.randrange(0, K + 1))
+        if accept.fused_add_rmsnorm_capture_accepted(input, residual, weight, eps, buffer, slot):
+            accepted += 1
+            assert _full_passes(_fused_full, input, residual, weight, eps, buffer, slot)
+    assert accepted > 20
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_draft_fc_accepted_implies_the_contract(seed):
+    rng = random.Random(200 + seed)
+    storage = torch.randn(16384).to(DT)
+    istorage = torch.arange(64, dtype=torch.int64)
+    wstorage = torch.zeros(4096, dtype=torch.uint8)
+    accepted = 0
+    for _ in range(1500):
+        R, K, H, N = rng.randrange(1, 6), rng.randrange(1, 4), rng.choice((1, 4, 8)), rng.choice((1, 3, 8))
+        x = _mutate(_carve(storage, rng, (R, K * H)), rng)
+        weight = _mutate(_carve(storage, rng, (N, K * H)), rng)
+        bias = None if rng.random() < 0.5 else _mutate(_carve(storage, rng, (N,)), rng)
+        rows = None
+        if rng.random() < 0.5:
+            rows = _carve(istorage, rng, (rng.randrange(1, 4),), dtype=torch.int64) % max(R, 1)
+            rows = rows.to(torch.int32) if rng.random() < 0.3 else rows
+            rows = _mutate(rows, rng) if rng.random() < 0.2 else rows
+        cnw = None if rng.random() < 0.5 else _mutate(_carve(storage, rng, (K, H)), rng)
+        inw = None if rng.random() < 0.6 else _mutate(_carve(storage, rng, (K * H,)), rng)
+        M = x.shape[0] if rows is None else rows.shape[0]
+        out = None if rng.random() < 0.2 else _mutate(_carve(storage, rng, (M, N)), rng)
+        if out is not None and rng.random() < 0.05:
+            out = x
+        workspace = None
+        if rng.random() < 0.6:
+            n = rng.randrange(0, 64)
+            off = rng.choice((0, 0, 0, 16, 1, 8))
+            workspace = wstorage[off:off + n]
+            if rng.random() < 0.1:
+                workspace = storage.view(torch.uint8)[off:off + n]  # inside the tensors' bytes
+        eps = _scalar(rng, 1e-6)
+        folded = rng.random() < 0.2
+        got = accept.draft_fc_accepted(x, weight, bias, rows, cnw, inw, eps, out, workspace, folded)
+        if got >= 0:
+            accepted += 1
+            assert got == M
+            if out is not None:
+                assert _full_passes(_fc_full, x, weight, bias, rows, cnw, inw, eps, out, workspace, folded)
+            else:  # the functional op: the face allocates out
+                assert _full_passes(validation.check_draft_fc, x, weight, bias, rows, cnw, inw, eps,
+                                    workspace=workspace, norm_folded=folded)
+    assert accepted > 20
+
+
+def test_tracing_and_modes_take_the_full_path():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    assert accept.plain_eager()
+    with FakeTensorMode():
+        assert not accept.plain_eager()
+    with torch.overrides.TorchFunctionMode():
+        assert not accept.plain_eager()
