@@ -92,10 +92,49 @@ def _server_args():
 
 
 def _scheduled(fb) -> bool:
-    """Whether ``fb`` is a batch the scheduler made for requests: an EAGLE-3 server's target batches carry
-    its ``spec_algorithm``; the dummy batches SGLang's CUDA-graph capture and compile warm-ups run
-    eagerly (EXTEND, prefix 0, token ids of a static buffer) carry none."""
+    """Whether ``fb`` may be a batch the scheduler made for requests: an EAGLE-3 server's target batches
+    carry its ``spec_algorithm``; the dummy batches of the prefill-graph capture's eager warm-up
+    (EXTEND, prefix 0, token ids of a static buffer) carry none. Warm-ups through ``_dummy_run`` carry
+    it: :func:`_warming_up` marks those."""
     return getattr(fb, "spec_algorithm", None) is not None  # NONE too: a scheduler batch of a server without one
+
+
+# SGLang's shared warm-up forward: CUDA-graph and autotune passes, DeepGEMM's compile warm-up, PD
+# prefill's FlashInfer extend autotune (SGLANG_FLASHINFER_AUTOTUNE_EXTEND). Its batches carry the
+# runner's spec_algorithm and may be EXTEND from position 0, so only this marks them as not a prompt.
+DUMMY_RUN_TARGET = "sglang.srt.model_executor.runner.base_runner.BaseRunner._dummy_run"
+
+
+def around_dummy_run(original, *args, **kwargs):
+    """AROUND ``BaseRunner._dummy_run``: forwards inside it are warm-ups, never recorded."""
+    _tls.dummy_runs = getattr(_tls, "dummy_runs", 0) + 1
+    try:
+        return original(*args, **kwargs)
+    finally:
+        _tls.dummy_runs -= 1
+
+
+def _warming_up() -> bool:
+    """Inside SGLang's ``_dummy_run`` or a FlashInfer autotune pass (its own flag)."""
+    if getattr(_tls, "dummy_runs", 0) > 0:
+        return True
+    try:
+        from sglang.srt.layers.logits_processor import get_in_autotune_dummy_run
+
+        return bool(get_in_autotune_dummy_run())
+    except Exception:
+        return False
+
+
+def pipeline_parallel() -> bool:
+    """PP > 1: each stage holds some layers only and the last one the logits, so no rank sees every
+    boundary the replay needs and its next tokens (and PP's dynamic-chunking profile runs random
+    prompts through the scheduler's own batches)."""
+    sa = _server_args()
+    try:
+        return int(getattr(sa, "pp_size", 1) or 1) > 1
+    except (TypeError, ValueError):
+        return False
 
 
 def dp_attention_enabled() -> bool:
@@ -200,7 +239,7 @@ class StatesRecorder:
         mode = getattr(fb, "forward_mode", None)
         if getattr(mode, "name", None) not in ("EXTEND", "MIXED"):  # never verify, decode or draft forwards
             return skip
-        if self.scheduled_only and not _scheduled(fb):  # SGLang's graph-capture / compile warm-ups
+        if self.scheduled_only and (not _scheduled(fb) or _warming_up()):  # SGLang's warm-up forwards
             return skip
         ids = getattr(fb, "input_ids", None)
         lens = getattr(fb, "extend_seq_lens_cpu", None)
@@ -548,6 +587,10 @@ def install_recorder(model, settings: Optional[DumpSettings], *, boundaries: Opt
         log.warning("eagle3_ops: %s: not under DP attention (each TP rank runs another batch, so the "
                     "recording's all-gather would pair different requests and could leave ranks waiting); "
                     "%s", label, _off(label))
+        return None
+    if pipeline_parallel():  # a server setting too
+        log.warning("eagle3_ops: %s: not under pipeline parallelism (each stage holds some layers only, the "
+                    "last the logits: no rank sees what the recording needs); %s", label, _off(label))
         return None
     recorder = None
     if settings is not None:

@@ -184,6 +184,12 @@ def _around_can_run_graph(original, *args, **kwargs):
     return around_can_run_graph(original, *args, **kwargs)
 
 
+def _around_dummy_run(original, *args, **kwargs):
+    from .dump_states import around_dummy_run
+
+    return around_dummy_run(original, *args, **kwargs)
+
+
 def _after_resolve_spec_tokens(result, *args, **kwargs):
     try:
         from .wiring_check import after_resolve_spec_tokens
@@ -256,9 +262,10 @@ def register() -> None:
         HookRegistry.register(FINAL_NORM_TARGET, _around_final_norm, HookType.AROUND)
         from . import wiring_check as wc
 
-        from .dump_states import CAN_RUN_GRAPH_TARGET
+        from .dump_states import CAN_RUN_GRAPH_TARGET, DUMMY_RUN_TARGET
 
         HookRegistry.register(CAN_RUN_GRAPH_TARGET, _around_can_run_graph, HookType.AROUND)
+        HookRegistry.register(DUMMY_RUN_TARGET, _around_dummy_run, HookType.AROUND)
         HookRegistry.register(wc.ACCEPTANCE_TARGET, _after_resolve_spec_tokens, HookType.AFTER)
         for target in WEIGHT_UPDATE_TARGETS:
             HookRegistry.register(target, _after_weight_update, HookType.AFTER)

@@ -619,6 +619,10 @@ def start(model, *, draft_path=None, target_config=None) -> Optional[WiringCheck
         say("eagle3_ops: %s: off under DP attention (each TP rank runs another batch: recording could leave "
             "ranks waiting); check offline with python -m eagle3_ops doctor --replay", LABEL)
         return None
+    if dump_states.pipeline_parallel():
+        say("eagle3_ops: %s: off under pipeline parallelism (each stage holds some layers only: no rank sees "
+            "every state the replay needs); check offline with python -m eagle3_ops doctor --replay", LABEL)
+        return None
     inner = owner.inner
     state = capture_state(model)
     served = list(state.layer_ids) if state is not None else sorted({int(i) for i in inner.layers_to_capture})

@@ -37,6 +37,7 @@ OUR_TARGETS = sorted([
     "sglang.srt.speculative.eagle_draft_extend_cuda_graph_runner.EAGLEDraftExtendCudaGraphRunner.execute",
     # wiring_check.py: the forward the live check records runs eagerly; observed acceptance is counted
     "sglang.srt.model_executor.runner.prefill_cuda_graph_runner.PrefillCudaGraphRunner.can_run_graph",
+    "sglang.srt.model_executor.runner.base_runner.BaseRunner._dummy_run",
     "sglang.srt.managers.scheduler_components.batch_result_processor.SchedulerBatchResultProcessor."
     "_resolve_spec_v2_tokens",
 ])

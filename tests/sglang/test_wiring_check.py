@@ -248,6 +248,23 @@ def test_default_flags_the_wanted_prefill_runs_eagerly_and_nothing_else(sglang_c
     bare = object.__new__(PrefillCudaGraphRunner)
     assert PrefillCudaGraphRunner.can_run_graph(
         bare, scheduled(h.extend_batch(kv, [h.Req(kv.new_req())], [prompts[5]]))) is False
+    # SGLang's shared warm-up forward (BaseRunner._dummy_run: FlashInfer autotune, DeepGEMM's compile
+    # warm-up, PD prefill's extend autotune) builds batches that carry the runner's spec_algorithm and
+    # may be EXTEND from position 0: inside it (the plugin's AROUND hook) or FlashInfer's autotune flag,
+    # nothing is recorded
+    from sglang.srt.layers import logits_processor
+    from sglang.srt.layers.deep_gemm_wrapper import compile_utils
+    from sglang.srt.model_executor.runner import base_runner, flashinfer_autotune
+
+    assert "spec_algorithm=mr.spec_algorithm" in inspect.getsource(base_runner.BaseRunner._dummy_run)
+    assert "runner._dummy_run(" in inspect.getsource(compile_utils)
+    assert "runner._dummy_run" in inspect.getsource(flashinfer_autotune.maybe_flashinfer_autotune_extend)
+    recorder = wc.checks()[0].recorder
+    assert recorder.wants(wanted)
+    assert dump_states.around_dummy_run(lambda: recorder.wants(wanted)) is False
+    with logits_processor.autotune_dummy_run_mode(run_lm_head=False):
+        assert not recorder.wants(wanted)
+    assert recorder.wants(wanted), "after the warm-up, the same batch is wanted again"
     # once the recording is written (its write() sets done), SGLang decides every forward again
     wc.checks()[0].recorder.done = True
     assert dump_states.around_can_run_graph(stock, None, wanted) is True
@@ -345,6 +362,27 @@ def test_off_under_dp_attention(sglang_cpu, wc, pair, monkeypatch, caplog):
         assert dump_states.install_recorder(model, None, label="x") is None
     lines = _lines(caplog, "DP attention")
     assert len(lines) == 2 and "live wiring check: off under DP attention" in lines[0], caplog.text
+
+
+def test_off_under_pipeline_parallelism(sglang_cpu, wc, pair, monkeypatch, caplog):
+    """PP > 1: each stage holds some layers only and the last one the logits (and PP's dynamic chunking
+    profiles random prompts through scheduler batches), so the check and the dump stay off."""
+    from sglang.srt import runtime_context
+
+    from eagle3_ops.sglang import dump_states
+
+    server = types.SimpleNamespace(speculative_algorithm="EAGLE3", pp_size=2, enable_dp_attention=False)
+    monkeypatch.setattr(runtime_context, "get_server_args", lambda: server)
+    assert dump_states.pipeline_parallel()
+    cfg, model = _target(sglang_cpu, pair)
+    sglang_cpu.configure_capture(model, [2, 4, 6])
+    with caplog.at_level(logging.INFO, logger="eagle3_ops.sglang"):
+        assert wc.start(model, draft_path=str(pair.draft_dir), target_config=cfg) is None
+        assert dump_states.install_recorder(model, None, label="x") is None
+    lines = _lines(caplog, "pipeline parallelism")
+    assert len(lines) == 2 and "live wiring check: off under pipeline parallelism" in lines[0], caplog.text
+    server.pp_size = 1
+    assert not dump_states.pipeline_parallel()
 
 
 def test_the_fusion_guard_follows_sglangs_own_predicates(wc, monkeypatch):
