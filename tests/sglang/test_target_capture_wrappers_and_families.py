@@ -48,6 +48,12 @@ COVERED = {
     "test_qwen3_vl_moe_wrapper": ("Qwen3-VL-MoE (text only, M-RoPE)", "Qwen3VLMoeForConditionalGeneration",
                                   "model: Qwen3MoeLLMModel (AuxHiddenStateList)",
                                   "HF Qwen3VLMoeForConditionalGeneration", "fp32"),
+    "test_gemma4_unified_wrapper": ("Gemma-4 unified (encoder-free, text only), boundary L",
+                                    "Gemma4UnifiedForConditionalGeneration",
+                                    "language_model: Gemma4TextModel (AuxHiddenStateList + append)",
+                                    "HF Gemma4ForConditionalGeneration (text weights)", "fp32"),
+    "test_teleflm_with_mup": ("TeleFLM (µP input and output scaling)", "TeleFLMForCausalLM",
+                              "model: TeleFLMModel (AuxHiddenStateList)", "stock only (Llama weights)", "fp32"),
     "test_gemma3_with_boundary_L": ("Gemma-3, boundary L", "Gemma3ForCausalLM",
                                     "model: Gemma3TextModel (plain list)", "HF logits (captures: hidden-only)", "fp32"),
     "test_gemma4_with_boundary_L": ("Gemma-4, boundary L", "Gemma4ForCausalLM",
@@ -78,7 +84,8 @@ COVERED = {
                            "HF (Apertus: captures only)", "fp32"),
     "test_mistral_large_3": ("Mistral-Large-3", "MistralLarge3ForCausalLM", "model: DeepseekV2Model "
                              "(AuxHiddenStatePacker)", "HF DeepseekV3ForCausalLM (renamed weights)", "fp32"),
-    "test_minimax_m3_with_boundary_L": ("MiniMax-M3 (no sparse attention), boundary L", "MiniMaxM3SparseForCausalLM",
+    "test_minimax_m3_with_boundary_L": ("MiniMax-M3 and its VL wrapper (no sparse attention, text only), boundary L",
+                                        "MiniMaxM3SparseForCausalLM, MiniMaxM3SparseForConditionalGeneration",
                                         "model: MiniMaxM3Model (final norm)", "stock only (seeded)", "fp32"),
 }
 
@@ -103,6 +110,10 @@ NOT_COVERED = {
         "builds, but the MLA forward's sparse-attention indexer has no CPU path: NotImplementedError: Indexer has "
         "no native (pure-torch) path (dsa_indexer.py:1891). GlmMoeDsa / GLM-5 use the same indexer (not run "
         "separately)"),
+    "Intern-S1-Pro (InternS1ProForConditionalGeneration)": (
+        "cannot be built in SGLang 0.5.23 on any device: Qwen2MoeModel constructs every decoder layer with "
+        "start_layer=, which InternS1ProTextDecoderLayer.__init__ does not take: TypeError: "
+        "InternS1ProTextDecoderLayer.__init__() got an unexpected keyword argument 'start_layer' (qwen2_moe.py:1134)"),
     "Qwen3-Next (Qwen3NextForCausalLM)": (
         "Qwen3GatedDeltaNet.__init__ builds its gated norm on torch.get_device_module().current_device(): "
         "RuntimeError: Found no NVIDIA driver on your system (qwen3_next.py:252)"),
@@ -484,6 +495,23 @@ def test_qwen3_vl_moe_wrapper(sglang_cpu, fused_norm_qualified, mrope_batches):
     assert state.fused_sites == [f"model.layers.{i}.input_layernorm" for i in (1, 2, 3)]
 
 
+def test_teleflm_with_mup(sglang_cpu, fused_norm_qualified):
+    """TeleFLM (``TeleFLMForCausalLM``: SGLang's Llama with µP: embeddings times ``input_mult`` inside
+    ``TeleFLMModel.forward``, logits scaled by ``output_mult / mup_scale_factor``). No HF class: stock
+    only, on Llama weights."""
+    h = sglang_cpu
+    from transformers import LlamaConfig
+    from sglang.srt.models.teleflm import TeleFLMForCausalLM, TeleFLMModel
+
+    cfg = LlamaConfig(**_DECODER, use_mup=True, input_mult=2.5, mup_scale_factor=4.0, output_mult=2.0)
+    cfg.architectures = ["TeleFLMForCausalLM"]
+    model = _build(TeleFLMForCausalLM, cfg, h.checkpoint_weights(_hf("LlamaForCausalLM", cfg)))
+    assert type(model.model) is TeleFLMModel and model.model.use_mup
+    assert model.logits_processor.logit_scale == 0.5
+    state = check_family(h, model, cfg, [0, 1, 2], [1, 2, 3], "model")
+    assert state.fused_sites == [f"model.layers.{i}.input_layernorm" for i in (1, 2, 3)]
+
+
 # ---- Gemma-3 / Gemma-4 ----------------------------------------------------------------------------
 def _gemma3_text_cfg():
     from transformers import Gemma3TextConfig
@@ -610,6 +638,40 @@ def test_gemma4_wrapper(sglang_cpu, fused_norm_qualified):
     hf = _hf("Gemma4ForConditionalGeneration", cfg)
     model = _build(Gemma4ForConditionalGeneration, cfg, list(hf.state_dict().items()))
     assert type(model.language_model) is Gemma4TextModel
+    L = text.num_hidden_layers
+    hf.model.norm = hf.model.language_model.norm  # where hf_refs_with_last hooks the final norm
+    state = check_family(h, model, cfg.text_config, [0, 1, L - 1], [1, 2, L], "language_model", hf=hf,
+                         refs=h.hf_refs_with_last(hf, PROMPTS, DRAFTS))
+    assert state.fused_sites == [] and state.stats["copied_captures"] == 2 * 3
+
+
+def test_gemma4_unified_wrapper(sglang_cpu, fused_norm_qualified):
+    """Gemma-4 unified (``Gemma4UnifiedForConditionalGeneration``, gemma4_unified.py: encoder-free
+    embedders instead of the SigLIP / conformer towers, around the same ``Gemma4TextModel``), text only,
+    no media configs, boundary L. HF reference: transformers' Gemma-4 on the same text weights."""
+    h = sglang_cpu
+    from transformers import Gemma4Config
+    from sglang.srt.models.gemma4_causal import Gemma4TextModel
+    from sglang.srt.models.gemma4_unified import Gemma4UnifiedForConditionalGeneration
+
+    text = _gemma4_text_cfg()
+    cfg = Gemma4Config(text_config=text.to_dict(), vision_config=None, audio_config=None,
+                       boi_token_id=121, eoi_token_id=122, image_token_id=123, video_token_id=124,
+                       boa_token_id=125, eoa_token_index=126, audio_token_id=127)
+    cfg.architectures = ["Gemma4UnifiedForConditionalGeneration"]
+    cfg._attn_implementation = "eager"
+    cfg.text_config._attn_implementation = "eager"
+    hf = _hf("Gemma4ForConditionalGeneration", cfg)
+    model = _build(Gemma4UnifiedForConditionalGeneration, cfg, list(hf.state_dict().items()))
+    assert type(model.language_model) is Gemma4TextModel and model.vision_tower is None
+    # SGLang's unified class masks the end-of-media tokens' logits (HF's generation_config.suppress_tokens,
+    # which transformers applies at generation, not in the forward): the reference does the same
+    assert model.suppress_token_ids == [122, 126]
+
+    def suppress(_module, _args, out):
+        out.logits[..., model.suppress_token_ids] = torch.finfo(out.logits.dtype).min
+
+    hf.register_forward_hook(suppress)
     L = text.num_hidden_layers
     hf.model.norm = hf.model.language_model.norm  # where hf_refs_with_last hooks the final norm
     state = check_family(h, model, cfg.text_config, [0, 1, L - 1], [1, 2, L], "language_model", hf=hf,
@@ -868,3 +930,17 @@ def test_minimax_m3_with_boundary_L(sglang_cpu, fused_norm_qualified, monkeypatc
     assert type(model.model) is MiniMaxM3Model
     L = cfg.num_hidden_layers
     check_family(h, model, cfg, [0, 1, L - 1], [1, 2, L], "model")
+    # the VL wrapper (minimax_m3_vl.py: a CLIP vision tower and projector around the same MiniMaxM3Model),
+    # text only, seeded weights
+    from sglang.srt.models.minimax_m3_vl import MiniMaxM3SparseForConditionalGeneration
+
+    vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, num_channels=3,
+                  image_size=28, patch_size=14, hidden_act="gelu", layer_norm_eps=1e-5,
+                  img_token_compression_config=dict(temporal_patch_size=2, spatial_merge_size=2),
+                  position_embedding_type="rope", rope_mode="3d", rope_theta=10000.0, vision_segment_max_frames=None)
+    vl_cfg = PretrainedConfig(text_config=cfg, vision_config=vision, projector_hidden_size=64, encoder_only=False,
+                              torch_dtype=DTYPE)
+    vl_cfg.architectures = ["MiniMaxM3SparseForConditionalGeneration"]
+    vl = _build(MiniMaxM3SparseForConditionalGeneration, vl_cfg, seed=2)
+    assert type(vl.model) is MiniMaxM3Model
+    check_family(h, vl, cfg, [0, 1, L - 1], [1, 2, L], "model")
