@@ -619,6 +619,40 @@ def _default_max_tokens() -> int:
     return max(candidates) if candidates else 16384
 
 
+def _prepare_target(owner, name: str, layer_ids, hidden_size: int, max_tokens: Optional[int]):
+    """This rank's local part of :func:`install_target_capture`: the serving backends, the buffer's rows,
+    the fused-norm candidates and the state with its buffer (allocated here). (None, None) where this
+    rank cannot serve (one log line said why); nothing is installed on the model."""
+    inner = owner.inner
+    dtype = _activation_dtype(inner)
+    device = next((p.device for p in inner.parameters()), torch.device("cpu"))
+    backend = serving_backends(("capture", "fused_add_rmsnorm_capture"), device, dtype, f"{name} EAGLE-3 capture")
+    if backend is None:
+        return None, None
+    if max_tokens is None:
+        from .. import settings
+        from .version import ENV_MAX_TOKENS
+
+        try:
+            max_tokens = settings.get(ENV_MAX_TOKENS)
+        except settings.SettingError as e:
+            settings.report_once(e, log)
+            return None, None
+        if max_tokens is None:
+            max_tokens = _default_max_tokens()
+    candidates = {}
+    for norm, site in _candidate_norms(owner, layer_ids, hidden_size).items():
+        why_not = _norm_fusable_statically(norm, dtype)
+        if why_not is None:
+            candidates[norm] = site
+        else:
+            _info_once(f"nofuse:{name}:{why_not}", "eagle3_ops: %s: %s not a fused-norm candidate (%s); a capture "
+                       "it produces is a copy", name, site, why_not)
+    state = TargetCaptureState(name, owner, layer_ids, hidden_size, dtype, device, int(max_tokens))
+    state.candidate_norms = candidates
+    return state, backend
+
+
 def install_target_capture(model, max_tokens: Optional[int] = None,
                            before_kv_sizing: bool = False) -> Optional[TargetCaptureState]:
     """Route ``model``'s EAGLE-3 captures into one persistent buffer (after SGLang configured which
@@ -652,34 +686,25 @@ def install_target_capture(model, max_tokens: Optional[int] = None,
                    "no configured boundary on this rank's layers" if not layer_ids else
                    f"cannot tell the hidden size of {cls.__qualname__}")
         return None
-    dtype = _activation_dtype(inner)
-    device = next((p.device for p in inner.parameters()), torch.device("cpu"))
-    backend = serving_backends(("capture", "fused_add_rmsnorm_capture"), device, dtype, f"{name} EAGLE-3 capture")
-    if backend is None:
+    # Everything above is the same on every TP rank (the model's structure, the server's settings). What
+    # follows may fail on one rank alone (a backend's verification on its GPU, the buffer's allocation):
+    # each rank does its local work, then all vote before anything collective (the fused norm's
+    # qualification below), so a failure anywhere means stock everywhere and no rank is left waiting.
+    from .groups import tp_group
+    from .lockstep import all_ranks_agree
+
+    state, backend = None, None
+    try:
+        state, backend = _prepare_target(owner, name, layer_ids, hidden_size, max_tokens)
+    except Exception:
+        log.exception("eagle3_ops: %s EAGLE-3 capture: preparing it failed on this TP rank; SGLang's stock "
+                      "capture serves", name)
+    if not all_ranks_agree(state is not None, tp_group()):
+        if state is not None:
+            log.warning("eagle3_ops: %s EAGLE-3 capture left stock: its preparation failed on another TP rank "
+                        "(every rank keeps SGLang's stock capture)", name)
         return None
-    if max_tokens is None:
-        from .. import settings
-        from .version import ENV_MAX_TOKENS
-
-        try:
-            max_tokens = settings.get(ENV_MAX_TOKENS)
-        except settings.SettingError as e:
-            settings.report_once(e, log)
-            return None
-        if max_tokens is None:
-            max_tokens = _default_max_tokens()
-
-    # Decide everything first, then install (no half-patched model on error).
-    candidates = {}
-    for norm, site in _candidate_norms(owner, layer_ids, hidden_size).items():
-        why_not = _norm_fusable_statically(norm, dtype)
-        if why_not is None:
-            candidates[norm] = site
-        else:
-            _info_once(f"nofuse:{name}:{why_not}", "eagle3_ops: %s: %s not a fused-norm candidate (%s); a capture "
-                       "it produces is a copy", name, site, why_not)
-    state = TargetCaptureState(name, owner, layer_ids, hidden_size, dtype, device, int(max_tokens))
-    state.candidate_norms = candidates
+    dtype, device, candidates = state.buffer.buffer.dtype, state.buffer.buffer.device, state.candidate_norms
     # class level, so that SGLang's compile trampolines (which call type(module).forward) reach it
     wrap_class_forward(_forward_class(inner), _STATE_ATTR, _run_forward)
     inner.__dict__[_STATE_ATTR] = state

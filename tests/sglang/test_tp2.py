@@ -12,7 +12,7 @@ left waiting); a draft in an attention-TP group of its own (DP attention) is not
 wiring check: both ranks record in lockstep, rank 0 alone scores and warns."""
 import torch
 
-from tp2_worker import DRAFTS, FAILURE_STEPS, LAYER_IDS, PROMPTS, two_forwards  # noqa: F401
+from tp2_worker import DRAFTS, FAILURE_STEPS, LAYER_IDS, PROMPTS, TARGET_FAILURE_STEPS, two_forwards  # noqa: F401
 
 OUTPUTS = ("fc_out", "extend_logits", "extend_hidden", "decode_logits", "decode_hidden")
 
@@ -116,6 +116,13 @@ def _check_target(h, ranks):
                 else:  # rank 1's qualification failed: SGLang's norm on both ranks
                     assert all(b is None for _, b in t["norm_plan"]), t["norm_plan"]
                     assert t["stats"]["fused_captures"] == 0 and t["stats"]["copied_captures"] == 6
+        # the capture's install failed on rank 1 alone before any collective: stock on both ranks, none waiting
+        for step in TARGET_FAILURE_STEPS:
+            for r in ranks:
+                t = r[("target", key, f"fails-at-{step}")]
+                assert not t["installed"], (key, step)
+                for name in ("extend_aux", "verify_aux", "extend_logits", "verify_logits"):
+                    assert torch.equal(t["plugin"][name], t["stock"][name]), f"{key} fails-at-{step} {name}"
 
 
 def _check_dump(h, ranks, tmp_path):
@@ -236,3 +243,5 @@ def _check_draft(h, ranks, logs, ckpt, dcfg):
     assert "fc stays stock on every TP rank: another TP rank cannot run it fused" in logs[0]
     assert "its install failed on another TP rank" in logs[0]
     assert "the sharding could not be decided on every rank" in logs[0]
+    assert "EAGLE-3 capture left stock: its preparation failed on another TP rank" in logs[0]
+    assert "injected on rank 1 (allocating the capture buffer)" in logs[1]

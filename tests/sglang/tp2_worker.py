@@ -30,6 +30,8 @@ DRAFTS = [[9, 31, 2, 77], [54, 6, 101, 13]]
 LAYER_IDS = [0, 1, 2]
 # install steps where rank 1 fails in the failure scenarios (draft side)
 FAILURE_STEPS = ("backend", "state", "timer", "fc-timing", "gather-timing", "site", "rows", "workspace", "fold")
+# install steps where rank 1 fails in the failure scenarios (target side, before the fused norm's vote)
+TARGET_FAILURE_STEPS = ("backend", "buffer", "candidates")
 
 
 def two_forwards(model, cfg, dtype, tp_size):
@@ -146,6 +148,35 @@ def target_part(rank, outdir, results):
             results[("target", str(dtype), variant)] = {
                 "stock": stock, "plugin": plugin, "stats": dict(state.stats), "fused_sites": state.fused_sites,
                 "norm_plan": [(c.rows, c.backend) for c in state.norm_plan.choices]}
+        # the capture's install failing on rank 1 alone, before any collective: both ranks stay stock
+        for step in TARGET_FAILURE_STEPS:
+            p = Patches()
+            p.env("EAGLE3_OPS_QUALIFY", "on")
+            p.env("XDG_CACHE_HOME", os.path.join(outdir, f"cache-target-{rank}-fails-{step}-{dtype}"))
+            p.env("EAGLE3_OPS_SGLANG_MAX_TOKENS", "64")
+            p.set(qualify, "Timer", site_timer((0, 1), rank))
+            if rank == 1:
+                if step == "backend":  # a backend's verification failed on this GPU only
+                    p.set(capture_hooks, "serving_backends", lambda *a, **k: None)
+                elif step == "buffer":
+                    def no_memory(*a, **k):
+                        raise MemoryError("injected on rank 1 (allocating the capture buffer)")
+                    p.set(capture_hooks, "AuxCaptureBuffer", no_memory)
+                else:
+                    def broken(*a, **k):
+                        raise RuntimeError("injected on rank 1 (finding the fused-norm candidates)")
+                    p.set(capture_hooks, "_candidate_norms", broken)
+            try:
+                cfg = h.FAMILIES["llama"].make_config()
+                model = h.sglang_from_hf("llama", cfg, dtype, h.hf_model("llama", cfg, dtype))
+                model.set_eagle3_layers_to_capture(LAYER_IDS)
+                stock = two_forwards(model, cfg, dtype, 2)
+                h.configure_capture(model, LAYER_IDS)
+            finally:
+                p.undo()
+            results[("target", str(dtype), f"fails-at-{step}")] = {
+                "stock": stock, "plugin": two_forwards(model, cfg, dtype, 2),
+                "installed": capture_hooks.capture_state(model) is not None}
     # the states dump at TP=2: both ranks run it (same environment, as in a server); rank 0 writes
     os.environ["EAGLE3_OPS_DUMP_STATES"] = os.path.join(outdir, "states.safetensors")
     os.environ["EAGLE3_OPS_DUMP_TOKENS"] = str(sum(map(len, PROMPTS)))
