@@ -4,8 +4,8 @@ Each ``*_accepted`` function here is a *sufficient* condition of the op's contra
 ``validation.py``: when it returns True (or M >= 0 for draft_fc), the full check would pass with
 the same arguments, so the face may skip it. When it returns False / -1, nothing is decided: the
 face runs the full check, which raises with its message or passes (the fast test is conservative:
-empty inputs, zero-stride or unusual layouts, any subclass, meta or fake tensor, a tensor that
-requires grad, overlap it cannot rule out by address ranges alone, all go the full way).
+empty inputs, zero-stride or unusual layouts, a subclass that overrides torch's dispatch (nn.Parameter
+and its plain subclasses are accepted), meta, fake or functional tensors, a tensor that requires grad, overlap it cannot rule out by address ranges alone, all go the full way).
 
 Why it is cheap: the full check compares storages (``untyped_storage()`` allocates a Python
 object per tensor) and builds dicts of names for its messages; here two views are independent
@@ -25,6 +25,24 @@ from .validation import ROW_INDEX_DTYPES, SUPPORTED_DTYPES
 
 _Tensor = torch.Tensor
 _INF = math.inf
+# Tensor types that behave as torch.Tensor in eager: nn.Parameter (SGLang's weights, also its
+# BasevLLMParameter family) and any subclass that overrides neither __torch_function__ nor
+# __torch_dispatch__; decided once per type. FakeTensor, FunctionalTensor and other wrappers are not.
+_PLAIN_TYPES = {torch.Tensor, torch.nn.Parameter}
+_OTHER_TYPES: set = set()
+
+
+def plain_tensor_type(tp) -> bool:
+    """Whether tensors of type ``tp`` behave as torch.Tensor in eager (see :data:`_PLAIN_TYPES`)."""
+    if tp in _PLAIN_TYPES:
+        return True
+    if tp in _OTHER_TYPES:
+        return False
+    plain = (isinstance(tp, type) and issubclass(tp, torch.nn.Parameter)
+             and tp.__torch_function__ is torch.nn.Parameter.__torch_function__
+             and tp.__torch_dispatch__ is torch.Tensor.__torch_dispatch__)
+    (_PLAIN_TYPES if plain else _OTHER_TYPES).add(tp)
+    return plain
 
 
 def plain_eager() -> bool:
@@ -37,33 +55,37 @@ def plain_eager() -> bool:
 def _matrix(t, dtype, device):
     """(rows, cols, row stride, address) of a plain, non-empty 2-D view with a unit last stride on
     ``device`` in ``dtype`` that does not require grad; None otherwise."""
-    if type(t) is not _Tensor or t.dtype is not dtype or t.requires_grad or t.device != device:
+    if type(t) not in _PLAIN_TYPES and not plain_tensor_type(type(t)) or t.dtype is not dtype or t.requires_grad \
+            or t.device != device:
         return None
     try:
         r, c = t.shape
         s0, s1 = t.stride()
     except ValueError:  # not 2-D
         return None
-    if r == 0 or c == 0 or s1 != 1:
+    p = t.data_ptr()
+    if r == 0 or c == 0 or s1 != 1 or p == 0:  # address 0: a functional wrapper (no storage of its own)
         return None
-    return r, c, s0, t.data_ptr()
+    return r, c, s0, p
 
 
 def _vector(t, dtype, device, n):
     """The address of a plain 1-D view of ``n`` > 0 elements, unit stride, on ``device`` in
     ``dtype``, not requiring grad; None otherwise."""
-    if type(t) is not _Tensor or t.dtype is not dtype or t.requires_grad or t.device != device or n <= 0:
+    if type(t) not in _PLAIN_TYPES and not plain_tensor_type(type(t)) or t.dtype is not dtype or t.requires_grad \
+            or t.device != device or n <= 0:
         return None
     try:
         (size,), (stride,) = t.shape, t.stride()
     except ValueError:  # not 1-D
         return None
-    return t.data_ptr() if size == n and stride == 1 else None
+    p = t.data_ptr()
+    return p if size == n and stride == 1 and p != 0 else None
 
 
 def _served(t) -> bool:
     """A plain CPU or CUDA tensor of a dtype the ops serve."""
-    return type(t) is _Tensor and t.dtype in SUPPORTED_DTYPES and (t.is_cuda or t.is_cpu)
+    return (type(t) in _PLAIN_TYPES or plain_tensor_type(type(t))) and t.dtype in SUPPORTED_DTYPES and (t.is_cuda or t.is_cpu)
 
 
 def _disjoint(lo, hi, spans) -> bool:
@@ -166,16 +188,16 @@ def draft_fc_accepted(x, weight, bias, rows, chunk_norm_weight, input_norm_weigh
     if rows is None:
         M = R
     else:
-        if type(rows) is not _Tensor or rows.dtype not in ROW_INDEX_DTYPES or rows.requires_grad \
+        if type(rows) not in _PLAIN_TYPES or rows.dtype not in ROW_INDEX_DTYPES or rows.requires_grad \
                 or rows.device != device:
             return -1
         try:
             (M,), (stride,) = rows.shape, rows.stride()
         except ValueError:  # not 1-D
             return -1
-        if M == 0 or stride != 1:
-            return -1
         r0 = rows.data_ptr()
+        if M == 0 or stride != 1 or r0 == 0:
+            return -1
         reads.append((r0, r0 + M * rows.element_size()))
     writes = []
     if out is not None:
@@ -185,7 +207,7 @@ def draft_fc_accepted(x, weight, bias, rows, chunk_norm_weight, input_norm_weigh
         o0 = o[3]
         writes.append((o0, o0 + ((M - 1) * o[2] + N) * es))
     if workspace is not None:
-        if type(workspace) is not _Tensor or workspace.dtype is not torch.uint8 or workspace.requires_grad \
+        if type(workspace) not in _PLAIN_TYPES or workspace.dtype is not torch.uint8 or workspace.requires_grad \
                 or workspace.device != device:
             return -1
         try:
@@ -193,7 +215,7 @@ def draft_fc_accepted(x, weight, bias, rows, chunk_norm_weight, input_norm_weigh
         except ValueError:  # not 1-D
             return -1
         p = workspace.data_ptr()
-        if n == 0 or stride != 1 or p % 16:
+        if n == 0 or stride != 1 or p % 16 or p == 0:
             return -1
         writes.append((p, p + n))
     return M if _apart(writes, reads) else -1

@@ -228,12 +228,13 @@ def _runs_directly(args) -> bool:
     ``torch.ops.eagle3`` (the same checks and backend, without two dispatcher round trips: ~tens of
     us of host time per call): plain eager mode only — not while torch.compile traces, no Python
     dispatch or function mode active (FakeTensorMode, functionalization, TorchFunctionMode), every
-    tensor argument a plain CPU or CUDA tensor. Anything else takes the op, as before."""
+    tensor argument a plain CPU or CUDA tensor (or nn.Parameter: :func:`accept.plain_tensor_type`).
+    Anything else takes the op, as before."""
     if torch.compiler.is_compiling() or torch._C._len_torch_dispatch_stack() or \
             torch._C._is_torch_function_mode_enabled():
         return False
     for a in args:
-        if a is not None and isinstance(a, torch.Tensor) and (type(a) is not torch.Tensor or
+        if a is not None and isinstance(a, torch.Tensor) and (not accept.plain_tensor_type(type(a)) or
                                                               not (a.is_cuda or a.is_cpu)):
             return False
     return True

@@ -205,6 +205,43 @@ def test_draft_fc_accepted_implies_the_contract(seed):
     assert accepted > 20
 
 
+def test_parameters_are_plain_and_wrappers_are_not():
+    """SGLang's weights are nn.Parameter (and its BasevLLMParameter family): the fast path takes them.
+    A subclass with a __torch_function__ of its own, and functional wrappers (address 0), go the full way."""
+    gen = testing.generator(CPU, "accept-params")
+    T, H = 3, 16
+    x, r = testing.randn((T, H), DT, CPU, gen), testing.randn((T, H), DT, CPU, gen)
+    buffer = torch.zeros(T, 2 * H, dtype=DT)
+    weight = torch.nn.Parameter(testing.positive((H,), DT, CPU, gen), requires_grad=False)
+    assert accept.fused_add_rmsnorm_capture_accepted(x, r, weight, 1e-6, buffer, 1)
+    from sglang.srt.layers.parameter import ModelWeightParameter
+
+    assert accept.plain_tensor_type(ModelWeightParameter)
+    fc_w = ModelWeightParameter(data=testing.randn((8, H), DT, CPU, gen), input_dim=1, output_dim=0,
+                                weight_loader=lambda *a: None)
+    fc_w.requires_grad_(False)
+    assert accept.draft_fc_accepted(x, fc_w, None, None, None, None, 1e-6, None, None, False) == T
+
+    class Traced(torch.Tensor):
+        @classmethod
+        def __torch_function__(cls, func, types, args=(), kwargs=None):
+            return super().__torch_function__(func, types, args, kwargs or {})
+
+    assert not accept.plain_tensor_type(Traced)
+    assert not accept.capture_accepted(x.as_subclass(Traced), None, buffer, 1)
+    assert not accept.fused_add_rmsnorm_capture_accepted(x, r, torch.nn.Parameter(weight.detach()), 1e-6, buffer, 1), \
+        "a Parameter that requires grad"
+
+    seen = []
+
+    def functional(h, b):
+        seen.append(accept.capture_accepted(h, None, b, 1))
+        return b.clone()
+
+    torch.func.functionalize(functional)(x, buffer)
+    assert seen == [False]
+
+
 def test_tracing_and_modes_take_the_full_path():
     from torch._subclasses.fake_tensor import FakeTensorMode
 
