@@ -5,7 +5,8 @@ Each ``*_accepted`` function here is a *sufficient* condition of the op's contra
 the same arguments, so the face may skip it. When it returns False / -1, nothing is decided: the
 face runs the full check, which raises with its message or passes (the fast test is conservative:
 empty inputs, zero-stride or unusual layouts, a subclass that overrides torch's dispatch (nn.Parameter
-and its plain subclasses are accepted), meta, fake or functional tensors, a tensor that requires grad, overlap it cannot rule out by address ranges alone, all go the full way).
+and its plain subclasses are accepted), meta, fake, functional, sparse or mkldnn tensors, torch.func
+transforms, a tensor that requires grad, overlap it cannot rule out by address ranges alone, all go the full way).
 
 Why it is cheap: the full check compares storages (``untyped_storage()`` allocates a Python
 object per tensor) and builds dicts of names for its messages; here two views are independent
@@ -27,29 +28,28 @@ _Tensor = torch.Tensor
 _INF = math.inf
 # Tensor types that behave as torch.Tensor in eager: nn.Parameter (SGLang's weights, also its
 # BasevLLMParameter family) and any subclass that overrides neither __torch_function__ nor
-# __torch_dispatch__; decided once per type. FakeTensor, FunctionalTensor and other wrappers are not.
+# __torch_dispatch__ (checked per call by plain_tensor_type). FakeTensor, FunctionalTensor and other
+# wrappers are not.
 _PLAIN_TYPES = {torch.Tensor, torch.nn.Parameter}
-_OTHER_TYPES: set = set()
-
-
-def plain_tensor_type(tp) -> bool:
-    """Whether tensors of type ``tp`` behave as torch.Tensor in eager (see :data:`_PLAIN_TYPES`)."""
-    if tp in _PLAIN_TYPES:
-        return True
-    if tp in _OTHER_TYPES:
-        return False
-    plain = (isinstance(tp, type) and issubclass(tp, torch.nn.Parameter)
-             and tp.__torch_function__ is torch.nn.Parameter.__torch_function__
-             and tp.__torch_dispatch__ is torch.Tensor.__torch_dispatch__)
-    (_PLAIN_TYPES if plain else _OTHER_TYPES).add(tp)
-    return plain
 
 
 def plain_eager() -> bool:
-    """No torch.compile trace, Python dispatch mode or torch-function mode is active (fake tensors,
-    functionalization, ...): the face may run the implementation itself."""
+    """No torch.compile trace, Python dispatch mode, torch-function mode or torch.func transform is
+    active (fake tensors, functionalization, vmap/grad/jvp wrappers, ...): the face may run the
+    implementation itself."""
     return not (torch.compiler.is_compiling() or torch._C._len_torch_dispatch_stack()
-                or torch._C._is_torch_function_mode_enabled())
+                or torch._C._is_torch_function_mode_enabled() or torch._C._are_functorch_transforms_active())
+
+
+def plain_tensor_type(tp) -> bool:
+    """Whether tensors of type ``tp`` behave as torch.Tensor in eager (see :data:`_PLAIN_TYPES`).
+    Subclasses are looked at on every call (three attribute reads), so a ``__torch_function__``
+    assigned to a class later is seen."""
+    if tp in _PLAIN_TYPES:
+        return True
+    return (isinstance(tp, type) and issubclass(tp, torch.nn.Parameter)
+            and tp.__torch_function__ is torch.nn.Parameter.__torch_function__
+            and tp.__torch_dispatch__ is torch.Tensor.__torch_dispatch__)
 
 
 def _matrix(t, dtype, device):
@@ -61,9 +61,9 @@ def _matrix(t, dtype, device):
     try:
         r, c = t.shape
         s0, s1 = t.stride()
-    except ValueError:  # not 2-D
+        p = t.data_ptr()
+    except (ValueError, RuntimeError):  # not 2-D; sparse, mkldnn or another layout without strides or storage
         return None
-    p = t.data_ptr()
     if r == 0 or c == 0 or s1 != 1 or p == 0:  # address 0: a functional wrapper (no storage of its own)
         return None
     return r, c, s0, p
@@ -77,9 +77,9 @@ def _vector(t, dtype, device, n):
         return None
     try:
         (size,), (stride,) = t.shape, t.stride()
-    except ValueError:  # not 1-D
+        p = t.data_ptr()
+    except (ValueError, RuntimeError):  # not 1-D; a layout without strides or storage
         return None
-    p = t.data_ptr()
     return p if size == n and stride == 1 and p != 0 else None
 
 
@@ -193,9 +193,9 @@ def draft_fc_accepted(x, weight, bias, rows, chunk_norm_weight, input_norm_weigh
             return -1
         try:
             (M,), (stride,) = rows.shape, rows.stride()
-        except ValueError:  # not 1-D
+            r0 = rows.data_ptr()
+        except (ValueError, RuntimeError):  # not 1-D; a layout without strides or storage
             return -1
-        r0 = rows.data_ptr()
         if M == 0 or stride != 1 or r0 == 0:
             return -1
         reads.append((r0, r0 + M * rows.element_size()))
@@ -212,9 +212,9 @@ def draft_fc_accepted(x, weight, bias, rows, chunk_norm_weight, input_norm_weigh
             return -1
         try:
             (n,), (stride,) = workspace.shape, workspace.stride()
-        except ValueError:  # not 1-D
+            p = workspace.data_ptr()
+        except (ValueError, RuntimeError):  # not 1-D; a layout without strides or storage
             return -1
-        p = workspace.data_ptr()
         if n == 0 or stride != 1 or p % 16 or p == 0:
             return -1
         writes.append((p, p + n))

@@ -250,3 +250,80 @@ def test_tracing_and_modes_take_the_full_path():
         assert not accept.plain_eager()
     with torch.overrides.TorchFunctionMode():
         assert not accept.plain_eager()
+
+
+# ---- the face: fast path and full path give the same outcome ---------------------------------------
+def _outcome(fn):
+    """('ok', outputs) or (error type, message) of ``fn()``."""
+    try:
+        return "ok", fn()
+    except Exception as e:  # noqa: BLE001 - the outcome is what is compared
+        return type(e).__name__, str(e)
+
+
+def _same(a, b):
+    if a[0] != b[0]:
+        return False
+    if a[0] != "ok":
+        return a[1] == b[1]
+    return all(torch.equal(x, y) for x, y in zip(a[1], b[1]))
+
+
+def test_the_face_gives_what_the_full_path_gives(monkeypatch):
+    """Every face call, once with the fast test and once forced through the full checks
+    (``accept.plain_eager`` off): the same outputs bit for bit, or the same error and message.
+    Including layouts without strides or storage (sparse, mkldnn), torch.func transforms, grad."""
+    import eagle3_ops
+
+    gen = testing.generator(CPU, "accept-face")
+    T, H, K = 3, 8, 2
+
+    def fresh():
+        return (testing.randn((T, H), DT, CPU, gen), testing.randn((T, H), DT, CPU, gen),
+                torch.zeros(T + 1, K * H, dtype=DT), testing.positive((H,), DT, CPU, gen))
+
+    def capture(h, r, b, slot=1):
+        eagle3_ops.capture(h, r, b, slot)
+        return (b,)
+
+    def fused(x, r, w, b, slot=0):
+        eagle3_ops.fused_add_rmsnorm_capture(x, r, w, 1e-6, b, slot)
+        return (x, r, b)
+
+    def fc(x, rows=None, ws=None, bias=None):
+        w = torch.nn.Parameter(testing.randn((5, x.shape[1]), DT, CPU, gen), requires_grad=False)
+        return (eagle3_ops.draft_fc(x, w, bias, rows, None, None, 1e-6, ws),)
+
+    cases = []
+    for variant in range(12):
+        def make(variant=variant):
+            h, r, b, w = fresh()
+            x = testing.randn((4, K * H), DT, CPU, gen)
+            return {
+                0: lambda: capture(h, r, b),
+                1: lambda: capture(h, r.to_sparse(), b),
+                2: lambda: capture(h, None, b, slot=K),
+                3: lambda: fused(h, r, w, b),
+                4: lambda: fused(h, h, w, b),
+                5: lambda: fc(x),
+                6: lambda: fc(x, rows=torch.tensor([0, 7])),                     # host rows out of range
+                7: lambda: fc(x, rows=torch.tensor([3, 0]), ws=torch.empty(16, dtype=torch.uint8)),
+                8: lambda: fc(x, rows=torch.tensor([0, 9]), ws=torch.empty(16, dtype=torch.uint8)),
+                9: lambda: fc(x, bias=testing.randn((5,), DT, CPU, gen).to_sparse()),
+                10: lambda: torch.func.jvp(lambda a: capture(a, None, torch.zeros(T, K * H, dtype=DT))[0],
+                                           (h,), (torch.ones_like(h),)),
+                11: lambda: torch.func.grad(lambda a: capture(a, None, torch.zeros(T, K * H, dtype=DT))[0].sum())(
+                    h.float()),
+            }[variant]
+        cases.append(make)
+    for i, make in enumerate(cases):
+        torch.manual_seed(i)
+        gen.manual_seed(1000 + i)
+        fast = _outcome(make())
+        gen.manual_seed(1000 + i)
+        with monkeypatch.context() as m:
+            m.setattr(accept, "plain_eager", lambda: False)
+            full = _outcome(make())
+        if fast[0] == "ok" and isinstance(fast[1], tuple) and fast[1] and isinstance(fast[1][0], tuple):
+            fast, full = ("ok", fast[1][0]), ("ok", full[1][0])  # jvp: (primal, tangent)
+        assert _same(fast, full), (i, fast[0], full[0], fast[1] if fast[0] != "ok" else "", full[1] if full[0] != "ok" else "")
