@@ -12,8 +12,9 @@ Beyond shapes and dtypes the contract rejects, identically for every backend:
 * a written tensor that requires grad (the ops are forward-only and mutate their outputs);
 * ``slot`` that is not a Python int in int64 range, ``eps`` that is not finite and > 0.
 
-Overlap is decided on the bytes two views cover: disjoint storage or disjoint byte ranges never
-overlap; two 2-D row-major views of one matrix (same row stride) overlap iff their row and column
+Overlap is decided on the bytes two views cover: storages in separate memory or disjoint byte
+ranges never overlap (two storages over one buffer, as ``torch.frombuffer`` makes, are compared by
+address); two 2-D row-major views of one matrix (same row stride) overlap iff their row and column
 ranges both intersect (so two slots of one capture buffer do not); anything else sharing bytes is
 treated as overlapping.
 """
@@ -104,22 +105,30 @@ def _is_fake(t: torch.Tensor) -> bool:
     return bool(is_fake(t))
 
 
-def _storage_ptr(t: torch.Tensor):
-    """The address of t's storage for a plain CPU/CUDA tensor (None otherwise: meta, fake,
-    functional, no storage): tensors on two different storages never overlap."""
+def _storage_span(t: torch.Tensor):
+    """(address, bytes) of t's storage for a plain CPU/CUDA tensor (None otherwise: meta, fake,
+    functional, no storage)."""
     if type(t) is not torch.Tensor or t.is_meta or torch._is_functional_tensor(t):
         return None
     try:
-        return t.untyped_storage().data_ptr()
+        st = t.untyped_storage()
+        return st.data_ptr(), st.nbytes()
     except (RuntimeError, NotImplementedError):
         return None
 
 
 def overlaps(a: torch.Tensor, b: torch.Tensor) -> bool:
     """Whether two views may share an element (see the module docstring)."""
-    pa, pb = _storage_ptr(a), _storage_ptr(b)
-    if pa is not None and pb is not None and pa != pb:  # the usual case, decided in ~1 us
-        return False
+    sa, sb = _storage_span(a), _storage_span(b)
+    if sa is not None and sb is not None and sa[0] != sb[0]:
+        if sa[0] + sa[1] <= sb[0] or sb[0] + sb[1] <= sa[0]:  # the usual case: separate memory, ~1 us
+            return False
+        # two storages over shared memory (torch.frombuffer / from_blob of one buffer): by addresses
+        if a.numel() == 0 or b.numel() == 0 or a.device != b.device:
+            return False
+        (alo, ahi), (blo, bhi) = _byte_range(a), _byte_range(b)
+        a0, b0 = a.data_ptr(), b.data_ptr()  # the first byte of each view: its storage's + alo / blo
+        return a0 < b0 + (bhi - blo) and b0 < a0 + (ahi - alo)
     if a.numel() == 0 or b.numel() == 0 or a.device != b.device or a.device.type == "meta":
         return False
     if _is_fake(a) or _is_fake(b):  # tracing (torch.compile, fake impls): decided by the real call

@@ -83,6 +83,15 @@ def test_overlap_rule():
     assert validation.overlaps(m[:, 2:8], m[:, 6:])
     assert validation.overlaps(m.view(-1)[3:20], m[1:3])        # not a matrix view: byte ranges decide
     assert not validation.overlaps(m, torch.zeros(10, 12))
+    # two storages over one buffer (torch.frombuffer): decided by address, not by storage identity
+    buf = bytearray(256)
+    a = torch.frombuffer(buf, dtype=torch.float32, count=16)
+    assert validation.overlaps(a, torch.frombuffer(buf, dtype=torch.float32, count=16, offset=32))
+    assert not validation.overlaps(a, torch.frombuffer(buf, dtype=torch.float32, count=16, offset=64))
+    x = torch.frombuffer(buf, dtype=torch.float32, count=24).view(4, 6)
+    out = torch.frombuffer(buf, dtype=torch.float32, count=8, offset=64).view(4, 2)  # x's last rows
+    with pytest.raises(validation.Eagle3ArgumentError, match="out overlaps x"):
+        validation.check_draft_fc(x, torch.zeros(2, 6), None, None, None, None, 1e-6, out, op="draft_fc_out")
 
 
 # ---- autograd: forward-only, the same error everywhere --------------------------------------------
