@@ -219,6 +219,7 @@ class StatesRecorder:
                                                   bool(getattr(sa, "enable_return_aux_hidden_states", False)))
         self.background_write = False     # write the file in a thread (the live check), not in the forward
         self.writer: Optional[threading.Thread] = None  # that thread, once started
+        self.writer_daemon = True         # the states dump's is not: the interpreter finishes it before exit
         self.failure: Optional[str] = None  # why this rank stopped keeping values (it still takes part)
         self.lock = threading.Lock()
 
@@ -308,7 +309,7 @@ class StatesRecorder:
         finally:  # the count, and so the forward the recording closes after, is the same on every rank
             self.remaining -= int(cur.rows.numel())
             if self._full():
-                self.write()
+                self.write(in_forward=True)
 
     def _keep(self, cur: _Forward, nxt: torch.Tensor) -> None:
         ids = cur.forward_batch.input_ids.index_select(0, cur.rows.to(cur.forward_batch.input_ids.device)).cpu()
@@ -365,7 +366,9 @@ class StatesRecorder:
         return torch.cat(out) if out else torch.zeros(0, dtype=torch.long)
 
     # ---- output --------------------------------------------------------------------------------------
-    def write(self) -> Optional[str]:
+    def write(self, in_forward: bool = False) -> Optional[str]:
+        """Close the recording and write its file: in a thread of its own when called from a forward and
+        :attr:`background_write` is set (serving goes on meanwhile; :meth:`wait` joins it), else here."""
         with self.lock:
             if self.done:
                 return None
@@ -374,13 +377,18 @@ class StatesRecorder:
         for h in self.handles:
             h.remove()
         self.handles = []
-        if self.keep_values and self.background_write:  # the file is written off the forward's thread
+        if self.keep_values and self.background_write and in_forward:  # off the forward's thread
             writer = threading.Thread(target=self._write_and_follow, args=(prompts,), name="eagle3_ops-recording",
-                                      daemon=True)
+                                      daemon=self.writer_daemon)
             writer.start()
             self.writer = writer  # assigned once started, so whoever sees it can join it
             return None
         return self._write_and_follow(prompts if self.keep_values else None)
+
+    def wait(self, timeout: Optional[float] = None) -> None:
+        """Until a file written in the background is written (tests and tools; SGLang never waits)."""
+        if self.writer is not None:
+            self.writer.join(timeout)
 
     def _write_and_follow(self, prompts) -> Optional[str]:
         written = self._write(prompts) if prompts is not None else None
@@ -569,6 +577,12 @@ def install_dump(model, settings: Optional[DumpSettings] = None) -> Optional[Sta
     return install_recorder(model, settings, label=ENV_DUMP_STATES, atexit_write=True)
 
 
+def wait_all(timeout: Optional[float] = None) -> None:
+    """Until every recording written in the background is written (tests and tools)."""
+    for rec in list(_recorders):
+        rec.wait(timeout)
+
+
 def _off(label: str) -> str:
     return "the states dump is off" if label == ENV_DUMP_STATES else f"the {label} is off"
 
@@ -610,7 +624,8 @@ def install_recorder(model, settings: Optional[DumpSettings], *, boundaries: Opt
     inner.__dict__[_STATE_ATTR] = recorder
     recorder.model = model
     _recorders.append(recorder)
-    if atexit_write:
+    if atexit_write:  # the states dump: its file is written off the forward too, by a thread the interpreter
+        recorder.background_write, recorder.writer_daemon = True, False  # joins before exit; unfilled: at exit
         atexit.register(recorder.write)
     return recorder
 

@@ -152,9 +152,8 @@ class WiringCheck:
 
     def wait(self, timeout: Optional[float] = None) -> None:
         """Block until the recording is written and its replay scored (tests and tools; SGLang never waits)."""
-        writer = getattr(self.recorder, "writer", None)
-        if writer is not None:
-            writer.join(timeout)  # recorded() runs at its end, so self.thread is set (and started) after this
+        if self.recorder is not None:
+            self.recorder.wait(timeout)  # recorded() runs at its end, so self.thread is set (and started) after this
         if self.thread is not None:
             self.thread.join(timeout)
 

@@ -11,11 +11,13 @@
 import json
 import os
 import stat
+import threading
 
 import pytest
 import torch
 
 from eagle3_ops.doctor.states import needed_boundaries, read_states
+from eagle3_ops.sglang.dump_states import wait_all  # the file is written off the forward's thread
 
 PROMPTS = [[5, 17, 3, 99, 42, 8], [7, 1, 64, 23, 88, 120, 11]]
 
@@ -80,6 +82,10 @@ def test_dump_records_engine_captures_and_changes_nothing(sglang_cpu, dump_env, 
     rec = dump_state(model)
     assert rec is not None and rec.boundaries == needed_boundaries([1, 2], L) == list(range(L + 1))
     _, aux, logits, _, _ = _extend(h, model, cfg, dtype, PROMPTS)
+    # the forward that fills the budget hands the file to a thread (serving goes on), one the interpreter
+    # finishes before it exits (not a daemon)
+    assert rec.writer is not None and rec.writer is not threading.current_thread() and not rec.writer.daemon
+    rec.wait()
     assert rec.done and path.is_file(), "the file is written when the budget is full"
     assert torch.equal(aux, stock_aux) and torch.equal(logits, stock_logits), "recording changed served outputs"
 
@@ -120,6 +126,7 @@ def test_dump_deepseek_packer_path(sglang_cpu, dump_env):
     h.configure_capture(model, [1, 2])  # deepseek rule: first id is 1 -> boundaries [2, 3]
     assert list(model.model.layers_to_capture) == [2, 3]
     _, aux, _, _, _ = _extend(h, model, cfg, dtype, PROMPTS)
+    wait_all()
     states = read_states(path, num_layers=L, hidden_size=cfg.hidden_size)
     assert states.boundaries == needed_boundaries([2, 3], L)
     H = cfg.hidden_size
@@ -194,6 +201,7 @@ def test_replay_on_engine_dump_finds_the_trained_wiring(sglang_cpu, dump_env, tm
         chunk = prompts[s:s + 16]
         reqs = [h.Req(kv.new_req()) for _ in chunk]
         h.run(model, h.extend_batch(kv, reqs, chunk), kv)
+    wait_all()
     assert path.is_file()
     draft = copy_draft_with_ids(pair, tmp_path / "miswired", nested=[1, 3, 5])
     rc, rep, err = run_doctor("--draft", draft, "--target", pair.target_dir, "--replay", path)
@@ -274,6 +282,7 @@ def test_a_symlink_is_written_through_and_stays(sglang_cpu, dump_env, monkeypatc
     with caplog.at_level("INFO", logger="eagle3_ops.sglang"):
         h.configure_capture(model, [0, 1])
         _extend(h, model, cfg, torch.float32, PROMPTS)
+        wait_all()
     assert any(f"(a symlink: the file written is {target})" in r.getMessage() for r in caplog.records)
     assert link.is_symlink() and os.readlink(link) == str(target)
     states = read_states(link, num_layers=cfg.num_hidden_layers, hidden_size=cfg.hidden_size)
@@ -357,5 +366,6 @@ def test_the_dump_takes_the_prefills_it_records_off_the_prefill_graph(sglang_cpu
     assert dump_states.around_can_run_graph(graph, None, wanted) is False
     assert dump_states.around_can_run_graph(graph, None, verify) is True
     h.run(model, wanted, kv)
+    rec.wait()
     assert rec.done and path.is_file()
     assert dump_states.around_can_run_graph(graph, None, h.extend_batch(kv, reqs[1:], [PROMPTS[1]])) is True

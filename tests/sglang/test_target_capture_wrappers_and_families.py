@@ -426,6 +426,7 @@ def test_qwen2_5_vl_states_dump(sglang_cpu, mrope_batches, monkeypatch, tmp_path
 
     kv = h.KVCache(cfg.text_config, DTYPE)
     out = h.run(model, harness_module.extend_batch(kv, [h.Req(kv.new_req()) for _ in PROMPTS], PROMPTS), kv)
+    rec.wait()  # written off the forward's thread
     assert rec.done and path.is_file()
     states = read_states(path, num_layers=L, hidden_size=cfg.text_config.hidden_size)
     H = cfg.text_config.hidden_size
