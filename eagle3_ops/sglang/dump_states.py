@@ -137,6 +137,20 @@ def pipeline_parallel() -> bool:
         return False
 
 
+def custom_warmups() -> Optional[str]:
+    """SGLang's ``--warmups`` (e.g. ``prefill_shapes``, ``voice_chat``), or None: the server sends those
+    through the scheduler as ordinary requests of random token ids before any user prompt, so a
+    recording would take them for the first prompts."""
+    try:
+        from sglang.srt.runtime_context import get_serving
+
+        value = get_serving().warmups
+    except Exception:
+        sa = _server_args()
+        value = getattr(sa, "warmups", None) if sa is not None else None
+    return value if isinstance(value, str) and value else None
+
+
 def dp_attention_enabled() -> bool:
     """DP attention: each TP rank runs another batch, so a recording's all-gather would pair rows of
     different requests and wait for ranks that never reach it."""
@@ -249,10 +263,14 @@ class StatesRecorder:
             return skip
         if ids.shape[0] < self.min_forward_tokens:
             return skip
+        media = getattr(fb, "mm_inputs", None)  # per sequence: images / audio in its prompt, or None
         rows, kept, start, budget = [], [], 0, self.remaining
-        for n, p in zip(lens, prefix):
+        for i, (n, p) in enumerate(zip(lens, prefix)):
             n, p = int(n), int(p)
-            if p == 0 and budget > 0 and n >= self.min_prompt_tokens:  # a sequence from its first token
+            # a text sequence from its first token (at media positions the ids are placeholders and the
+            # target read encoder embeddings: a replay from the ids would score something else)
+            text = media is None or i >= len(media) or media[i] is None
+            if p == 0 and budget > 0 and n >= self.min_prompt_tokens and text:
                 take = min(n, budget)
                 rows.append(torch.arange(start, start + take))
                 kept.append(take)
@@ -605,6 +623,11 @@ def install_recorder(model, settings: Optional[DumpSettings], *, boundaries: Opt
     if pipeline_parallel():  # a server setting too
         log.warning("eagle3_ops: %s: not under pipeline parallelism (each stage holds some layers only, the "
                     "last the logits: no rank sees what the recording needs); %s", label, _off(label))
+        return None
+    warmups = custom_warmups()
+    if warmups is not None:  # a server setting too
+        log.warning("eagle3_ops: %s: not with --warmups %s (the server's warm-up requests of random tokens "
+                    "would be recorded as the first prompts); %s", label, warmups, _off(label))
         return None
     recorder = None
     if settings is not None:

@@ -622,6 +622,11 @@ def start(model, *, draft_path=None, target_config=None) -> Optional[WiringCheck
         say("eagle3_ops: %s: off under pipeline parallelism (each stage holds some layers only: no rank sees "
             "every state the replay needs); check offline with python -m eagle3_ops doctor --replay", LABEL)
         return None
+    warmups = dump_states.custom_warmups()
+    if warmups is not None:
+        say("eagle3_ops: %s: off with --warmups %s (the server's warm-up requests of random tokens would be "
+            "taken for the first prompts); check offline with python -m eagle3_ops doctor --replay", LABEL, warmups)
+        return None
     inner = owner.inner
     state = capture_state(model)
     served = list(state.layer_ids) if state is not None else sorted({int(i) for i in inner.layers_to_capture})

@@ -116,6 +116,7 @@ def test_draft_fc_installed_and_sharded_before_kv_sizing(sglang_cpu, monkeypatch
     from eagle3_ops.sglang import lockstep
 
     monkeypatch.setattr(lockstep, "all_ranks_agree", lambda ok, group: ok)  # one process plays one rank
+    monkeypatch.setattr(lockstep, "same_on_all_ranks", lambda text, group: True)
     plugin._after_initialize(None, types.SimpleNamespace(model=target, is_draft_worker=False))
     assert draft_fc_hooks.draft_fc_state(target) is None  # a target runner: nothing here
     plugin._after_initialize(None, types.SimpleNamespace(model=draft, is_draft_worker=True))

@@ -245,3 +245,4 @@ def _check_draft(h, ranks, logs, ckpt, dcfg):
     assert "the sharding could not be decided on every rank" in logs[0]
     assert "EAGLE-3 capture left stock: its preparation failed on another TP rank" in logs[0]
     assert "injected on rank 1 (allocating the capture buffer)" in logs[1]
+    assert "the ranks' settings differ (here rows=32 qualify=True" in logs[1]

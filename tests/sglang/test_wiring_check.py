@@ -385,6 +385,48 @@ def test_off_under_pipeline_parallelism(sglang_cpu, wc, pair, monkeypatch, caplo
     assert not dump_states.pipeline_parallel()
 
 
+def test_off_with_custom_warmups(sglang_cpu, wc, pair, monkeypatch, caplog):
+    """``--warmups prefill_shapes`` / ``voice_chat``: the server sends requests of random token ids through
+    the scheduler before any user prompt (SGLang's entrypoints/warmup.py), which a recording would take for
+    the first prompts: the check and the dump stay off, with one line each."""
+    from sglang.srt import runtime_context
+    from sglang.srt.entrypoints import http_server
+
+    from eagle3_ops.sglang import dump_states
+
+    assert "get_serving().warmups" in inspect.getsource(http_server)
+    monkeypatch.setattr(runtime_context, "get_serving", lambda: types.SimpleNamespace(warmups="prefill_shapes"))
+    assert dump_states.custom_warmups() == "prefill_shapes"
+    cfg, model = _target(sglang_cpu, pair)
+    sglang_cpu.configure_capture(model, [2, 4, 6])
+    with caplog.at_level(logging.INFO, logger="eagle3_ops.sglang"):
+        assert wc.start(model, draft_path=str(pair.draft_dir), target_config=cfg) is None
+        assert dump_states.install_recorder(model, None, label="x") is None
+    lines = _lines(caplog, "--warmups prefill_shapes")
+    assert len(lines) == 2 and "live wiring check: off with --warmups" in lines[0], caplog.text
+
+
+def test_prompts_with_media_are_not_recorded(sglang_cpu, wc, pair, caplog):
+    """A sequence with images or audio (``forward_batch.mm_inputs[i]``) has placeholder ids where the
+    target read encoder embeddings: it is skipped, the text sequences of the same batch are recorded."""
+    h = sglang_cpu
+    cfg, model = _target(h, pair)
+    h.configure_capture(model, [2, 4, 6])
+    with caplog.at_level(logging.INFO, logger="eagle3_ops.sglang"):
+        check = wc.start(model, draft_path=str(pair.draft_dir), target_config=cfg)
+    assert check is not None, caplog.text
+    prompts = json.loads(pair.prompts_file.read_text())[:2]
+    kv = h.KVCache(cfg, torch.float32)
+    fb = h.extend_batch(kv, [h.Req(kv.new_req()) for _ in prompts], prompts)
+    fb.mm_inputs = [object(), None]  # the first request carries an image
+    plan = check.recorder._plan(fb)
+    assert plan.rows is not None and plan.rows.tolist() == list(range(len(prompts[0]), len(prompts[0]) + SEQ))
+    fb.mm_inputs = [object(), object()]
+    assert not check.recorder.wants(fb)
+    fb.mm_inputs = None
+    assert check.recorder.wants(fb)
+
+
 def test_the_fusion_guard_follows_sglangs_own_predicates(wc, monkeypatch):
     """At TP > 1 a recorded layer completes its all-reduce before its norm; where SGLang would fuse the
     two (FlashInfer up to its batch limit, CuTe DSL up to its workspace bound, aiter up to a byte bound),

@@ -31,7 +31,7 @@ LAYER_IDS = [0, 1, 2]
 # install steps where rank 1 fails in the failure scenarios (draft side)
 FAILURE_STEPS = ("backend", "state", "timer", "fc-timing", "gather-timing", "site", "rows", "workspace", "fold")
 # install steps where rank 1 fails in the failure scenarios (target side, before the fused norm's vote)
-TARGET_FAILURE_STEPS = ("backend", "buffer", "candidates")
+TARGET_FAILURE_STEPS = ("backend", "buffer", "candidates", "settings")
 
 
 def two_forwards(model, cfg, dtype, tp_size):
@@ -158,6 +158,8 @@ def target_part(rank, outdir, results):
             if rank == 1:
                 if step == "backend":  # a backend's verification failed on this GPU only
                     p.set(capture_hooks, "serving_backends", lambda *a, **k: None)
+                elif step == "settings":  # another node's environment: the collectives would be shaped apart
+                    p.env("EAGLE3_OPS_SGLANG_MAX_TOKENS", "32")
                 elif step == "buffer":
                     def no_memory(*a, **k):
                         raise MemoryError("injected on rank 1 (allocating the capture buffer)")
