@@ -615,13 +615,27 @@ def test_gemma3_wrapper(sglang_cpu, fused_norm_qualified):
     assert state.fused_sites == [] and state.stats["copied_captures"] == 2 * 3
 
 
+def _gemma4_mm_cfg(text, vision, architecture):
+    """Gemma-4's multimodal config around ``text`` (``vision`` a Gemma4VisionConfig or None; no audio),
+    eager attention in HF; media tokens 121..127: in the tiny vocabulary, none in the tests' prompts."""
+    from transformers import Gemma4Config
+
+    cfg = Gemma4Config(text_config=text.to_dict(), vision_config=vision.to_dict() if vision is not None else None,
+                       audio_config=None, boi_token_id=121, eoi_token_id=122, image_token_id=123,
+                       video_token_id=124, boa_token_id=125, eoa_token_index=126, audio_token_id=127)
+    cfg.architectures = [architecture]
+    cfg._attn_implementation = "eager"
+    cfg.text_config._attn_implementation = "eager"
+    return cfg
+
+
 def test_gemma4_wrapper(sglang_cpu, fused_norm_qualified):
     """Gemma-4 multimodal (``Gemma4ForConditionalGeneration``, gemma4_mm.py: vision encoder +
     embedder around ``Gemma4TextModel``, which is the capture owner at ``language_model``; the flag
     sits on the wrapper), text only, boundary L. HF reference: transformers' Gemma-4, boundaries
     1, 2 and L (the final norm's input)."""
     h = sglang_cpu
-    from transformers import Gemma4Config, Gemma4VisionConfig
+    from transformers import Gemma4VisionConfig
     from sglang.srt.models.gemma4_causal import Gemma4TextModel
     from sglang.srt.models.gemma4_mm import Gemma4ForConditionalGeneration
 
@@ -629,13 +643,7 @@ def test_gemma4_wrapper(sglang_cpu, fused_norm_qualified):
     vision = Gemma4VisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
                                 num_key_value_heads=2, head_dim=16, patch_size=14, pooling_kernel_size=2,
                                 position_embedding_size=64)
-    # media tokens 121..127: in the tiny vocabulary, none in the tests' prompts
-    cfg = Gemma4Config(text_config=text.to_dict(), vision_config=vision.to_dict(), audio_config=None,
-                       boi_token_id=121, eoi_token_id=122, image_token_id=123, video_token_id=124,
-                       boa_token_id=125, eoa_token_index=126, audio_token_id=127)
-    cfg.architectures = ["Gemma4ForConditionalGeneration"]
-    cfg._attn_implementation = "eager"
-    cfg.text_config._attn_implementation = "eager"
+    cfg = _gemma4_mm_cfg(text, vision, "Gemma4ForConditionalGeneration")
     hf = _hf("Gemma4ForConditionalGeneration", cfg)
     model = _build(Gemma4ForConditionalGeneration, cfg, list(hf.state_dict().items()))
     assert type(model.language_model) is Gemma4TextModel
@@ -651,17 +659,11 @@ def test_gemma4_unified_wrapper(sglang_cpu, fused_norm_qualified):
     embedders instead of the SigLIP / conformer towers, around the same ``Gemma4TextModel``), text only,
     no media configs, boundary L. HF reference: transformers' Gemma-4 on the same text weights."""
     h = sglang_cpu
-    from transformers import Gemma4Config
     from sglang.srt.models.gemma4_causal import Gemma4TextModel
     from sglang.srt.models.gemma4_unified import Gemma4UnifiedForConditionalGeneration
 
     text = _gemma4_text_cfg()
-    cfg = Gemma4Config(text_config=text.to_dict(), vision_config=None, audio_config=None,
-                       boi_token_id=121, eoi_token_id=122, image_token_id=123, video_token_id=124,
-                       boa_token_id=125, eoa_token_index=126, audio_token_id=127)
-    cfg.architectures = ["Gemma4UnifiedForConditionalGeneration"]
-    cfg._attn_implementation = "eager"
-    cfg.text_config._attn_implementation = "eager"
+    cfg = _gemma4_mm_cfg(text, None, "Gemma4UnifiedForConditionalGeneration")
     hf = _hf("Gemma4ForConditionalGeneration", cfg)
     model = _build(Gemma4UnifiedForConditionalGeneration, cfg, list(hf.state_dict().items()))
     assert type(model.language_model) is Gemma4TextModel and model.vision_tower is None

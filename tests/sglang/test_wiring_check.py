@@ -349,19 +349,26 @@ def test_sglang_s_own_verify_bookkeeping_feeds_the_acceptance_count(sglang_cpu, 
     assert (check.steps, check.first_accepted) == (3, 2)
 
 
+def _assert_off(h, wc, pair, caplog, needle, first_line):
+    """Under a server setting the check and the dump refuse: one line each, nothing installed."""
+    from eagle3_ops.sglang import dump_states
+
+    cfg, model = _target(h, pair)
+    h.configure_capture(model, [2, 4, 6])
+    with caplog.at_level(logging.INFO, logger="eagle3_ops.sglang"):
+        assert wc.start(model, draft_path=str(pair.draft_dir), target_config=cfg) is None
+        assert dump_states.install_recorder(model, None, label="x") is None
+    lines = _lines(caplog, needle)
+    assert len(lines) == 2 and first_line in lines[0], caplog.text
+
+
 def test_off_under_dp_attention(sglang_cpu, wc, pair, monkeypatch, caplog):
     """Under DP attention each TP rank runs another batch: the recording's all-gather could pair rows of
     different requests and wait for ranks that never reach it, so the check (and the dump) stay off."""
     from eagle3_ops.sglang import dump_states
 
     monkeypatch.setattr(dump_states, "dp_attention_enabled", lambda: True)
-    cfg, model = _target(sglang_cpu, pair)
-    sglang_cpu.configure_capture(model, [2, 4, 6])
-    with caplog.at_level(logging.INFO, logger="eagle3_ops.sglang"):
-        assert wc.start(model, draft_path=str(pair.draft_dir), target_config=cfg) is None
-        assert dump_states.install_recorder(model, None, label="x") is None
-    lines = _lines(caplog, "DP attention")
-    assert len(lines) == 2 and "live wiring check: off under DP attention" in lines[0], caplog.text
+    _assert_off(sglang_cpu, wc, pair, caplog, "DP attention", "live wiring check: off under DP attention")
 
 
 def test_off_under_pipeline_parallelism(sglang_cpu, wc, pair, monkeypatch, caplog):
@@ -374,13 +381,8 @@ def test_off_under_pipeline_parallelism(sglang_cpu, wc, pair, monkeypatch, caplo
     server = types.SimpleNamespace(speculative_algorithm="EAGLE3", pp_size=2, enable_dp_attention=False)
     monkeypatch.setattr(runtime_context, "get_server_args", lambda: server)
     assert dump_states.pipeline_parallel()
-    cfg, model = _target(sglang_cpu, pair)
-    sglang_cpu.configure_capture(model, [2, 4, 6])
-    with caplog.at_level(logging.INFO, logger="eagle3_ops.sglang"):
-        assert wc.start(model, draft_path=str(pair.draft_dir), target_config=cfg) is None
-        assert dump_states.install_recorder(model, None, label="x") is None
-    lines = _lines(caplog, "pipeline parallelism")
-    assert len(lines) == 2 and "live wiring check: off under pipeline parallelism" in lines[0], caplog.text
+    _assert_off(sglang_cpu, wc, pair, caplog, "pipeline parallelism",
+                "live wiring check: off under pipeline parallelism")
     server.pp_size = 1
     assert not dump_states.pipeline_parallel()
 
@@ -397,13 +399,7 @@ def test_off_with_custom_warmups(sglang_cpu, wc, pair, monkeypatch, caplog):
     assert "get_serving().warmups" in inspect.getsource(http_server)
     monkeypatch.setattr(runtime_context, "get_serving", lambda: types.SimpleNamespace(warmups="prefill_shapes"))
     assert dump_states.custom_warmups() == "prefill_shapes"
-    cfg, model = _target(sglang_cpu, pair)
-    sglang_cpu.configure_capture(model, [2, 4, 6])
-    with caplog.at_level(logging.INFO, logger="eagle3_ops.sglang"):
-        assert wc.start(model, draft_path=str(pair.draft_dir), target_config=cfg) is None
-        assert dump_states.install_recorder(model, None, label="x") is None
-    lines = _lines(caplog, "--warmups prefill_shapes")
-    assert len(lines) == 2 and "live wiring check: off with --warmups" in lines[0], caplog.text
+    _assert_off(sglang_cpu, wc, pair, caplog, "--warmups prefill_shapes", "live wiring check: off with --warmups")
 
 
 def test_prompts_with_media_are_not_recorded(sglang_cpu, wc, pair, caplog):
