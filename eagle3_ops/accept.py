@@ -31,6 +31,7 @@ _INF = math.inf
 # __torch_dispatch__ (checked per call by plain_tensor_type). FakeTensor, FunctionalTensor and other
 # wrappers are not.
 _PLAIN_TYPES = {torch.Tensor, torch.nn.Parameter}
+_WORKSPACE_DTYPES = (torch.uint8,)
 
 
 def plain_eager() -> bool:
@@ -69,18 +70,24 @@ def _matrix(t, dtype, device):
     return r, c, s0, p
 
 
-def _vector(t, dtype, device, n):
-    """The address of a plain 1-D view of ``n`` > 0 elements, unit stride, on ``device`` in
-    ``dtype``, not requiring grad; None otherwise."""
-    if type(t) not in _PLAIN_TYPES and not plain_tensor_type(type(t)) or t.dtype is not dtype or t.requires_grad \
-            or t.device != device or n <= 0:
+def _flat(t, dtypes, device):
+    """(elements, address) of a plain, non-empty 1-D view with unit stride on ``device``, its dtype one of
+    ``dtypes``, not requiring grad; None otherwise."""
+    if type(t) not in _PLAIN_TYPES and not plain_tensor_type(type(t)) or t.dtype not in dtypes or t.requires_grad \
+            or t.device != device:
         return None
     try:
         (size,), (stride,) = t.shape, t.stride()
         p = t.data_ptr()
     except (ValueError, RuntimeError):  # not 1-D; a layout without strides or storage
         return None
-    return p if size == n and stride == 1 and p != 0 else None
+    return (size, p) if size > 0 and stride == 1 and p != 0 else None
+
+
+def _vector(t, dtype, device, n):
+    """The address of a :func:`_flat` view of exactly ``n`` elements of ``dtype``; None otherwise."""
+    f = _flat(t, (dtype,), device)
+    return f[1] if f is not None and f[0] == n else None
 
 
 def _served(t) -> bool:
@@ -188,16 +195,10 @@ def draft_fc_accepted(x, weight, bias, rows, chunk_norm_weight, input_norm_weigh
     if rows is None:
         M = R
     else:
-        if type(rows) not in _PLAIN_TYPES or rows.dtype not in ROW_INDEX_DTYPES or rows.requires_grad \
-                or rows.device != device:
+        f = _flat(rows, ROW_INDEX_DTYPES, device)
+        if f is None:
             return -1
-        try:
-            (M,), (stride,) = rows.shape, rows.stride()
-            r0 = rows.data_ptr()
-        except (ValueError, RuntimeError):  # not 1-D; a layout without strides or storage
-            return -1
-        if M == 0 or stride != 1 or r0 == 0:
-            return -1
+        M, r0 = f
         reads.append((r0, r0 + M * rows.element_size()))
     writes = []
     if out is not None:
@@ -207,15 +208,9 @@ def draft_fc_accepted(x, weight, bias, rows, chunk_norm_weight, input_norm_weigh
         o0 = o[3]
         writes.append((o0, o0 + ((M - 1) * o[2] + N) * es))
     if workspace is not None:
-        if type(workspace) not in _PLAIN_TYPES or workspace.dtype is not torch.uint8 or workspace.requires_grad \
-                or workspace.device != device:
+        f = _flat(workspace, _WORKSPACE_DTYPES, device)
+        if f is None or f[1] % 16:  # the kernels' vector loads need 16-byte alignment
             return -1
-        try:
-            (n,), (stride,) = workspace.shape, workspace.stride()
-            p = workspace.data_ptr()
-        except (ValueError, RuntimeError):  # not 1-D; a layout without strides or storage
-            return -1
-        if n == 0 or stride != 1 or p % 16 or p == 0:
-            return -1
+        n, p = f
         writes.append((p, p + n))
     return M if _apart(writes, reads) else -1

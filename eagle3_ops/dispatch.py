@@ -56,9 +56,10 @@ def raw_env(name: str):
     return _ENV_DATA.get(key)
 
 
-if _ENV_DATA is not None:
-    _KEY_BACKEND, _KEY_VERIFY, _KEY_INTERPRET = (os.environ.encodekey(n) for n in
-                                                 ("EAGLE3_OPS_BACKEND", "EAGLE3_OPS_VERIFY", "TRITON_INTERPRET"))
+# select()'s raw reads of its three variables, without raw_env's call (select runs on every op call)
+_ENV_GET = _ENV_DATA.get if _ENV_DATA is not None else os.environ.get
+_KEY_BACKEND, _KEY_VERIFY, _KEY_INTERPRET = (os.environ.encodekey(n) if _ENV_DATA is not None else n
+                                             for n in ("EAGLE3_OPS_BACKEND", "EAGLE3_OPS_VERIFY", "TRITON_INTERPRET"))
 
 
 def forced_backend() -> Optional[str]:
@@ -203,12 +204,7 @@ _selected: Dict[tuple, tuple] = {}
 def select(op: str, device: torch.device, dtype: torch.dtype = torch.bfloat16) -> tuple:
     """(backend name, function) serving ``op`` on ``device`` for inputs of ``dtype``."""
     scoped = getattr(_scoped, "backend", None)
-    if _ENV_DATA is not None:  # raw_env of the three variables, inlined (this runs on every op call)
-        key = (op, device, dtype, scoped, _ENV_DATA.get(_KEY_BACKEND), _ENV_DATA.get(_KEY_VERIFY),
-               _ENV_DATA.get(_KEY_INTERPRET))
-    else:
-        key = (op, device, dtype, scoped, raw_env("EAGLE3_OPS_BACKEND"), raw_env("EAGLE3_OPS_VERIFY"),
-               raw_env("TRITON_INTERPRET"))
+    key = (op, device, dtype, scoped, _ENV_GET(_KEY_BACKEND), _ENV_GET(_KEY_VERIFY), _ENV_GET(_KEY_INTERPRET))
     hit = _selected.get(key)
     if hit is not None:
         return hit

@@ -708,12 +708,12 @@ def install_target_capture(model, max_tokens: Optional[int] = None,
     from .. import qualify
     from .lockstep import same_on_all_ranks
 
-    shaped_by = f"rows={state.max_tokens} qualify={qualify.enabled(state.buffer.buffer.device)}"
+    dtype, device, candidates = state.buffer.buffer.dtype, state.buffer.buffer.device, state.candidate_norms
+    shaped_by = f"rows={state.max_tokens} qualify={qualify.enabled(device)}"
     if not same_on_all_ranks(shaped_by, tp_group()):
         log.error("eagle3_ops: %s EAGLE-3 capture left stock on every TP rank: the ranks' settings differ (here %s; "
                   "EAGLE3_OPS_SGLANG_MAX_TOKENS / EAGLE3_OPS_QUALIFY must be the same on every node)", name, shaped_by)
         return None
-    dtype, device, candidates = state.buffer.buffer.dtype, state.buffer.buffer.device, state.candidate_norms
     # class level, so that SGLang's compile trampolines (which call type(module).forward) reach it
     wrap_class_forward(_forward_class(inner), _STATE_ATTR, _run_forward)
     inner.__dict__[_STATE_ATTR] = state

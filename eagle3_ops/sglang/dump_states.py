@@ -601,6 +601,22 @@ def wait_all(timeout: Optional[float] = None) -> None:
         rec.wait(timeout)
 
 
+def server_refusal() -> Optional[Tuple[str, str]]:
+    """(the server setting, why no recording can run under it), or None. A server setting: the same
+    answer on every TP rank, so every rank refuses together (no collective is reached by one alone)."""
+    if dp_attention_enabled():
+        return "under DP attention", ("each TP rank runs another batch, so the recording's all-gather would "
+                                      "pair different requests and could leave ranks waiting")
+    if pipeline_parallel():
+        return "under pipeline parallelism", ("each stage holds some layers only, the last the logits: no rank "
+                                              "sees every state the replay needs")
+    warmups = custom_warmups()
+    if warmups is not None:
+        return f"with --warmups {warmups}", ("the server's warm-up requests of random tokens would be recorded "
+                                             "as the first prompts")
+    return None
+
+
 def _off(label: str) -> str:
     return "the states dump is off" if label == ENV_DUMP_STATES else f"the {label} is off"
 
@@ -615,19 +631,9 @@ def install_recorder(model, settings: Optional[DumpSettings], *, boundaries: Opt
         return None
     if inner.__dict__.get(_STATE_ATTR) is not None:
         return None  # one recorder per model: the other feature has it
-    if dp_attention_enabled():  # the same answer on every rank (a server setting)
-        log.warning("eagle3_ops: %s: not under DP attention (each TP rank runs another batch, so the "
-                    "recording's all-gather would pair different requests and could leave ranks waiting); "
-                    "%s", label, _off(label))
-        return None
-    if pipeline_parallel():  # a server setting too
-        log.warning("eagle3_ops: %s: not under pipeline parallelism (each stage holds some layers only, the "
-                    "last the logits: no rank sees what the recording needs); %s", label, _off(label))
-        return None
-    warmups = custom_warmups()
-    if warmups is not None:  # a server setting too
-        log.warning("eagle3_ops: %s: not with --warmups %s (the server's warm-up requests of random tokens "
-                    "would be recorded as the first prompts); %s", label, warmups, _off(label))
+    refused = server_refusal()
+    if refused is not None:
+        log.warning("eagle3_ops: %s: not %s (%s); %s", label, *refused, _off(label))
         return None
     recorder = None
     if settings is not None:

@@ -614,18 +614,9 @@ def start(model, *, draft_path=None, target_config=None) -> Optional[WiringCheck
     owner, _ = find_capture_owner(model)
     if owner is None:
         return None
-    if dump_states.dp_attention_enabled():  # a server setting: every rank returns here
-        say("eagle3_ops: %s: off under DP attention (each TP rank runs another batch: recording could leave "
-            "ranks waiting); check offline with python -m eagle3_ops doctor --replay", LABEL)
-        return None
-    if dump_states.pipeline_parallel():
-        say("eagle3_ops: %s: off under pipeline parallelism (each stage holds some layers only: no rank sees "
-            "every state the replay needs); check offline with python -m eagle3_ops doctor --replay", LABEL)
-        return None
-    warmups = dump_states.custom_warmups()
-    if warmups is not None:
-        say("eagle3_ops: %s: off with --warmups %s (the server's warm-up requests of random tokens would be "
-            "taken for the first prompts); check offline with python -m eagle3_ops doctor --replay", LABEL, warmups)
+    refused = dump_states.server_refusal()  # a server setting: every rank returns here
+    if refused is not None:
+        say("eagle3_ops: %s: off %s (%s); check offline with python -m eagle3_ops doctor --replay", LABEL, *refused)
         return None
     inner = owner.inner
     state = capture_state(model)
