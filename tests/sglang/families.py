@@ -74,6 +74,36 @@ def table() -> dict:
     return json.loads(TABLE.read_text())
 
 
+DRAFT_MARK = "spec_info.hidden_states"
+
+
+def draft_classes() -> Dict[str, str]:
+    """Classes with SGLang's capture code that are drafts, from the installed SGLang's code: the class or
+    its capture holder (their SGLang bases included) reads ``forward_batch.spec_info.hidden_states``, the
+    target's states a draft takes as input (MTP / NextN, EAGLE-1/2, Gemma-4 assistant heads). SGLang
+    configures EAGLE-3 capture on the target worker only (``spec_aux_hidden_state``: the resolvers return
+    on ``is_draft_worker``; test_families_doc checks it), so the plugin never meets these configured.
+    Returns class -> the SGLang class whose source reads it."""
+    import importlib
+    import inspect
+
+    def resolve(qualname):
+        module, _, name = qualname.rpartition(".")
+        return getattr(importlib.import_module(module), name, None)
+
+    t = table()
+    out = {}
+    for arch, row in t["targets"].items():
+        if not row.get("supported") or arch in t["draft_heads"]:
+            continue
+        classes = [resolve(row["class"])] + ([resolve(row["holder_class"])] if row.get("holder_class") else [])
+        for cls in classes:
+            for base in inspect.getmro(cls) if isinstance(cls, type) else ():
+                if base.__module__.startswith("sglang.") and DRAFT_MARK in inspect.getsource(base):
+                    out.setdefault(arch, f"{base.__module__}.{base.__qualname__}")
+    return out
+
+
 def _capture_words(row: dict) -> str:
     cap = row.get("capture") or {}
     entry, final = cap.get("entry"), cap.get("final")
@@ -85,7 +115,9 @@ def document() -> str:
     CPU_TESTS, NOT_COVERED, PARTLY = _registry()
     t = table()
     targets = t["targets"]
-    supported = sorted(k for k, v in targets.items() if v.get("supported") and k not in t["draft_heads"])
+    drafts = draft_classes()
+    with_code = sorted(k for k, v in targets.items() if v.get("supported") and k not in t["draft_heads"])
+    supported = [k for k in with_code if k not in drafts]
     refused = sorted(k for k, v in targets.items() if not v.get("supported"))
     tested = [k for k in supported if k in CPU_TESTS]
     lines = [
@@ -102,8 +134,8 @@ def document() -> str:
         "= no CPU test runs it (the reason where one was tried); the plugin still installs there, or stays",
         "stock with one log line naming the class and why, but no test here has seen it.",
         "",
-        f"{len(supported)} classes have SGLang's EAGLE-3 capture code (some are MTP / NextN or EAGLE draft",
-        f"classes that inherit it); {len(tested)} are tested on CPU.",
+        f"{len(with_code)} classes have SGLang's EAGLE-3 capture code; {len(drafts)} of them are drafts that inherit",
+        f"it (next section); of the other {len(supported)}, {len(tested)} are tested on CPU.",
         "",
         "| SGLang class | module | capture | CPU test (plugin on vs off, bitwise) |",
         "|---|---|---|---|",
@@ -117,6 +149,14 @@ def document() -> str:
         lines += ["", "## Parts of tested families no CPU test reaches", "", "| what | why (SGLang 0.5.23 on a CPU) |",
                   "|---|---|"]
         lines += [f"| {what} | {why} |" for what, why in PARTLY.items()]
+    lines += ["", f"## Drafts that inherit the capture code ({len(drafts)})", "",
+              f"Found in SGLang's code by `families.draft_classes()`: the class or its decoder reads",
+              f"`forward_batch.{DRAFT_MARK}` (a draft's input: the target's states). SGLang configures",
+              "EAGLE-3 capture on the target worker only (`spec_aux_hidden_state._resolve_eagle_aux_hidden_state`",
+              "returns on `is_draft_worker`; `tests/sglang/test_families_doc.py` checks it), so these never capture",
+              "and the plugin has nothing to do on them.", "", "| SGLang class | reads the target's states in |",
+              "|---|---|"]
+    lines += [f"| `{k}` | `{drafts[k]}` |" for k in sorted(drafts)]
     lines += ["", "## Draft heads", "", "| SGLang class | CPU test (plugin on vs off) |", "|---|---|"]
     for k in sorted(t["draft_heads"]):
         lines.append(f"| `{k}` | " + (f"tested: `{DRAFT_TESTS[k]}`" if k in DRAFT_TESTS else "not covered") + " |")
@@ -130,14 +170,16 @@ def document() -> str:
 def readme_block() -> str:
     CPU_TESTS = _registry()[0]
     t = table()
-    supported = sorted(k for k, v in t["targets"].items() if v.get("supported") and k not in t["draft_heads"])
+    drafts = draft_classes()
+    supported = sorted(k for k, v in t["targets"].items()
+                       if v.get("supported") and k not in t["draft_heads"] and k not in drafts)
     tested = [k for k in supported if k in CPU_TESTS]
     return "\n".join([
         BEGIN,
         f"SGLang 0.5.23 can capture for EAGLE-3 on {len(supported)} target classes (its own code says so; the",
         f"list, per class, is `docs/sglang_families.md`). Tested on CPU with the plugin on and off, bitwise:",
         ", ".join(f"`{k}`" for k in tested) + ".",
-        f"The other {len(supported) - len(tested)} go through the same hooks with no CPU test of their own.",
+        f"The other {len(supported) - len(tested)} have no CPU test (why, per class: the same document).",
         END])
 
 

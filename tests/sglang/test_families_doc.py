@@ -46,3 +46,40 @@ def test_every_family_the_harness_builds_is_registered():
     from eagle3_ops.demos.sglang_cpu_harness import FAMILIES
 
     assert {f.sglang_class for f in FAMILIES.values()} <= set(families._registry()[0])
+
+
+def test_sglang_configures_eagle3_capture_on_the_target_worker_only(monkeypatch):
+    """The reason the draft classes (families.draft_classes) need nothing from the plugin, asked of
+    SGLang's own resolver: for an EAGLE-3 draft worker it turns no aux hidden-state capture on (for the
+    target worker it does, with the draft config's layer ids), so configure_aux_hidden_state_capture,
+    which the plugin hooks, never configures a draft."""
+    import types
+
+    import sglang.srt.model_executor.model_runner_components.spec_aux_hidden_state as spec_aux
+    from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
+
+    eagle3 = SpeculativeAlgorithm.from_string("EAGLE3")
+    # the target worker reads the draft checkpoint's config; a stand-in for it (no checkpoint here)
+    draft_cfg = types.SimpleNamespace(num_nextn_predict_layers=None, num_hidden_layers=1, num_attention_layers=1,
+                                      is_hybrid_swa=False, is_deepseek_v4_arch=False,
+                                      hf_config=types.SimpleNamespace(eagle_config={
+                                          "eagle_aux_hidden_state_layer_ids": [1, 5, 9]}))
+    monkeypatch.setattr(spec_aux.ModelConfig, "from_server_args", staticmethod(lambda *a, **k: draft_cfg))
+    monkeypatch.setattr(spec_aux, "get_spec", lambda: types.SimpleNamespace(
+        speculative_draft_model_path="/draft", speculative_draft_model_revision=None))
+    monkeypatch.setattr(spec_aux, "get_exec", lambda: types.SimpleNamespace(
+        features=types.SimpleNamespace(aux_hidden_state_capture=None)))
+    resolved = {worker: spec_aux.resolve_spec_aux_hidden_state_config(
+        server_args=None, model_config=None, spec_algorithm=eagle3, is_draft_worker=worker == "draft")
+        for worker in ("target", "draft")}
+    assert resolved["target"].eagle_use_aux_hidden_state is True
+    assert resolved["target"].eagle_aux_hidden_state_layer_ids == [1, 5, 9]
+    assert resolved["draft"].eagle_use_aux_hidden_state is False
+    assert resolved["draft"].eagle_aux_hidden_state_layer_ids is None
+
+
+def test_draft_classes_are_drafts_and_no_tested_target_is_one():
+    drafts = families.draft_classes()
+    cpu_tests = families._registry()[0]
+    assert "LlamaForCausalLMEagle" in drafts and "DeepseekV3ForCausalLMNextN" in drafts
+    assert not set(drafts) & set(cpu_tests), sorted(set(drafts) & set(cpu_tests))

@@ -87,6 +87,25 @@ COVERED = {
     "test_minimax_m3_with_boundary_L": ("MiniMax-M3 and its VL wrapper (no sparse attention, text only), boundary L",
                                         "MiniMaxM3SparseForCausalLM, MiniMaxM3SparseForConditionalGeneration",
                                         "model: MiniMaxM3Model (final norm)", "stock only (seeded)", "fp32"),
+    "test_qwen3_next_full_attention_layers": ("Qwen3-Next (full-attention layers only)", "Qwen3NextForCausalLM",
+                                              "model: Qwen3NextModel (AuxHiddenStateList)", "stock only (seeded)",
+                                              "fp32"),
+    "test_qwen3_5_text_full_attention_layers": ("Qwen3.5 text, dense and MoE (full-attention layers only)",
+                                                "Qwen3_5ForCausalLM, Qwen3_5MoeForCausalLM",
+                                                "model: qwen3_5.Qwen3_5(Moe)ForCausalLM (layer flags)",
+                                                "stock only (seeded)", "fp32"),
+    "test_qwen3_5_vl_wrappers_full_attention_layers": (
+        "Qwen3.5 / Qwen3.5-MoE multimodal, Intern-S2-Preview, Intern-S2-Mobius (full-attention layers, text only)",
+        "Qwen3_5ForConditionalGeneration, Qwen3_5MoeForConditionalGeneration, "
+        "InternS2PreviewForConditionalGeneration, InternS2MobiusForConditionalGeneration",
+        "model: the Qwen3.5 decoder (layer flags)", "stock only (seeded)", "fp32"),
+    "test_dsa_classes_without_the_indexer": ("DeepSeek-V3.2, GLM-MoE-DSA (no sparse indexer)",
+                                             "DeepseekV32ForCausalLM, GlmMoeDsaForCausalLM",
+                                             "model: DeepseekV2Model (AuxHiddenStatePacker)", "stock only (seeded)",
+                                             "fp32"),
+    "test_glm5_next_wrapper_mla_layers_only": ("GLM-5-Next (MLA layers only, no sparse indexer, text only)",
+                                               "Glm5NextForConditionalGeneration", "model: Glm5NextModel",
+                                               "stock only (seeded)", "fp32"),
 }
 
 # Tried and not covered, with the exact reason (what SGLang 0.5.23 raised on this CPU).
@@ -106,22 +125,43 @@ NOT_COVERED = {
         "LongcatFlashModel.__init__ takes a CUDA stream (get_stream(\"alt\")): torch.AcceleratorError: CUDA error: "
         "CUDA driver version is insufficient for CUDA runtime version (longcat_flash.py:573); its zero experts are "
         "a Triton kernel too (zero_experts_compute_triton)"),
-    "DeepSeek-V3.2 (DeepseekV32ForCausalLM, DSA)": (
-        "builds, but the MLA forward's sparse-attention indexer has no CPU path: NotImplementedError: Indexer has "
-        "no native (pure-torch) path (dsa_indexer.py:1891). GlmMoeDsa / GLM-5 use the same indexer (not run "
-        "separately)"),
+    "The DSA sparse-attention indexer (DeepseekV32ForCausalLM, GlmMoeDsaForCausalLM, Glm5NextForConditionalGeneration "
+    "with index_topk)": (
+        "the MLA forward's indexer has no CPU path: NotImplementedError: Indexer has no native (pure-torch) path "
+        "(dsa_indexer.py:1891); the classes are tested without it (test_dsa_classes_without_the_indexer)"),
     "Intern-S1-Pro (InternS1ProForConditionalGeneration)": (
         "cannot be built in SGLang 0.5.23 on any device: Qwen2MoeModel constructs every decoder layer with "
         "start_layer=, which InternS1ProTextDecoderLayer.__init__ does not take: TypeError: "
         "InternS1ProTextDecoderLayer.__init__() got an unexpected keyword argument 'start_layer' (qwen2_moe.py:1134)"),
-    "Qwen3-Next (Qwen3NextForCausalLM)": (
+    "Gated-delta-net (linear-attention) layers of Qwen3-Next and Qwen3.5 (Qwen3NextForCausalLM, Qwen3_5ForCausalLM "
+    "and the classes on them) as released (full_attention_interval 4)": (
         "Qwen3GatedDeltaNet.__init__ builds its gated norm on torch.get_device_module().current_device(): "
-        "RuntimeError: Found no NVIDIA driver on your system (qwen3_next.py:252)"),
-    "Qwen3.5 (Qwen3_5ForCausalLM)": (
-        "builds, but the first linear-attention layer's forward runs the Triton kernel "
-        "fused_qkvzba_split_reshape_cat_contiguous_kernel: RuntimeError: 0 active drivers ([]). There should only "
-        "be one. (triton_gdn_fused_proj.py:324); the gated-delta-net layers also need SGLang's hybrid "
-        "linear-attention backend and Mamba state pool, which torch_native does not provide"),
+        "RuntimeError: Found no NVIDIA driver on your system (qwen3_next.py:252); Qwen3.5's first linear-attention "
+        "layer runs the Triton kernel fused_qkvzba_split_reshape_cat_contiguous_kernel: RuntimeError: 0 active "
+        "drivers ([]). There should only be one. (triton_gdn_fused_proj.py:324); both need SGLang's hybrid "
+        "linear-attention backend and Mamba state pool, which torch_native does not provide. Tested with every "
+        "layer full attention"),
+    "The attention output gate and the shared-expert gate of Qwen3-Next / Qwen3.5 (Qwen3_5ForCausalLM, as released)": (
+        "off NPU SGLang runs them as the Triton kernels fused_sigmoid_mul and fused_gate_sigmoid_mul_add: "
+        "RuntimeError: 0 active drivers ([]). There should only be one. (triton/runtime/driver.py:20); tested with "
+        "attn_output_gate=False (Qwen3.5) and no shared expert"),
+    "KDA linear-attention layers of GLM-5-Next (Glm5NextForConditionalGeneration)": (
+        "RadixLinearAttention hands them to the attention backend's linear-attention forward, which torch_native "
+        "does not have: TypeError: AttentionBackend.forward() missing 3 required positional arguments: 'q', 'k', "
+        "and 'v' (radix_linear_attention.py:151); tested with kda_layers empty"),
+    "EmbeddingGemma (EmbeddingGemmaModel)": (
+        "stock SGLang itself fails with EAGLE-3 capture configured: its forward hands the decoder's output, a "
+        "(hidden, aux) pair once capture is on, to its mean pooler: TypeError: cumsum(): argument 'input' "
+        "(position 1) must be Tensor, not tuple (pooler.py:69). An embedding model, nothing to draft for"),
+    "Qwen4-Exp (Qwen4ExpForConditionalGeneration)": (
+        "stock SGLang itself fails with EAGLE-3 capture configured (bf16, every layer full attention): ValueError: "
+        "too many values to unpack (expected 2) (qwen3_vl.py:1664); Qwen4ExpModel.forward returns "
+        "(hidden_states, hc_hidden_states) on every forward that is not idle and its aux states only on an idle "
+        "one (qwen4_exp.py:2170-2175)"),
+    "MindSpore (MindSporeForCausalLM)": (
+        "a MindSpore network, not torch modules (sglang/srt/models/mindspore.py imports mindspore; not installable "
+        "here), which SGLang serves only on Ascend NPUs (arg_groups/validation_hook.py: \"MindSpore model impl is "
+        "only supported on Ascend npu.\")"),
 }
 
 
@@ -947,3 +987,154 @@ def test_minimax_m3_with_boundary_L(sglang_cpu, fused_norm_qualified, monkeypatc
     vl = _build(MiniMaxM3SparseForConditionalGeneration, vl_cfg, seed=2)
     assert type(vl.model) is MiniMaxM3Model
     check_family(h, vl, cfg, [0, 1, L - 1], [1, 2, L], "model")
+
+
+# ---- hybrid linear-attention families with every layer full attention ----------------------------
+# Qwen3-Next, Qwen3.5 and the families built on Qwen3.5's decoder interleave gated-delta-net layers
+# (``full_attention_interval`` 4 as released) whose CPU forward SGLang 0.5.23 does not have (Triton
+# kernels, the hybrid linear-attention backend); with ``full_attention_interval=1`` every layer is SGLang's
+# own attention layer of the family, so the capture path (the family's decoder loop, norms and
+# ``AuxHiddenStateList``) runs on CPU. What this leaves out is in NOT_COVERED.
+def _qwen3_next_cfg():
+    from sglang.srt.configs.qwen3_next import Qwen3NextConfig
+
+    # shared expert 0: SGLang's shared-expert gate is a Triton kernel (fused_gate_sigmoid_mul_add) off NPU
+    cfg = Qwen3NextConfig(**dict(_DECODER, head_dim=16), full_attention_interval=1, num_experts=4,
+                          num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=0,
+                          decoder_sparse_step=1)
+    cfg.architectures = ["Qwen3NextForCausalLM"]
+    return cfg
+
+
+def test_qwen3_next_full_attention_layers(sglang_cpu, fused_norm_qualified):
+    """Qwen3-Next (``Qwen3NextForCausalLM``): every layer full attention (see above), gated attention
+    output, routed experts; seeded weights, stock vs plugin bitwise."""
+    h = sglang_cpu
+    from sglang.srt.models.qwen3_next import Qwen3HybridAttentionDecoderLayer, Qwen3NextForCausalLM, Qwen3NextModel
+
+    cfg = _qwen3_next_cfg()
+    model = _build(Qwen3NextForCausalLM, cfg, seed=3)
+    assert type(model.model) is Qwen3NextModel
+    assert {type(layer) for layer in model.model.layers} == {Qwen3HybridAttentionDecoderLayer}
+    check_family(h, model, cfg, [0, 1, 2], [1, 2, 3], "model")
+
+
+# Qwen3.5 text: M-RoPE sections on a partial rotary, no attention output gate (SGLang's is the Triton
+# kernel fused_sigmoid_mul off NPU); MoE variants without the shared expert (its gate: see above)
+_QWEN3_5_TEXT = dict(_DECODER, head_dim=16, full_attention_interval=1, attn_output_gate=False,
+                     rope_parameters=dict(rope_type="default", rope_theta=10000.0, partial_rotary_factor=0.5,
+                                          mrope_section=[2, 1, 1], mrope_interleaved=True))
+_QWEN3_5_MOE = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=0)
+
+
+@pytest.mark.parametrize("cls_name", ["Qwen3_5ForCausalLM", "Qwen3_5MoeForCausalLM"])
+def test_qwen3_5_text_full_attention_layers(sglang_cpu, fused_norm_qualified, mrope_batches, cls_name):
+    """Qwen3.5 text-only classes (``qwen3_5_text.py``: the causal LM around ``qwen3_5``'s decoder),
+    dense and MoE; seeded weights, stock vs plugin bitwise."""
+    import sglang.srt.models.qwen3_5_text as text_models
+    from sglang.srt.configs.qwen3_5 import Qwen3_5MoeTextConfig, Qwen3_5TextConfig
+
+    h = sglang_cpu
+    moe = "Moe" in cls_name
+    cfg = (Qwen3_5MoeTextConfig(**_QWEN3_5_TEXT, **_QWEN3_5_MOE) if moe else Qwen3_5TextConfig(**_QWEN3_5_TEXT))
+    cfg.architectures = [cls_name]
+    cls = getattr(text_models, cls_name)
+    model = _build(cls, cfg, seed=3)
+    from sglang.srt.models.qwen3_5 import Qwen3_5AttentionDecoderLayer
+
+    assert type(model.model) is cls.body_cls
+    assert {type(layer) for layer in model.model.layers} == {Qwen3_5AttentionDecoderLayer}
+    check_family(h, model, cfg, [0, 1, 2], [1, 2, 3], "model")
+
+
+_QWEN3_5_VL = {  # SGLang class -> (its module, its config class's module and name, MoE)
+    "Qwen3_5ForConditionalGeneration": ("qwen3_5", "qwen3_5", "Qwen3_5Config", False),
+    "Qwen3_5MoeForConditionalGeneration": ("qwen3_5", "qwen3_5", "Qwen3_5MoeConfig", True),
+    "InternS2PreviewForConditionalGeneration": ("interns2preview", "qwen3_5", "Qwen3_5MoeConfig", True),
+    "InternS2MobiusForConditionalGeneration": ("interns2_mobius", "interns2_mobius", "InternS2MobiusConfig", True),
+}
+
+
+@pytest.mark.parametrize("cls_name", sorted(_QWEN3_5_VL))
+def test_qwen3_5_vl_wrappers_full_attention_layers(sglang_cpu, fused_norm_qualified, mrope_batches, cls_name):
+    """The Qwen3.5 multimodal wrappers (Qwen3-VL's wrapper around a Qwen3.5 decoder) and the Intern-S2
+    classes SGLang builds on them, text only (a one-block vision tower is built, no image fed);
+    seeded weights, stock vs plugin bitwise. Intern-S2-Mobius keeps its checkpoint's per-layer
+    schedule (``layer_types``): all full attention here."""
+    import importlib
+
+    h = sglang_cpu
+    module, config_module, config_name, moe = _QWEN3_5_VL[cls_name]
+    config_cls = getattr(importlib.import_module(f"sglang.srt.configs.{config_module}"), config_name)
+    text = dict(_QWEN3_5_TEXT, **(_QWEN3_5_MOE if moe else {}))
+    if cls_name.startswith("InternS2Mobius"):
+        text["layer_types"] = ["full_attention"] * text["num_hidden_layers"]
+    cfg = config_cls(text_config=text, vision_config=_VL_VISION, tie_word_embeddings=False)
+    cfg.architectures = [cls_name]
+    model = _build(getattr(importlib.import_module(f"sglang.srt.models.{module}"), cls_name), cfg, seed=3)
+    from sglang.srt.models.qwen3_5 import Qwen3_5ForCausalLM
+
+    assert isinstance(model.model, Qwen3_5ForCausalLM)
+    assert all(type(layer).__name__.endswith("AttentionDecoderLayer") for layer in model.model.layers)
+    check_family(h, model, cfg.text_config, [0, 1, 2], [1, 2, 3], "model")
+
+
+# ---- DSA classes without the sparse indexer ------------------------------------------------------
+@pytest.mark.parametrize("cls_name", ["DeepseekV32ForCausalLM", "GlmMoeDsaForCausalLM"])
+def test_dsa_classes_without_the_indexer(sglang_cpu, fused_norm_qualified, cls_name):
+    """DeepSeek-V3.2 and GLM-MoE-DSA (GLM-5): SGLang builds their sparse-attention indexer only when the
+    config has ``index_topk`` (configs/model_config.is_deepseek_dsa), and the indexer has no CPU path
+    (NOT_COVERED); without it each class runs its MLA layers, experts and capture (DeepseekV2Model,
+    AuxHiddenStatePacker) on CPU. Seeded weights, stock vs plugin bitwise, SGLang's id rule for them."""
+    h = sglang_cpu
+    from sglang.srt.configs.model_config import is_deepseek_dsa
+    from sglang.srt.models.deepseek_v2 import DeepseekV2Model
+
+    cfg = _deepseek_v3_text_cfg()
+    if cls_name == "GlmMoeDsaForCausalLM":
+        from transformers import GlmMoeDsaConfig
+        from sglang.srt.models.glm4_moe import GlmMoeDsaForCausalLM as cls
+
+        d = cfg.to_dict()
+        cfg = GlmMoeDsaConfig(**{k: d[k] for k in (
+            "vocab_size", "hidden_size", "intermediate_size", "moe_intermediate_size", "num_hidden_layers",
+            "num_attention_heads", "num_key_value_heads", "n_routed_experts", "n_shared_experts", "num_experts_per_tok",
+            "first_k_dense_replace", "n_group", "topk_group", "norm_topk_prob", "routed_scaling_factor", "kv_lora_rank",
+            "q_lora_rank", "qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim", "max_position_embeddings",
+            "rms_norm_eps")}, head_dim=8, bos_token_id=None, eos_token_id=None,
+            rope_parameters=dict(rope_type="default", rope_theta=10000.0))
+        for k in ("moe_layer_freq", "topk_method", "scoring_func"):  # what SGLang's DeepseekV2 reads besides
+            setattr(cfg, k, d[k])
+        cfg.__dict__["index_topk"] = None  # the strict config refuses None through setattr
+    else:
+        from sglang.srt.models.deepseek_v2 import DeepseekV32ForCausalLM as cls
+    cfg.architectures = [cls_name]
+    assert not is_deepseek_dsa(cfg)
+    model = _build(cls, cfg, seed=3)
+    assert type(model.model) is DeepseekV2Model
+    check_family(h, model, cfg, [1, 2], [2, 3], "model")
+
+
+def test_glm5_next_wrapper_mla_layers_only(sglang_cpu, fused_norm_qualified):
+    """GLM-5-Next (``Glm5NextForConditionalGeneration``), text only (a one-block vision tower is built):
+    no KDA linear-attention layers (``linear_attn_config`` with ``kda_layers`` empty; their forward needs
+    SGLang's hybrid linear-attention backend) and no sparse indexer (no ``index_topk``, as above): MLA
+    layers with experts, Glm5NextModel's own capture loop. Seeded weights, stock vs plugin bitwise."""
+    h = sglang_cpu
+    from sglang.srt.configs.glm5_next import Glm5NextConfig
+    from sglang.srt.models.glm5_next import Glm5NextForConditionalGeneration, Glm5NextModel
+
+    d = _deepseek_v3_text_cfg().to_dict()
+    text = {k: d[k] for k in (
+        "vocab_size", "hidden_size", "intermediate_size", "moe_intermediate_size", "num_hidden_layers",
+        "num_attention_heads", "num_key_value_heads", "n_routed_experts", "n_shared_experts", "num_experts_per_tok",
+        "first_k_dense_replace", "kv_lora_rank", "q_lora_rank", "qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim",
+        "max_position_embeddings", "rms_norm_eps")}
+    vision = dict(swiglu_limit=7.0, depth=1, hidden_size=32, out_hidden_size=64, num_heads=2, intermediate_size=64,
+                  patch_size=14, spatial_merge_size=2, temporal_patch_size=2)
+    cfg = Glm5NextConfig(text_config=dict(text, rope_theta=10000.0, linear_attn_config={"kda_layers": []}),
+                         vision_config=vision)
+    cfg.architectures = ["Glm5NextForConditionalGeneration"]
+    model = _build(Glm5NextForConditionalGeneration, cfg, seed=3)
+    assert type(model.model) is Glm5NextModel and cfg.text_config.linear_layer_ids == []
+    check_family(h, model, cfg.text_config, [1, 2], [2, 3], "model")
