@@ -135,10 +135,11 @@ def _fused_impl(input, residual, weight, eps, buffer, slot):
 
 # ---- draft_fc / draft_fc_out ---------------------------------------------------------------------
 def _run_draft_fc(x, weight, bias, rows, chunk_norm_weight, input_norm_weight, eps, out, workspace, op,
-                  norm_folded=False):
-    """After validation: range-check host rows, size the workspace, run the selected backend,
-    debug-check device rows."""
-    validation.check_host_rows_in_range(x, rows, op=op)
+                  norm_folded=False, rows_checked=False):
+    """After validation: range-check host rows (unless the fast acceptance did: ``rows_checked``),
+    size the workspace, run the selected backend, debug-check device rows."""
+    if not rows_checked:
+        validation.check_host_rows_in_range(x, rows, op=op)
     if out.numel() == 0:
         return
     backend, fn = dispatch.select("draft_fc", x.device, x.dtype)
@@ -286,7 +287,7 @@ def draft_fc(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]
     if M >= 0:
         out = torch.empty((M, weight.shape[0]), dtype=x.dtype, device=x.device)
         _run_draft_fc(x, weight, bias, rows, chunk_norm_weight, input_norm_weight, eps, out, workspace,
-                      "draft_fc" if workspace is None else "draft_fc_out", norm_folded)  # the op the full path names
+                      "draft_fc" if workspace is None else "draft_fc_out", norm_folded, True)  # the op the full path names
         return out
     validation.check_eps("draft_fc", eps)
     norm_folded = bool(norm_folded)
@@ -308,7 +309,7 @@ def draft_fc_out(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Ten
     if accept.plain_eager() and accept.draft_fc_accepted(x, weight, bias, rows, chunk_norm_weight, input_norm_weight,
                                                          eps, out, workspace, norm_folded) >= 0:
         _run_draft_fc(x, weight, bias, rows, chunk_norm_weight, input_norm_weight, eps, out, workspace,
-                      "draft_fc_out", norm_folded)
+                      "draft_fc_out", norm_folded, True)
         return
     validation.check_eps("draft_fc_out", eps)
     _call("draft_fc_out", x, weight, bias, rows, chunk_norm_weight, input_norm_weight, float(eps), out, workspace,

@@ -16,6 +16,32 @@ from eagle3_ops import accept, testing, validation
 
 DT = torch.bfloat16
 CPU = torch.device("cpu")
+_COMPILED = accept.compiled_twins()
+
+
+class Twin:
+    """One implementation of the three acceptance tests: the Python one, or the C++ one of csrc/accept.cpp."""
+
+    def __init__(self, capture, fused, draft_fc):
+        self.capture, self.fused, self.draft_fc = capture, fused, draft_fc
+
+
+@pytest.fixture(params=["python", "c++"])
+def twin(request):
+    if request.param == "python":
+        return Twin(accept.python_capture_accepted, accept.python_fused_add_rmsnorm_capture_accepted,
+                    accept.python_draft_fc_accepted)
+    if _COMPILED is None:
+        pytest.skip("eagle3_ops._C is not built here (no nvcc): the Python twin above is the one the faces use")
+    return Twin(*_COMPILED)
+
+
+def test_the_faces_use_the_compiled_twin_where_it_is_built():
+    if _COMPILED is None:
+        assert accept.IMPLEMENTATION == "Python" and accept.capture_accepted is accept.python_capture_accepted
+    else:
+        assert (accept.capture_accepted, accept.fused_add_rmsnorm_capture_accepted,
+                accept.draft_fc_accepted) == _COMPILED
 
 
 def _full_passes(fn, *args, **kwargs) -> bool:
@@ -46,21 +72,21 @@ def _fc_full(x, weight, bias, rows, cnw, inw, eps, out, workspace, norm_folded):
 
 
 # ---- the calls SGLang makes are accepted --------------------------------------------------------
-def test_common_calls_are_accepted():
+def test_common_calls_are_accepted(twin):
     gen = testing.generator(CPU, "accept-common")
     T, H, K = 5, 32, 3
     hidden, residual = testing.randn((T, H), DT, CPU, gen), testing.randn((T, H), DT, CPU, gen)
     buffer = torch.zeros(16, K * H, dtype=DT)
     for slot in range(K):
-        assert accept.capture_accepted(hidden, residual, buffer, slot)
-        assert accept.capture_accepted(hidden, None, buffer, slot)
+        assert twin.capture(hidden, residual, buffer, slot)
+        assert twin.capture(hidden, None, buffer, slot)
         # another slot of the same buffer: the rows interleave in memory, so only the full check (by
         # rows and columns) can tell they are apart; the fast test leaves it to it
         other = buffer[:T, :H]
-        assert not accept.capture_accepted(other, None, buffer, 1) and _full_passes(_capture_full, other, None,
+        assert not twin.capture(other, None, buffer, 1) and _full_passes(_capture_full, other, None,
                                                                                    buffer, 1)
     weight = testing.positive((H,), DT, CPU, gen)
-    assert accept.fused_add_rmsnorm_capture_accepted(hidden, residual, weight, 1e-6, buffer, 2)
+    assert twin.fused(hidden, residual, weight, 1e-6, buffer, 2)
     for bias in (False, True):
         for rows in (None, torch.int32, torch.int64):
             for chunk, inorm, folded in ((False, False, False), (True, False, False), (False, True, False),
@@ -75,8 +101,8 @@ def test_common_calls_are_accepted():
                 M = R if rows is None else 3
                 out = torch.empty(M, N, dtype=DT)
                 ws = torch.empty(256, dtype=torch.uint8)
-                assert accept.draft_fc_accepted(*args, None, None, folded) == M
-                assert accept.draft_fc_accepted(*args, out, ws, folded) == M
+                assert twin.draft_fc(*args, None, None, folded) == M
+                assert twin.draft_fc(*args, out, ws, folded) == M
                 assert _full_passes(_fc_full, *args, out, ws, folded)
 
 
@@ -124,7 +150,7 @@ def _scalar(rng, good):
 
 
 @pytest.mark.parametrize("seed", range(4))
-def test_capture_accepted_implies_the_contract(seed):
+def test_capture_accepted_implies_the_contract(seed, twin):
     rng = random.Random(seed)
     storage = torch.randn(16384).to(DT)
     accepted = 0
@@ -136,7 +162,7 @@ def test_capture_accepted_implies_the_contract(seed):
         if rng.random() < 0.05:
             residual = hidden
         slot = _scalar(rng, rng.randrange(0, K + 1))
-        if accept.capture_accepted(hidden, residual, buffer, slot):
+        if twin.capture(hidden, residual, buffer, slot):
             accepted += 1
             assert _full_passes(_capture_full, hidden, residual, buffer, slot), \
                 (hidden.shape, hidden.stride(), buffer.shape, buffer.stride(), slot)
@@ -144,7 +170,7 @@ def test_capture_accepted_implies_the_contract(seed):
 
 
 @pytest.mark.parametrize("seed", range(4))
-def test_fused_accepted_implies_the_contract(seed):
+def test_fused_accepted_implies_the_contract(seed, twin):
     rng = random.Random(100 + seed)
     storage = torch.randn(16384).to(DT)
     accepted = 0
@@ -155,14 +181,14 @@ def test_fused_accepted_implies_the_contract(seed):
         weight = _mutate(_carve(storage, rng, (H,)), rng)
         buffer = _mutate(_carve(storage, rng, (T + rng.randrange(0, 3), K * H)), rng)
         eps, slot = _scalar(rng, 1e-6), _scalar(rng, rng.randrange(0, K + 1))
-        if accept.fused_add_rmsnorm_capture_accepted(input, residual, weight, eps, buffer, slot):
+        if twin.fused(input, residual, weight, eps, buffer, slot):
             accepted += 1
             assert _full_passes(_fused_full, input, residual, weight, eps, buffer, slot)
     assert accepted > 20
 
 
 @pytest.mark.parametrize("seed", range(4))
-def test_draft_fc_accepted_implies_the_contract(seed):
+def test_draft_fc_accepted_implies_the_contract(seed, twin):
     rng = random.Random(200 + seed)
     storage = torch.randn(16384).to(DT)
     istorage = torch.arange(64, dtype=torch.int64)
@@ -176,6 +202,8 @@ def test_draft_fc_accepted_implies_the_contract(seed):
         rows = None
         if rng.random() < 0.5:
             rows = _carve(istorage, rng, (rng.randrange(1, 4),), dtype=torch.int64) % max(R, 1)
+            if rng.random() < 0.1:  # out of range: the face must not take these past the range check
+                rows = rows + rng.choice((-R - 1, R, 64))
             rows = rows.to(torch.int32) if rng.random() < 0.3 else rows
             rows = _mutate(rows, rng) if rng.random() < 0.2 else rows
         cnw = None if rng.random() < 0.5 else _mutate(_carve(storage, rng, (K, H)), rng)
@@ -193,10 +221,11 @@ def test_draft_fc_accepted_implies_the_contract(seed):
                 workspace = storage.view(torch.uint8)[off:off + n]  # inside the tensors' bytes
         eps = _scalar(rng, 1e-6)
         folded = rng.random() < 0.2
-        got = accept.draft_fc_accepted(x, weight, bias, rows, cnw, inw, eps, out, workspace, folded)
+        got = twin.draft_fc(x, weight, bias, rows, cnw, inw, eps, out, workspace, folded)
         if got >= 0:
             accepted += 1
             assert got == M
+            assert _full_passes(validation.check_host_rows_in_range, x, rows), "accepted rows out of range"
             if out is not None:
                 assert _full_passes(_fc_full, x, weight, bias, rows, cnw, inw, eps, out, workspace, folded)
             else:  # the functional op: the face allocates out
@@ -205,7 +234,7 @@ def test_draft_fc_accepted_implies_the_contract(seed):
     assert accepted > 20
 
 
-def test_parameters_are_plain_and_wrappers_are_not():
+def test_parameters_are_plain_and_wrappers_are_not(twin):
     """SGLang's weights are nn.Parameter (and its BasevLLMParameter family): the fast path takes them.
     A subclass with a __torch_function__ of its own, and functional wrappers (address 0), go the full way."""
     gen = testing.generator(CPU, "accept-params")
@@ -213,14 +242,14 @@ def test_parameters_are_plain_and_wrappers_are_not():
     x, r = testing.randn((T, H), DT, CPU, gen), testing.randn((T, H), DT, CPU, gen)
     buffer = torch.zeros(T, 2 * H, dtype=DT)
     weight = torch.nn.Parameter(testing.positive((H,), DT, CPU, gen), requires_grad=False)
-    assert accept.fused_add_rmsnorm_capture_accepted(x, r, weight, 1e-6, buffer, 1)
+    assert twin.fused(x, r, weight, 1e-6, buffer, 1)
     from sglang.srt.layers.parameter import ModelWeightParameter
 
     assert accept.plain_tensor_type(ModelWeightParameter)
     fc_w = ModelWeightParameter(data=testing.randn((8, H), DT, CPU, gen), input_dim=1, output_dim=0,
                                 weight_loader=lambda *a: None)
     fc_w.requires_grad_(False)
-    assert accept.draft_fc_accepted(x, fc_w, None, None, None, None, 1e-6, None, None, False) == T
+    assert twin.draft_fc(x, fc_w, None, None, None, None, 1e-6, None, None, False) == T
 
     class Traced(torch.Tensor):
         @classmethod
@@ -228,14 +257,14 @@ def test_parameters_are_plain_and_wrappers_are_not():
             return super().__torch_function__(func, types, args, kwargs or {})
 
     assert not accept.plain_tensor_type(Traced)
-    assert not accept.capture_accepted(x.as_subclass(Traced), None, buffer, 1)
-    assert not accept.fused_add_rmsnorm_capture_accepted(x, r, torch.nn.Parameter(weight.detach()), 1e-6, buffer, 1), \
+    assert not twin.capture(x.as_subclass(Traced), None, buffer, 1)
+    assert not twin.fused(x, r, torch.nn.Parameter(weight.detach()), 1e-6, buffer, 1), \
         "a Parameter that requires grad"
 
     seen = []
 
     def functional(h, b):
-        seen.append(accept.capture_accepted(h, None, b, 1))
+        seen.append(twin.capture(h, None, b, 1))
         return b.clone()
 
     torch.func.functionalize(functional)(x, buffer)

@@ -1,0 +1,266 @@
+// The eager faces' fast acceptance in C++: the same sufficient conditions of the ops' contract as
+// eagle3_ops/accept.py (the Python twin, which serves where this module is not built), at a fraction
+// of the cost (no Python attribute lookups, no tuple per view). Each function returns "accepted" only
+// when the full check in eagle3_ops/validation.py would pass with the same arguments; anything it is
+// not sure of returns "not accepted" and the face runs the full check, which raises with its message
+// or passes. tests/ops/test_accept.py holds both twins to that over generated arguments.
+//
+// Accepted tensors: torch.Tensor, nn.Parameter and its plain subclasses (plain_type), strided, dense CPU or CUDA (no Python, functionalization,
+// functorch, sparse, mkldnn, meta or quantized key), not requiring grad, non-empty, with storage.
+// Two views are apart when their byte ranges [address, address + extent) are disjoint.
+#include <Python.h>
+
+#include <torch/csrc/autograd/python_variable.h>
+#include <torch/extension.h>
+
+#include <cmath>
+#include <cstdint>
+#include <optional>
+#include <vector>
+
+namespace eagle3 {
+namespace {
+
+using Span = std::pair<uintptr_t, uintptr_t>;  // [lo, hi) bytes
+
+// The dispatch keys a plain dense CPU / CUDA tensor carries.
+const c10::DispatchKeySet& plain_keys() {
+  static const c10::DispatchKeySet keys({c10::DispatchKey::CPU, c10::DispatchKey::CUDA, c10::DispatchKey::AutogradCPU,
+                                         c10::DispatchKey::AutogradCUDA, c10::DispatchKey::ADInplaceOrView,
+                                         c10::DispatchKey::AutocastCPU, c10::DispatchKey::AutocastCUDA});
+  return keys;
+}
+
+bool is_served_dtype(at::ScalarType t) {
+  return t == at::kBFloat16 || t == at::kHalf || t == at::kFloat;
+}
+
+// The tensor behind `obj` when it is a plain tensor (see the file comment) on `device` (any CPU or
+// CUDA device when null) in `dtype` (any when Undefined); nullptr otherwise.
+// Tensors of this type behave as torch.Tensor in eager: torch.Tensor, nn.Parameter, or a subclass of
+// nn.Parameter (SGLang's BasevLLMParameter family) of the same metaclass that overrides neither
+// __torch_function__ nor __torch_dispatch__ (looked up in the MRO on every call, as
+// eagle3_ops.accept.plain_tensor_type does, so an override assigned later is seen).
+bool plain_type(PyTypeObject* tp) {
+  if (THPVariable_CheckTypeExact(tp)) return true;
+  auto* param = reinterpret_cast<PyTypeObject*>(ParameterClass);
+  if (param == nullptr || Py_TYPE(tp) != Py_TYPE(param) || !PyType_IsSubtype(tp, param)) return false;
+  static PyObject* const tf = PyUnicode_InternFromString("__torch_function__");
+  static PyObject* const td = PyUnicode_InternFromString("__torch_dispatch__");
+  return _PyType_Lookup(tp, tf) == _PyType_Lookup(param, tf) &&
+         _PyType_Lookup(tp, td) == _PyType_Lookup(reinterpret_cast<PyTypeObject*>(THPVariableClass), td);
+}
+
+const at::Tensor* plain(PyObject* obj, const c10::Device* device, at::ScalarType dtype) {
+  if (!plain_type(Py_TYPE(obj))) return nullptr;
+  const at::Tensor& t = THPVariable_Unpack(obj);
+  if (!t.defined() || t.layout() != at::kStrided || !t.has_storage()) return nullptr;
+  if (!plain_keys().isSupersetOf(t.key_set())) return nullptr;  // (operator- keeps backend bits)
+  if (t.requires_grad()) return nullptr;
+  if (dtype != at::ScalarType::Undefined && t.scalar_type() != dtype) return nullptr;
+  if (device != nullptr ? t.device() != *device : !(t.is_cpu() || t.is_cuda())) return nullptr;
+  if (t.data_ptr() == nullptr) return nullptr;
+  return &t;
+}
+
+struct Matrix {
+  int64_t rows, cols, stride;
+  uintptr_t p;
+  int64_t es;
+  // bytes from the first element to one past the last
+  uintptr_t end() const { return p + static_cast<uintptr_t>(((rows - 1) * stride + cols) * es); }
+};
+
+// A plain, non-empty 2-D view with unit last stride.
+std::optional<Matrix> matrix(PyObject* obj, const c10::Device& device, at::ScalarType dtype) {
+  const at::Tensor* t = plain(obj, &device, dtype);
+  if (t == nullptr || t->dim() != 2) return std::nullopt;
+  const auto sizes = t->sizes();
+  const auto strides = t->strides();
+  if (sizes[0] == 0 || sizes[1] == 0 || strides[1] != 1 || strides[0] < 0) return std::nullopt;
+  return Matrix{sizes[0], sizes[1], strides[0], reinterpret_cast<uintptr_t>(t->data_ptr()), t->element_size()};
+}
+
+struct Flat {
+  int64_t n;
+  uintptr_t p;
+  int64_t es;
+  const at::Tensor* t;
+  Span span() const { return {p, p + static_cast<uintptr_t>(n * es)}; }
+};
+
+// A plain, non-empty 1-D view with unit stride, its dtype one of `dtypes`.
+std::optional<Flat> flat(PyObject* obj, const c10::Device& device, std::initializer_list<at::ScalarType> dtypes) {
+  const at::Tensor* t = plain(obj, &device, at::ScalarType::Undefined);
+  if (t == nullptr || t->dim() != 1 || t->size(0) == 0 || t->stride(0) != 1) return std::nullopt;
+  bool ok = false;
+  for (auto d : dtypes) ok = ok || t->scalar_type() == d;
+  if (!ok) return std::nullopt;
+  return Flat{t->size(0), reinterpret_cast<uintptr_t>(t->data_ptr()), t->element_size(), t};
+}
+
+bool overlap(const Span& a, const Span& b) { return a.first < b.second && b.first < a.second; }
+
+// Every written range disjoint from every read range and from the other written ones.
+bool apart(const std::vector<Span>& writes, const std::vector<Span>& reads) {
+  for (size_t i = 0; i < writes.size(); ++i) {
+    for (const auto& r : reads)
+      if (overlap(writes[i], r)) return false;
+    for (size_t j = i + 1; j < writes.size(); ++j)
+      if (overlap(writes[i], writes[j])) return false;
+  }
+  return true;
+}
+
+template <typename I>
+bool in_range(const I* r, int64_t n, int64_t R) {
+  for (int64_t k = 0; k < n; ++k)
+    if (r[k] < 0 || r[k] >= R) return false;
+  return true;
+}
+
+// `type(v) is int` and its value, or nullopt (bool, other types, out of int64 range).
+std::optional<int64_t> exact_int(PyObject* v) {
+  if (!PyLong_CheckExact(v)) return std::nullopt;
+  int overflow = 0;
+  long long x = PyLong_AsLongLongAndOverflow(v, &overflow);
+  if (overflow != 0 || (x == -1 && PyErr_Occurred())) {
+    PyErr_Clear();
+    return std::nullopt;
+  }
+  return static_cast<int64_t>(x);
+}
+
+// `type(v) is float` with 0 < v < inf.
+bool good_eps(PyObject* v) {
+  if (!PyFloat_CheckExact(v)) return false;
+  const double e = PyFloat_AS_DOUBLE(v);
+  return e > 0.0 && e < HUGE_VAL;
+}
+
+bool capture_accepted(py::handle hidden, py::handle residual, py::handle buffer, py::handle slot_obj) {
+  const auto slot = exact_int(slot_obj.ptr());
+  if (!slot) return false;
+  const at::Tensor* h = plain(hidden.ptr(), nullptr, at::ScalarType::Undefined);
+  if (h == nullptr || !is_served_dtype(h->scalar_type())) return false;
+  const c10::Device device = h->device();
+  const auto dtype = h->scalar_type();
+  const auto m = matrix(hidden.ptr(), device, dtype);
+  const auto b = matrix(buffer.ptr(), device, dtype);
+  if (!m || !b) return false;
+  const int64_t T = m->rows, H = m->cols, W = b->cols;
+  if (W % H != 0 || *slot < 0 || *slot >= W / H || b->rows < T || (T > 1 && b->stride < W)) return false;
+  const uintptr_t lo = b->p + static_cast<uintptr_t>(*slot * H * m->es);
+  const Span slot_span{lo, lo + static_cast<uintptr_t>(((T - 1) * b->stride + H) * m->es)};
+  if (overlap(slot_span, {m->p, m->end()})) return false;
+  if (residual.is_none()) return true;
+  const auto r = matrix(residual.ptr(), device, dtype);
+  if (!r || r->rows != T || r->cols != H) return false;
+  return !overlap(slot_span, {r->p, r->end()});
+}
+
+bool fused_add_rmsnorm_capture_accepted(py::handle input, py::handle residual, py::handle weight, py::handle eps,
+                                        py::handle buffer, py::handle slot_obj) {
+  const auto slot = exact_int(slot_obj.ptr());
+  if (!slot || !good_eps(eps.ptr())) return false;
+  const at::Tensor* x = plain(input.ptr(), nullptr, at::ScalarType::Undefined);
+  if (x == nullptr || !is_served_dtype(x->scalar_type())) return false;
+  const c10::Device device = x->device();
+  const auto dtype = x->scalar_type();
+  const auto m = matrix(input.ptr(), device, dtype);
+  const auto r = matrix(residual.ptr(), device, dtype);
+  const auto b = matrix(buffer.ptr(), device, dtype);
+  if (!m || !r || !b) return false;
+  const int64_t T = m->rows, H = m->cols, W = b->cols;
+  const auto w = flat(weight.ptr(), device, {dtype});
+  if (!w || w->n != H || r->rows != T || r->cols != H || W % H != 0 || *slot < 0 || *slot >= W / H || b->rows < T)
+    return false;
+  if (T > 1 && (m->stride < H || r->stride < H || b->stride < W)) return false;  // a written view must not overlap itself
+  const uintptr_t s0 = b->p + static_cast<uintptr_t>(*slot * H * m->es);
+  const Span slot_span{s0, s0 + static_cast<uintptr_t>(((T - 1) * b->stride + H) * m->es)};
+  // input, residual and the buffer slot are written: apart from each other and from weight
+  return apart({{m->p, m->end()}, {r->p, r->end()}, slot_span}, {w->span()});
+}
+
+// The output rows M (> 0) when accepted, else -1; host-side (CPU) rows are also range-checked here
+// (out of range: -1, so the full path raises with its message). `out` None: the functional op.
+int64_t draft_fc_accepted(py::handle x_obj, py::handle weight, py::handle bias, py::handle rows, py::handle cnw,
+                          py::handle inw, py::handle eps, py::handle out, py::handle workspace,
+                          py::handle norm_folded_obj) {
+  if (!good_eps(eps.ptr()) || !PyBool_Check(norm_folded_obj.ptr())) return -1;
+  const bool norm_folded = norm_folded_obj.ptr() == Py_True;
+  const at::Tensor* xt = plain(x_obj.ptr(), nullptr, at::ScalarType::Undefined);
+  if (xt == nullptr || !is_served_dtype(xt->scalar_type())) return -1;
+  const c10::Device device = xt->device();
+  const auto dtype = xt->scalar_type();
+  const auto m = matrix(x_obj.ptr(), device, dtype);
+  const auto w = matrix(weight.ptr(), device, dtype);
+  if (!m || !w || w->cols != m->cols) return -1;
+  const int64_t R = m->rows, KH = m->cols, N = w->rows, es = m->es;
+  std::vector<Span> reads{{m->p, m->end()}, {w->p, w->end()}};
+  reads.reserve(7);
+  if (!bias.is_none()) {
+    const auto b = flat(bias.ptr(), device, {dtype});
+    if (!b || b->n != N) return -1;
+    reads.push_back(b->span());
+  }
+  if (!cnw.is_none()) {
+    const auto c = matrix(cnw.ptr(), device, dtype);
+    if (!c || c->rows * c->cols != KH || (c->rows > 1 && c->stride != c->cols)) return -1;  // [K, hidden], contiguous
+    reads.push_back({c->p, c->p + static_cast<uintptr_t>(KH * es)});
+  }
+  if (!inw.is_none()) {
+    const auto i = flat(inw.ptr(), device, {dtype});
+    if (!i || i->n != KH) return -1;
+    reads.push_back(i->span());
+  }
+  if (norm_folded && ((cnw.is_none() && inw.is_none()) || (dtype == at::kHalf && !inw.is_none()))) return -1;
+  int64_t M = R;
+  if (!rows.is_none()) {
+    const auto f = flat(rows.ptr(), device, {at::kInt, at::kLong});
+    if (!f) return -1;
+    M = f->n;
+    reads.push_back(f->span());
+    // host rows: in [0, R), or the full path says which are not
+    if (device.is_cpu() && !(f->t->scalar_type() == at::kInt ? in_range(f->t->data_ptr<int32_t>(), M, R)
+                                                              : in_range(f->t->data_ptr<int64_t>(), M, R)))
+      return -1;
+  }
+  std::vector<Span> writes;
+  if (!out.is_none()) {
+    const auto o = matrix(out.ptr(), device, dtype);
+    if (!o || o->rows != M || o->cols != N || (M > 1 && o->stride < N)) return -1;
+    writes.push_back({o->p, o->end()});
+  }
+  if (!workspace.is_none()) {
+    const auto f = flat(workspace.ptr(), device, {at::kByte});
+    if (!f || f->p % 16 != 0) return -1;  // the kernels' vector loads need 16-byte alignment
+    writes.push_back(f->span());
+  }
+  return apart(writes, reads) ? M : -1;
+}
+
+}  // namespace
+
+// Not sure = not accepted: an exception from a tensor accessor (a layout without strides, ...) means
+// the full path decides, never an error raised from here.
+template <auto F, auto No, typename... A>
+auto no_throw(A... a) -> decltype(F(a...)) {
+  try {
+    return F(a...);
+  } catch (...) {
+    return No;
+  }
+}
+
+void bind_accept(py::module_& m) {
+  using H = py::handle;
+  m.def("accept_capture", &no_throw<capture_accepted, false, H, H, H, H>,
+        "eagle3_ops.accept.capture_accepted in C++");
+  m.def("accept_fused_add_rmsnorm_capture", &no_throw<fused_add_rmsnorm_capture_accepted, false, H, H, H, H, H, H>,
+        "eagle3_ops.accept.fused_add_rmsnorm_capture_accepted in C++");
+  m.def("accept_draft_fc", &no_throw<draft_fc_accepted, int64_t{-1}, H, H, H, H, H, H, H, H, H, H>,
+        "eagle3_ops.accept.draft_fc_accepted in C++ (host rows range-checked)");
+}
+
+}  // namespace eagle3
