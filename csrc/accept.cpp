@@ -5,9 +5,12 @@
 // not sure of returns "not accepted" and the face runs the full check, which raises with its message
 // or passes. tests/ops/test_accept.py holds both twins to that over generated arguments.
 //
-// Accepted tensors: torch.Tensor, nn.Parameter and its plain subclasses (plain_type), strided, dense CPU or CUDA (no Python, functionalization,
+// Accepted tensors: torch.Tensor, nn.Parameter and its plain subclasses (plain_object), strided, dense CPU or CUDA (no Python, functionalization,
 // functorch, sparse, mkldnn, meta or quantized key), not requiring grad, non-empty, with storage.
-// Two views are apart when their byte ranges [address, address + extent) are disjoint.
+// Two views are apart when their byte ranges [address, address + extent) are disjoint. Shapes and
+// strides are read from the tensor itself: a Python attribute shadowing a tensor method (an instance's
+// `dim`, a subclass's `shape` property) fools the Python checks, not this one, and the backend reads
+// the tensor itself too.
 #include <Python.h>
 
 #include <torch/csrc/autograd/python_variable.h>
@@ -37,22 +40,34 @@ bool is_served_dtype(at::ScalarType t) {
 
 // The tensor behind `obj` when it is a plain tensor (see the file comment) on `device` (any CPU or
 // CUDA device when null) in `dtype` (any when Undefined); nullptr otherwise.
-// Tensors of this type behave as torch.Tensor in eager: torch.Tensor, nn.Parameter, or a subclass of
-// nn.Parameter (SGLang's BasevLLMParameter family) of the same metaclass that overrides neither
-// __torch_function__ nor __torch_dispatch__ (looked up in the MRO on every call, as
-// eagle3_ops.accept.plain_tensor_type does, so an override assigned later is seen).
-bool plain_type(PyTypeObject* tp) {
+// `obj.name is owner.name`, reading both as Python does (instance dict, __getattribute__, MRO).
+bool same_attribute(PyObject* obj, PyObject* owner, PyObject* name) {
+  PyObject* a = PyObject_GetAttr(obj, name);
+  PyObject* b = a != nullptr ? PyObject_GetAttr(owner, name) : nullptr;
+  const bool same = a != nullptr && b != nullptr && a == b;
+  Py_XDECREF(a);
+  Py_XDECREF(b);
+  if (!same) PyErr_Clear();
+  return same;
+}
+
+// Whether `obj` behaves as a torch.Tensor in eager: exactly torch.Tensor or nn.Parameter (torch itself
+// looks no further for those), or an instance of a subclass of nn.Parameter (SGLang's
+// BasevLLMParameter family) of the same metaclass whose __torch_function__ and __torch_dispatch__,
+// read from the object as torch's own override check reads them, are nn.Parameter's and
+// torch.Tensor's (so an override assigned later, to the class or the instance, is seen).
+bool plain_object(PyObject* obj) {
+  PyTypeObject* tp = Py_TYPE(obj);
   if (THPVariable_CheckTypeExact(tp)) return true;
   auto* param = reinterpret_cast<PyTypeObject*>(ParameterClass);
   if (param == nullptr || Py_TYPE(tp) != Py_TYPE(param) || !PyType_IsSubtype(tp, param)) return false;
   static PyObject* const tf = PyUnicode_InternFromString("__torch_function__");
   static PyObject* const td = PyUnicode_InternFromString("__torch_dispatch__");
-  return _PyType_Lookup(tp, tf) == _PyType_Lookup(param, tf) &&
-         _PyType_Lookup(tp, td) == _PyType_Lookup(reinterpret_cast<PyTypeObject*>(THPVariableClass), td);
+  return same_attribute(obj, ParameterClass, tf) && same_attribute(obj, THPVariableClass, td);
 }
 
 const at::Tensor* plain(PyObject* obj, const c10::Device* device, at::ScalarType dtype) {
-  if (!plain_type(Py_TYPE(obj))) return nullptr;
+  if (!plain_object(obj)) return nullptr;
   const at::Tensor& t = THPVariable_Unpack(obj);
   if (!t.defined() || t.layout() != at::kStrided || !t.has_storage()) return nullptr;
   if (!plain_keys().isSupersetOf(t.key_set())) return nullptr;  // (operator- keeps backend bits)
@@ -61,6 +76,14 @@ const at::Tensor* plain(PyObject* obj, const c10::Device* device, at::ScalarType
   if (device != nullptr ? t.device() != *device : !(t.is_cpu() || t.is_cuda())) return nullptr;
   if (t.data_ptr() == nullptr) return nullptr;
   return &t;
+}
+
+// [p, p + elements * es) does not wrap around the address space (the ranges compared below are then
+// true byte ranges; Python's integers cannot wrap, this arithmetic could).
+bool fits_in_address_space(uintptr_t p, int64_t elements, int64_t es) {
+  uintptr_t bytes = 0, end = 0;
+  return elements >= 0 && !__builtin_mul_overflow(static_cast<uintptr_t>(elements), static_cast<uintptr_t>(es), &bytes) &&
+         !__builtin_add_overflow(p, bytes, &end);
 }
 
 struct Matrix {
@@ -78,7 +101,9 @@ std::optional<Matrix> matrix(PyObject* obj, const c10::Device& device, at::Scala
   const auto sizes = t->sizes();
   const auto strides = t->strides();
   if (sizes[0] == 0 || sizes[1] == 0 || strides[1] != 1 || strides[0] < 0) return std::nullopt;
-  return Matrix{sizes[0], sizes[1], strides[0], reinterpret_cast<uintptr_t>(t->data_ptr()), t->element_size()};
+  const Matrix m{sizes[0], sizes[1], strides[0], reinterpret_cast<uintptr_t>(t->data_ptr()), t->element_size()};
+  if (!fits_in_address_space(m.p, (m.rows - 1) * m.stride + m.cols, m.es)) return std::nullopt;
+  return m;
 }
 
 struct Flat {
@@ -96,7 +121,9 @@ std::optional<Flat> flat(PyObject* obj, const c10::Device& device, std::initiali
   bool ok = false;
   for (auto d : dtypes) ok = ok || t->scalar_type() == d;
   if (!ok) return std::nullopt;
-  return Flat{t->size(0), reinterpret_cast<uintptr_t>(t->data_ptr()), t->element_size(), t};
+  const Flat f{t->size(0), reinterpret_cast<uintptr_t>(t->data_ptr()), t->element_size(), t};
+  if (!fits_in_address_space(f.p, f.n, f.es)) return std::nullopt;
+  return f;
 }
 
 bool overlap(const Span& a, const Span& b) { return a.first < b.second && b.first < a.second; }

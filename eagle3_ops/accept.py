@@ -55,11 +55,24 @@ def plain_tensor_type(tp) -> bool:
             and tp.__torch_dispatch__ is torch.Tensor.__torch_dispatch__)
 
 
+def _plain_instance(t) -> bool:
+    """A tensor of a :func:`plain_tensor_type` subclass whose ``__torch_function__`` / ``__torch_dispatch__``,
+    read from the instance as torch's override check reads them, are still nn.Parameter's and torch.Tensor's
+    (an attribute set on the instance, or a ``__getattribute__`` that answers for it, is an override)."""
+    if not plain_tensor_type(type(t)):
+        return False
+    try:
+        return (t.__torch_function__ is torch.nn.Parameter.__torch_function__
+                and t.__torch_dispatch__ is torch.Tensor.__torch_dispatch__)
+    except Exception:  # noqa: BLE001 - an attribute that raises: not plain
+        return False
+
+
 def _matrix(t, dtype, device):
     """(rows, cols, row stride, address) of a plain, non-empty 2-D view with a unit last stride on
     ``device`` in ``dtype`` that does not require grad; None otherwise."""
-    if type(t) not in _PLAIN_TYPES and not plain_tensor_type(type(t)) or t.dtype is not dtype or t.requires_grad \
-            or t.device != device:
+    if type(t) not in _PLAIN_TYPES and not _plain_instance(t) or t.dtype is not dtype or t.requires_grad \
+            or t.device != device or t.is_neg():  # a pending negation: the memory holds other values
         return None
     try:
         r, c = t.shape
@@ -75,8 +88,8 @@ def _matrix(t, dtype, device):
 def _flat(t, dtypes, device):
     """(elements, address) of a plain, non-empty 1-D view with unit stride on ``device``, its dtype one of
     ``dtypes``, not requiring grad; None otherwise."""
-    if type(t) not in _PLAIN_TYPES and not plain_tensor_type(type(t)) or t.dtype not in dtypes or t.requires_grad \
-            or t.device != device:
+    if type(t) not in _PLAIN_TYPES and not _plain_instance(t) or t.dtype not in dtypes or t.requires_grad \
+            or t.device != device or t.is_neg():
         return None
     try:
         (size,), (stride,) = t.shape, t.stride()
@@ -94,7 +107,7 @@ def _vector(t, dtype, device, n):
 
 def _served(t) -> bool:
     """A plain CPU or CUDA tensor of a dtype the ops serve."""
-    return (type(t) in _PLAIN_TYPES or plain_tensor_type(type(t))) and t.dtype in SUPPORTED_DTYPES and (t.is_cuda or t.is_cpu)
+    return (type(t) in _PLAIN_TYPES or _plain_instance(t)) and t.dtype in SUPPORTED_DTYPES and (t.is_cuda or t.is_cpu)
 
 
 def _disjoint(lo, hi, spans) -> bool:

@@ -43,14 +43,24 @@ def _check_dtype(op: str, name: str, t: torch.Tensor, expected: torch.dtype) -> 
         _fail(op, f"{name} has dtype {t.dtype}, expected {expected} (same dtype as the other tensors)")
 
 
+def _check_resolved(op: str, name: str, t: torch.Tensor) -> None:
+    """No lazy negation or conjugation bit (e.g. ``.imag`` of a conjugated complex tensor): the
+    kernels read the memory as it is, which holds the values before the pending negation."""
+    if t.is_neg() or t.is_conj():
+        _fail(op, f"{name} carries a pending {'negation' if t.is_neg() else 'conjugation'} (a lazy view: "
+                  f"the memory holds other values than the tensor); pass {name}.resolve_neg() / .resolve_conj()")
+
+
 def _check_supported_dtype(op: str, name: str, t: torch.Tensor) -> None:
     if t.dtype not in SUPPORTED_DTYPES:
         _fail(op, f"{name} has dtype {t.dtype}, expected one of bfloat16, float16, float32")
+    _check_resolved(op, name, t)
 
 
 def _check_device(op: str, name: str, t: torch.Tensor, expected: torch.device) -> None:
     if t.device != expected:
         _fail(op, f"{name} is on {t.device}, expected {expected} (all tensors on one device)")
+    _check_resolved(op, name, t)
 
 
 def _check_ndim(op: str, name: str, t: torch.Tensor, ndim: int, layout: str) -> None:

@@ -140,6 +140,8 @@ def _mutate(t, rng: random.Random):
         return torch.nn.Parameter(t.detach().clone(), requires_grad=False)
     if r < 0.045:
         return t.to(torch.int64)
+    if r < 0.05 and t.dtype.is_floating_point:  # a pending negation bit: other values than the memory holds
+        return torch._neg_view(t)
     return t
 
 
@@ -257,6 +259,26 @@ def test_parameters_are_plain_and_wrappers_are_not(twin):
             return super().__torch_function__(func, types, args, kwargs or {})
 
     assert not accept.plain_tensor_type(Traced)
+
+    # a plain subclass of nn.Parameter whose instance (or __getattribute__) answers with an override:
+    # torch's own check reads the instance, so the fast test must too (found by a review)
+    def refuse(*args, **kwargs):
+        raise validation.Eagle3ArgumentError("refused by __torch_function__")
+
+    class Sub(torch.nn.Parameter):
+        pass
+
+    sub = Sub(x.clone(), requires_grad=False)
+    assert twin.capture(sub, None, buffer, 1)
+    sub.__torch_function__ = refuse.__get__(sub)
+    assert torch.overrides.has_torch_function((sub,))
+    assert not twin.capture(sub, None, buffer, 1)
+
+    class Answers(torch.nn.Parameter):
+        def __getattribute__(self, name):
+            return refuse if name == "__torch_function__" else super().__getattribute__(name)
+
+    assert not twin.capture(Answers(x.clone(), requires_grad=False), None, buffer, 1)
     assert not twin.capture(x.as_subclass(Traced), None, buffer, 1)
     assert not twin.fused(x, r, torch.nn.Parameter(weight.detach()), 1e-6, buffer, 1), \
         "a Parameter that requires grad"

@@ -13,6 +13,7 @@ bitwise (``CPU_TESTS``, each entry checked to name a real test), or why there is
 """
 from __future__ import annotations
 
+import functools
 import json
 import sys
 from pathlib import Path
@@ -77,7 +78,17 @@ def table() -> dict:
 DRAFT_MARK = "spec_info.hidden_states"
 
 
+@functools.lru_cache(maxsize=None)  # imports every capture class's module: ~10 s on the CI box
+def _draft_classes() -> tuple:
+    return tuple(sorted(_find_draft_classes().items()))
+
+
 def draft_classes() -> Dict[str, str]:
+    """See :func:`_find_draft_classes` (computed once per process)."""
+    return dict(_draft_classes())
+
+
+def _find_draft_classes() -> Dict[str, str]:
     """Classes with SGLang's capture code that are drafts, from the installed SGLang's code: the class or
     its capture holder (their SGLang bases included) reads ``forward_batch.spec_info.hidden_states``, the
     target's states a draft takes as input (MTP / NextN, EAGLE-1/2, Gemma-4 assistant heads). SGLang
