@@ -13,8 +13,9 @@
 // the tensor itself too.
 #include <Python.h>
 
+// Not torch/extension.h (the whole C++ frontend): it tripled this file's compile time.
+#include <pybind11/pybind11.h>
 #include <torch/csrc/autograd/python_variable.h>
-#include <torch/extension.h>
 
 #include <cmath>
 #include <cstdint>

@@ -3,7 +3,8 @@
 // `compiled_archs`; importing it registers the ops. The public op schemas live in eagle3_ops/ops.py
 // (namespace eagle3); these ops are the `cuda` backend behind them (eagle3_ops/cuda_backend.py decides
 // draft_fc's path, splits and workspace).
-#include <torch/extension.h>
+// Not torch/extension.h (the whole C++ frontend): the registration and a pybind11 module need only these.
+#include <pybind11/pybind11.h>
 #include <torch/library.h>
 
 #include "ops.h"

@@ -19,8 +19,8 @@
 // the draft model after the whole target forward, so they should not evict the layer's live data
 // from L2. hidden/residual are plain loads (the next layer reads them again right away).
 // CUDA-graph safe: no allocation, no host sync, current stream.
-#include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
 
 #include "common.cuh"
 #include "ops.h"
@@ -139,7 +139,7 @@ void capture_typed(const at::Tensor& hidden, const std::optional<at::Tensor>& re
   const bool aligned = H % VEC == 0 && hidden.stride(0) % VEC == 0 && buffer.stride(0) % VEC == 0 &&
                        is_aligned16(h) && is_aligned16(out) &&
                        (r == nullptr || (r_stride % VEC == 0 && is_aligned16(r)));
-  cudaStream_t stream = at::cuda::getCurrentCUDAStream();
+  cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
   if (r != nullptr) {
     launch_capture<T, true>(h, hidden.stride(0), r, r_stride, out, buffer.stride(0), rows, H, aligned, stream);
   } else {
@@ -165,7 +165,7 @@ void capture(const at::Tensor& hidden, const std::optional<at::Tensor>& residual
   TORCH_CHECK(buffer.size(0) >= hidden.size(0) && (slot + 1) * H <= buffer.size(1) && slot >= 0,
               "eagle3_cuda::capture: slot/rows outside the buffer");
   if (hidden.size(0) == 0) return;
-  const at::cuda::OptionalCUDAGuard guard(hidden.device());
+  const c10::cuda::OptionalCUDAGuard guard(hidden.device());
   switch (hidden.scalar_type()) {
     case at::kBFloat16: capture_typed<c10::BFloat16>(hidden, residual, buffer, slot); break;
     case at::kHalf: capture_typed<c10::Half>(hidden, residual, buffer, slot); break;

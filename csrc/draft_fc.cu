@@ -72,8 +72,10 @@
 // M's token tile and the device's SM count, through the planner), not on timing. Row indices
 // outside [0, R) are never dereferenced; those output rows are NaN. No host sync, current stream:
 // CUDA-graph safe.
-#include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+#include <ATen/ops/addmm.h>
+#include <ATen/ops/mm.h>
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
@@ -857,7 +859,7 @@ void draft_fc_typed(const at::Tensor& x, const at::Tensor& weight, const std::op
   a.CH = chunk_norm_weight.has_value() ? static_cast<int>(chunk_norm_weight->size(1)) : a.KH;
   a.eps = static_cast<float>(eps);
 
-  cudaStream_t stream = at::cuda::getCurrentCUDAStream();
+  cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
   if (path == kPathSkinny) {
     if constexpr (!std::is_same_v<T, float>) {
       // The launch contract of the 16-byte fragments (cuda_backend checks it before choosing this
@@ -979,7 +981,7 @@ void draft_fc(const at::Tensor& x, const at::Tensor& weight, const std::optional
                 " (eagle3_cuda::draft_fc_workspace_bytes)");
     TORCH_CHECK(is_aligned16(workspace->data_ptr()), op, "workspace must be 16-byte aligned");
   }
-  const at::cuda::OptionalCUDAGuard guard(x.device());
+  const c10::cuda::OptionalCUDAGuard guard(x.device());
   switch (x.scalar_type()) {
     case at::kBFloat16:
       draft_fc_typed<c10::BFloat16>(x, weight, bias, rows, chunk_norm_weight, input_norm_weight, eps, out, workspace,

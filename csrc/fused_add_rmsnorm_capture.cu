@@ -26,8 +26,8 @@
 // The buffer store is streaming (st.global.cs): it is read again only by the draft model, after the
 // whole target forward; input/residual are what the next layer reads, so they keep L2.
 // CUDA-graph safe: no allocation, no host sync, current stream.
-#include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
 
 #include <type_traits>
 
@@ -250,7 +250,7 @@ void fused_typed(at::Tensor& input, at::Tensor& residual, const at::Tensor& weig
   const bool vectorizable = H % VEC == 0 && input.stride(0) % VEC == 0 && residual.stride(0) % VEC == 0 &&
                             buffer.stride(0) % VEC == 0 && is_aligned16(input.data_ptr()) &&
                             is_aligned16(residual.data_ptr()) && is_aligned16(weight.data_ptr()) && is_aligned16(out);
-  cudaStream_t stream = at::cuda::getCurrentCUDAStream();
+  cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
   if (vectorizable) {
     launch_fused<T, VEC>(args, stream);
   } else {
@@ -280,7 +280,7 @@ void fused_add_rmsnorm_capture(at::Tensor& input, at::Tensor& residual, const at
               "slot/rows outside the buffer");
   TORCH_CHECK(input.size(0) <= INT32_MAX, op, "too many rows for one launch");
   if (input.size(0) == 0) return;
-  const at::cuda::OptionalCUDAGuard guard(input.device());
+  const c10::cuda::OptionalCUDAGuard guard(input.device());
   switch (input.scalar_type()) {
     case at::kBFloat16: fused_typed<c10::BFloat16>(input, residual, weight, eps, buffer, slot); break;
     case at::kHalf: fused_typed<c10::Half>(input, residual, weight, eps, buffer, slot); break;

@@ -5,7 +5,8 @@
 // memory safety (devices, dtypes, shapes, strides, bounds, workspace size).
 #pragma once
 
-#include <ATen/ATen.h>
+// Only the Tensor class: ATen/ATen.h (every op's declaration) tripled the CUDA files' compile time.
+#include <ATen/core/Tensor.h>
 #include <optional>
 
 namespace eagle3 {
