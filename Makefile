@@ -17,8 +17,8 @@ $(VENV)/.deps-stamp: Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip setuptools wheel $(QUIET_PIP)
 	$(PIP) install -q "torch==$(TORCH_VERSION)" $(QUIET_PIP)
-	$(PIP) install -q "sglang==$(SGLANG_VERSION)" "torch==$(TORCH_VERSION)" $(QUIET_PIP)
-	$(PIP) install -q pytest pytest-benchmark hypothesis safetensors transformers tabulate ninja cmake $(QUIET_PIP)
+	$(PIP) install -q "sglang==$(SGLANG_VERSION)" "torch==$(TORCH_VERSION)" \
+		pytest pytest-benchmark pytest-xdist hypothesis safetensors transformers tabulate ninja cmake $(QUIET_PIP)
 	$(PY) -c "import torch, sglang, pytest, triton; assert torch.__version__.startswith('$(TORCH_VERSION)'), torch.__version__"
 	touch $@
 
@@ -33,8 +33,10 @@ install: deps
 demo: install
 	$(PY) -m eagle3_ops demo
 
+# Two workers (PYTEST_WORKERS), one file per worker at a time (module fixtures build SGLang models
+# once), one intra-op thread each: the CI machine has 2 cores.
 test: install
-	$(PY) -m pytest -q -ra -p no:cacheprovider tests
+	OMP_NUM_THREADS=1 $(PY) -m pytest -q -ra -p no:cacheprovider -n $${PYTEST_WORKERS:-2} --dist loadfile tests
 
 bench: install
 	$(PY) -m pytest -q benchmarks --benchmark-columns=median,min,max

@@ -9,6 +9,13 @@ import torch
 if not torch.cuda.is_available():
     os.environ["TRITON_INTERPRET"] = "1"
 
+# Hermetic tests: SGLang's model constructors ask the Hugging Face hub for optional files (e.g.
+# Qwen3.5's joint-head config). Without a network the hub client retries with backoff (~23 s
+# per call, seen here); offline it answers "not there" at once, which is what those calls handle.
+# Subprocess and forked workers inherit os.environ.
+os.environ["HF_HUB_OFFLINE"] = "1"
+os.environ["TRANSFORMERS_OFFLINE"] = "1"
+
 GPU_SKIP_REASON = "needs a CUDA device (runs in benchmarks/device_check.sh)"
 
 

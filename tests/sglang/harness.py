@@ -184,17 +184,50 @@ def machine_slowness() -> float:
     return slowness()
 
 
+def run_forked(jobs, env, workdir, timeout: float):
+    """Run ``jobs`` (``{"script", "argv", "env", "out"}``, see forked.py) as children of one process
+    that imported SGLang once, under the environment ``env``. Returns (each job's exit status, each
+    job's output). ``timeout`` (seconds) ends the whole group: a child left waiting in a collective
+    is the very bug the multi-rank tests look for."""
+    import json
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    here = os.path.dirname(os.path.abspath(__file__))
+    jobs_file = os.path.join(str(workdir), "forked_jobs.json")
+    with open(jobs_file, "w") as f:
+        json.dump(jobs, f)
+    proc = subprocess.Popen([sys.executable, os.path.join(here, "forked.py"), jobs_file], env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.communicate()
+        raise AssertionError(f"{[j['script'] for j in jobs]}: not finished in {timeout:.0f} s "
+                             f"({machine_slowness():.1f} s to start Python here now): a child left "
+                             "waiting in a collective?") from None
+    outputs = []
+    for j in jobs:
+        with open(j["out"], errors="replace") as f:
+            outputs.append(f.read())
+    text = out.decode(errors="replace")
+    assert proc.returncode == 0, f"forked.py failed:\n{text[-4000:]}"
+    return json.loads(text.strip().splitlines()[-1]), outputs
+
+
 def run_ranks(worker: str, outdir, world_size: int = 2, timeout: Optional[float] = None):
     """Run ``worker`` (a script in this folder: ``worker RANK PORT OUTDIR``) as ``world_size``
-    gloo ranks; each saves ``OUTDIR/rank{r}.pt``. Returns (the loaded results, each rank's log).
+    gloo ranks (forked from one process that imported SGLang, :func:`run_forked`); each saves
+    ``OUTDIR/rank{r}.pt``. Returns (the loaded results, each rank's log).
 
     The ranks serve every op with the reference backend (no Triton interpreter there: it would make
     qualification slow; the Triton kernels under SGLang are tested in this process). ``timeout``
     (seconds) guards against a rank left waiting in a collective, the very bug these tests look for;
     it scales with how slow this machine is now (:func:`machine_slowness`), no fixed wall clock."""
     import os
-    import subprocess
-    import sys
 
     from eagle3_ops.demos.sglang_cpu_harness import free_port
 
@@ -207,21 +240,11 @@ def run_ranks(worker: str, outdir, world_size: int = 2, timeout: Optional[float]
                SGLANG_NCCL_SO_PATH="/nonexistent", TORCHDYNAMO_DISABLE="1")
     for var in [v for v in env if v.startswith("EAGLE3_OPS_")] + ["SGLANG_USE_CPU_ENGINE", "TRITON_INTERPRET"]:
         env.pop(var, None)
-    procs = [subprocess.Popen([sys.executable, os.path.join(here, worker), str(r), str(port), str(outdir)],
-                              env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-             for r in range(world_size)]
-    logs = []
-    for p in procs:
-        try:
-            out, _ = p.communicate(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            for q in procs:
-                q.kill()
-            raise AssertionError(f"{worker}: a rank did not finish in {timeout:.0f} s ({machine_slowness():.1f} s "
-                                 f"to start Python here now): a rank left waiting in a collective?") from None
-        logs.append(out.decode(errors="replace"))
-    for r, (p, log) in enumerate(zip(procs, logs)):
-        assert p.returncode == 0, f"{worker} rank {r} failed:\n{log[-4000:]}"
+    jobs = [{"script": os.path.join(here, worker), "argv": [str(r), str(port), str(outdir)],
+             "out": os.path.join(str(outdir), f"rank{r}.log")} for r in range(world_size)]
+    codes, logs = run_forked(jobs, env, outdir, timeout)
+    for r, (code, log) in enumerate(zip(codes, logs)):
+        assert code == 0, f"{worker} rank {r} failed (exit {code}):\n{log[-4000:]}"
     return [torch.load(os.path.join(str(outdir), f"rank{r}.pt"), weights_only=False) for r in range(world_size)], logs
 
 

@@ -4,8 +4,6 @@ EAGLE3_OPS_SGLANG=0 (SGLang byte-for-byte stock) or when left out of SGLANG_PLUG
 one warning on an unsupported SGLang version; unknown model families left stock."""
 import json
 import os
-import subprocess
-import sys
 from importlib.metadata import entry_points
 
 import pytest
@@ -48,8 +46,9 @@ def _other_plugins():
 
 
 @pytest.fixture(scope="module")
-def worker_runs():
-    """The scenarios, each in a fresh SGLang process (run side by side)."""
+def worker_runs(tmp_path_factory):
+    """The scenarios, each in a fresh SGLang process (forked side by side from one that imported SGLang:
+    tests/sglang/forked.py)."""
     base = dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")]),
                 SGLANG_NCCL_SO_PATH="/nonexistent", TORCHDYNAMO_DISABLE="1")
     for var in [v for v in base if v.startswith("EAGLE3_OPS_")] + ["SGLANG_USE_CPU_ENGINE", "SGLANG_PLUGINS"]:
@@ -62,14 +61,16 @@ def worker_runs():
         "old-version": {},
         "bad-max-tokens": {"EAGLE3_OPS_SGLANG_MAX_TOKENS": "1e9"},
     }
-    procs = {mode: subprocess.Popen([sys.executable, os.path.join(HERE, "plugin_worker.py"), mode],
-                                    env=dict(base, **extra), stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-             for mode, extra in scenarios.items()}
+    import harness
+
+    modes = list(scenarios)
+    jobs = [{"script": os.path.join(HERE, "plugin_worker.py"), "argv": [mode], "env": scenarios[mode],
+             "out": str(tmp_path_factory.mktemp("plugin_worker") / f"{mode}.log")} for mode in modes]
+    codes, outputs = harness.run_forked(jobs, base, tmp_path_factory.mktemp("plugin_jobs"), machine.timeout(420))
     results = {}
-    for mode, p in procs.items():
-        out, err = p.communicate(timeout=machine.timeout(420))
-        assert p.returncode == 0, f"{mode} worker failed:\n{err.decode(errors='replace')[-4000:]}"
-        results[mode] = json.loads(out.decode().strip().splitlines()[-1])
+    for mode, code, out in zip(modes, codes, outputs):
+        assert code == 0, f"{mode} worker failed (exit {code}):\n{out[-4000:]}"
+        results[mode] = json.loads(out.strip().splitlines()[-1])
     return results
 
 
