@@ -3,7 +3,11 @@ PYTHON ?= python3.11
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip
+# torch and torchvision come through pip (it finds them on the machine's disk); SGLang and the rest
+# through uv, which fetches in parallel (about 25 s instead of pip's ~200 s on the CI machine).
+UV     := $(VENV)/bin/uv
 TORCH_VERSION  ?= 2.14.1
+TORCHVISION_VERSION ?= 0.29.1
 SGLANG_VERSION ?= 0.5.23
 
 .PHONY: venv deps install demo test test-fast bench clean
@@ -16,9 +20,10 @@ QUIET_PIP := 2>&1 | { grep -v "is ignored: it is neither a file nor a directory"
 $(VENV)/.deps-stamp: Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip setuptools wheel $(QUIET_PIP)
-	$(PIP) install -q "torch==$(TORCH_VERSION)" $(QUIET_PIP)
-	$(PIP) install -q "sglang==$(SGLANG_VERSION)" "torch==$(TORCH_VERSION)" \
-		pytest pytest-benchmark pytest-xdist hypothesis safetensors transformers tabulate ninja cmake $(QUIET_PIP)
+	$(PIP) install -q "torch==$(TORCH_VERSION)" "torchvision==$(TORCHVISION_VERSION)" uv $(QUIET_PIP)
+	$(UV) pip install -q --python $(PY) "sglang==$(SGLANG_VERSION)" "torch==$(TORCH_VERSION)" \
+		"torchvision==$(TORCHVISION_VERSION)" \
+		pytest pytest-benchmark pytest-xdist hypothesis safetensors transformers tabulate ninja cmake
 	$(PY) -c "import torch, sglang, pytest, triton; assert torch.__version__.startswith('$(TORCH_VERSION)'), torch.__version__"
 	touch $@
 
