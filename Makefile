@@ -4,7 +4,7 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip
 # torch and torchvision come through pip (it finds them on the machine's disk); SGLang and the rest
-# through uv, which fetches in parallel (about 25 s instead of pip's ~200 s on the CI machine).
+# through uv, which fetches in parallel (about 25 s instead of pip's ~200 s, measured on a 2-core box of the CI kind).
 UV     := $(VENV)/bin/uv
 TORCH_VERSION  ?= 2.14.1
 TORCHVISION_VERSION ?= 0.29.1

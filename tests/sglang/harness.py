@@ -186,9 +186,9 @@ def machine_slowness() -> float:
 
 def run_forked(jobs, env, workdir, timeout: float):
     """Run ``jobs`` (``{"script", "argv", "env", "out"}``, see forked.py) as children of one process
-    that imported SGLang once, under the environment ``env``. Returns (each job's exit status, each
-    job's output). ``timeout`` (seconds) ends the whole group: a child left waiting in a collective
-    is the very bug the multi-rank tests look for."""
+    that imported SGLang once, under the environment ``env``; each must exit 0. Returns each job's
+    output. ``timeout`` (seconds) ends the whole group: a child left waiting in a collective is the
+    very bug the multi-rank tests look for."""
     import json
     import os
     import signal
@@ -209,13 +209,15 @@ def run_forked(jobs, env, workdir, timeout: float):
         raise AssertionError(f"{[j['script'] for j in jobs]}: not finished in {timeout:.0f} s "
                              f"({machine_slowness():.1f} s to start Python here now): a child left "
                              "waiting in a collective?") from None
+    text = out.decode(errors="replace")
+    assert proc.returncode == 0, f"forked.py failed:\n{text[-4000:]}"  # before any child's file is read
+    codes = json.loads(text.strip().splitlines()[-1])
     outputs = []
-    for j in jobs:
+    for j, code in zip(jobs, codes):
         with open(j["out"], errors="replace") as f:
             outputs.append(f.read())
-    text = out.decode(errors="replace")
-    assert proc.returncode == 0, f"forked.py failed:\n{text[-4000:]}"
-    return json.loads(text.strip().splitlines()[-1]), outputs
+        assert code == 0, f"{j['script']} {' '.join(j.get('argv', []))} failed (exit {code}):\n{outputs[-1][-4000:]}"
+    return outputs
 
 
 def run_ranks(worker: str, outdir, world_size: int = 2, timeout: Optional[float] = None):
@@ -242,9 +244,7 @@ def run_ranks(worker: str, outdir, world_size: int = 2, timeout: Optional[float]
         env.pop(var, None)
     jobs = [{"script": os.path.join(here, worker), "argv": [str(r), str(port), str(outdir)],
              "out": os.path.join(str(outdir), f"rank{r}.log")} for r in range(world_size)]
-    codes, logs = run_forked(jobs, env, outdir, timeout)
-    for r, (code, log) in enumerate(zip(codes, logs)):
-        assert code == 0, f"{worker} rank {r} failed (exit {code}):\n{log[-4000:]}"
+    logs = run_forked(jobs, env, outdir, timeout)
     return [torch.load(os.path.join(str(outdir), f"rank{r}.pt"), weights_only=False) for r in range(world_size)], logs
 
 

@@ -66,12 +66,8 @@ def worker_runs(tmp_path_factory):
     modes = list(scenarios)
     jobs = [{"script": os.path.join(HERE, "plugin_worker.py"), "argv": [mode], "env": scenarios[mode],
              "out": str(tmp_path_factory.mktemp("plugin_worker") / f"{mode}.log")} for mode in modes]
-    codes, outputs = harness.run_forked(jobs, base, tmp_path_factory.mktemp("plugin_jobs"), machine.timeout(420))
-    results = {}
-    for mode, code, out in zip(modes, codes, outputs):
-        assert code == 0, f"{mode} worker failed (exit {code}):\n{out[-4000:]}"
-        results[mode] = json.loads(out.strip().splitlines()[-1])
-    return results
+    outputs = harness.run_forked(jobs, base, tmp_path_factory.mktemp("plugin_jobs"), machine.timeout(420))
+    return {mode: json.loads(out.strip().splitlines()[-1]) for mode, out in zip(modes, outputs)}
 
 
 def test_entry_point_is_installed():
