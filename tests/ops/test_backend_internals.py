@@ -405,12 +405,12 @@ _FC_COMPILE = textwrap.dedent('''
         opts = dict(num_warps=cfg.pop("num_warps"), num_stages=cfg.pop("num_stages"))
         report[f"tiled_sm{cc}"] = compile_kernel(d._tiled_kernel, cc, dict(flags, **cfg), opts, fp32_ptrs=("scale_ptr",))
         report[f"reduce_sm{cc}"] = compile_kernel(d._splitk_reduce_kernel, cc, dict(HAS_ROWS=True, HAS_BIAS=True, BLOCK=1024,
-                                                                                              INTERPRETER_BF16=False),
+                                                                                              ROWS=1, INTERPRETER_BF16=False),
                                                   dict(num_warps=4), fp32_ptrs=("ws_ptr",))
         for prep in (False, True):
             report[f"rows_sm{cc}_prep{prep}"] = compile_kernel(
                 d._row_scales_kernel, cc, dict(HAS_ROWS=True, HAS_IN_NORM=True, HAS_CHUNK_NORM=True,
-                                               WRITE_PREPARED=prep, BLOCK=1024, INTERPRETER_BF16=False),
+                                               WRITE_PREPARED=prep, BLOCK=1024, ROWS=1, INTERPRETER_BF16=False),
                 dict(num_warps=4), fp32_ptrs=("scale_ptr",))
     print(json.dumps(report))
 ''')
