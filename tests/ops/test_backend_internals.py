@@ -202,6 +202,38 @@ def test_prepared_input_is_the_reference_input_rounded_once():
     assert err <= 2 ** -8  # half a bf16 ulp (rounded to nearest) plus fp32 noise
 
 
+@interpreter_only
+@pytest.mark.parametrize("dtype", [BF16, torch.float32])
+def test_rows_per_program_never_change_a_bit(dtype, monkeypatch):
+    """The row-wise kernels take up to 64 rows per program under the interpreter and one on a GPU
+    (_rows_per_program): row scales, prepared inputs and split-K sums (an out-of-range row included)
+    come out the same bits either way, and with a row count no power of two divides."""
+    M = 37
+    p = fc_problem(M, 80, 3, dtype, CPU, N=24, key=("rows-per-program",), bias=True, rows=True, chunk=True,
+                   inorm=True)
+    x, rows, cn, inw = p.x, p.rows.clone(), p.chunk_norm_weight, p.input_norm_weight
+    rows[5] = x.shape[0]  # out of range: a NaN row
+    args = (x, p.weight, p.bias, rows, cn, inw)
+
+    def results():
+        prob = triton_fc._problem(x, p.weight, rows, cn, inw)
+        out = torch.empty(M, 24, dtype=dtype)
+        with plans.forced_path("skinny"):  # two splits per chunk: the reducer runs
+            assert triton_fc.plan(*args, split_len=64).partial_bytes > 0
+            ws = torch.empty(triton_fc.draft_fc_workspace_bytes(*args, split_len=64), dtype=torch.uint8)
+            triton_fc.draft_fc(*args, 1e-6, out, ws, split_len=64)
+        return [triton_fc._row_scales(x, rows, cn, inw, 1e-6, prob), triton_fc.prepare_input(x, rows, cn, inw, 1e-6, M),
+                out]
+
+    assert triton_fc._rows_per_program(triton_fc._row_scales_kernel, M) == 64
+    many = results()
+    monkeypatch.setattr(triton_fc, "_rows_per_program", lambda kernel, m: 1)  # what a GPU launches
+    one = results()
+    for a, b in zip(many, one):
+        assert same_bits(a, b)
+    assert torch.isnan(many[2][5]).all() and not torch.isnan(many[2][[4, 6]]).any()
+
+
 # ---- the interpreter shim ---------------------------------------------------------------------------------
 @triton.jit
 def _dot_probe(a_ptr, b_ptr, c_ptr, INTERPRETER_BF16: tl.constexpr, RAW: tl.constexpr):
