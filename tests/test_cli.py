@@ -125,11 +125,12 @@ def test_every_command_is_a_unix_tool(real_args, tmp_path):
 
 
 def test_a_closed_pipe_at_exit_is_quiet():
-    """`python -m eagle3_ops info | head -c0`, for real: stdout block-buffered, the pipe meets the
-    closed reader at the interpreter's last flush."""
+    """`python -m eagle3_ops info | head -c0`, for real: stdout block-buffered (PYTHONUNBUFFERED unset),
+    the pipe meets the closed reader at the interpreter's last flush."""
     r_fd, w_fd = os.pipe()
     os.close(r_fd)
     env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    env.pop("PYTHONUNBUFFERED", None)
     try:
         p = subprocess.run([sys.executable, "-m", "eagle3_ops", "info"], stdout=w_fd, stderr=subprocess.PIPE,
                            text=True, env=env, timeout=300, stdin=subprocess.DEVNULL)

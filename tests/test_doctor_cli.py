@@ -3,31 +3,22 @@ unreadable input, with one clear line and no traceback), the JSON shape, and the
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
 import machine
+import spawn
 from doctor_fixtures import run_doctor, tiny_pair, tiny_states, write_draft, write_target  # noqa: F401
 from eagle3_ops.doctor import cli
 
-ROOT = Path(__file__).resolve().parents[1]
-
 
 def eagle3_ops(*args, timeout=120):
-    """``python -m eagle3_ops ...`` in a subprocess. A doctor run reads SGLang's rules from the pinned table
-    (``--engine-code table``): importing SGLang costs about a minute per process on 2 cores; the in-process tests
-    run the installed SGLang."""
+    """``python -m eagle3_ops ...`` as a fresh process (tests/spawn.py). A doctor run reads SGLang's rules from the
+    pinned table (``--engine-code table``): importing SGLang costs about a minute per process on 2 cores; the
+    in-process tests run the installed SGLang."""
     if args and args[0] == "doctor" and "--engine-code" not in args:
         args = (*args, "--engine-code", "table")
-    env = dict(os.environ)
-    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
-    env.pop("EAGLE3_OPS_DEBUG", None)
-    return subprocess.run([sys.executable, "-m", "eagle3_ops", *map(str, args)], capture_output=True, text=True,
-                          env=env, timeout=machine.timeout(timeout), cwd=str(ROOT))
+    return spawn.run(args, timeout=machine.timeout(timeout), stdin=None)
 
 
 @pytest.fixture

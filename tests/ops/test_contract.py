@@ -3,7 +3,6 @@ backend: aliasing and self-overlapping outputs, forward-only autograd (eager and
 int/eps arguments, caller-owned workspace, threads, the backend table, and the CLI on an unusable
 EAGLE3_OPS_BACKEND. Each probe is what issue 11 reproduced; each must raise ValueError naming the
 argument before anything is written."""
-import subprocess
 import sys
 import threading
 
@@ -11,6 +10,8 @@ import pytest
 import torch
 
 import eagle3_ops
+import machine
+import spawn
 from eagle3_ops import dispatch, ops, validation
 
 CPU_BACKENDS = ["reference", "triton"]  # triton: the interpreter on CPU (tests/conftest.py sets it)
@@ -258,11 +259,7 @@ def test_a_missing_backend_function_is_an_import_error(monkeypatch):
 def test_cli_one_line_exit_2(value, message, command):
     if torch.cuda.is_available() and value == "cuda":
         pytest.skip("a GPU machine can serve EAGLE3_OPS_BACKEND=cuda")
-    import os
-
-    env = dict(os.environ, EAGLE3_OPS_BACKEND=value)
-    r = subprocess.run([sys.executable, "-m", "eagle3_ops", command], env=env, capture_output=True, text=True,
-                       timeout=300)
+    r = spawn.run([command], env=dict(spawn.base_env(), EAGLE3_OPS_BACKEND=value), timeout=machine.timeout(300))
     assert r.returncode == 2, r.stderr
     lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
     assert len(lines) == 1 and lines[0].startswith("error: ") and message in lines[0], r.stderr

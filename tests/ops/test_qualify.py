@@ -3,14 +3,13 @@ reference and the Triton interpreter as candidates: every choice is correct, a c
 is rejected with its error and never chosen, stock stays where nothing beats it, results are
 cached, and ``python -m eagle3_ops qualify --json`` has the documented shape."""
 import json
-import os
-import subprocess
-import sys
 
 import pytest
 import torch
 
 import eagle3_ops
+import machine
+import spawn
 from eagle3_ops import dispatch, qualify
 
 FC = qualify.Shape("draft_fc", hidden=16, captures=3, out_features=24, dtype="bfloat16", chunk_norm=True, bias=True)
@@ -154,10 +153,9 @@ def test_choice_for_rows():
 
 
 def test_cli_json_shape(tmp_path):
-    env = dict(os.environ, XDG_CACHE_HOME=str(tmp_path))
-    r = subprocess.run([sys.executable, "-m", "eagle3_ops", "qualify", "--hidden", "16", "--captures", "3",
-                        "--out-features", "32", "--tp", "2", "--rows", "1,8", "--reps", "1", "--json"],
-                       env=env, capture_output=True, text=True, timeout=600)
+    r = spawn.run(["qualify", "--hidden", "16", "--captures", "3", "--out-features", "32", "--tp", "2", "--rows", "1,8",
+                   "--reps", "1", "--json"], env=dict(spawn.base_env(), XDG_CACHE_HOME=str(tmp_path)),
+                  timeout=machine.timeout(600))
     assert r.returncode == 0, r.stderr
     data = json.loads(r.stdout)
     assert set(data) == {"device", "choices", "rejected"} and data["device"] == "cpu"
