@@ -3,35 +3,52 @@ PYTHON ?= python3.11
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip
-# torch and torchvision come through pip (it finds them on the machine's disk); SGLang and the rest
-# through uv, which fetches in parallel (about 25 s instead of pip's ~200 s, measured on a 2-core box of the CI kind).
+# Everything through uv (parallel downloads and unpacking). uv does not read pip's configuration, so
+# it is given the package folders pip is configured with on this machine (extra-index-url, find-links:
+# torch's several GB come from the disk there, ~30 s instead of pip's ~80 s, measured on a 2-core box of
+# the CI kind), and merges versions across indexes as pip does (unsafe-best-match).
 UV     := $(VENV)/bin/uv
+UV_LOCAL = $(shell for u in $$($(PYTHON) -m pip config get global.extra-index-url 2>/dev/null); do \
+		case "$$u" in (file://*) [ -d "$$(echo "$$u" | cut -c8-)" ] || continue;; esac; printf -- '--extra-index-url %s ' "$$u"; done; \
+	for l in $$($(PYTHON) -m pip config get global.find-links 2>/dev/null); do \
+		[ -d "$$l" ] && printf -- '--find-links %s ' "$$l"; done)
 TORCH_VERSION  ?= 2.14.1
 TORCHVISION_VERSION ?= 0.29.1
 SGLANG_VERSION ?= 0.5.23
 
-.PHONY: venv deps install demo test test-fast bench clean
+.PHONY: venv deps build install demo test test-fast bench clean
 
 # pip prints a warning per package for the machine's local index folders; keep the log readable.
 SHELL := /bin/bash
 .SHELLFLAGS := -o pipefail -c
 QUIET_PIP := 2>&1 | { grep -v "is ignored: it is neither a file nor a directory" || true; }
 
-$(VENV)/.deps-stamp: Makefile
+UV_INSTALL = $(UV) pip install -q --python $(PY) $(UV_LOCAL) --index-strategy unsafe-best-match
+TORCH_REQS = "torch==$(TORCH_VERSION)" "torchvision==$(TORCHVISION_VERSION)"
+
+# What the extension builds against first, so that it compiles (CPU) while uv fetches the rest (network).
+$(VENV)/.torch-stamp: Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PIP) install -q --upgrade pip setuptools wheel $(QUIET_PIP)
-	$(PIP) install -q "torch==$(TORCH_VERSION)" "torchvision==$(TORCHVISION_VERSION)" uv $(QUIET_PIP)
-	$(UV) pip install -q --python $(PY) "sglang==$(SGLANG_VERSION)" "torch==$(TORCH_VERSION)" \
-		"torchvision==$(TORCHVISION_VERSION)" \
-		pytest pytest-benchmark pytest-xdist hypothesis safetensors transformers tabulate ninja cmake
+	$(PIP) install -q uv $(QUIET_PIP)
+	$(UV_INSTALL) pip "setuptools>=68" wheel ninja $(TORCH_REQS)
+	touch $@
+
+$(VENV)/.deps-stamp: $(VENV)/.torch-stamp
+	$(UV_INSTALL) $(TORCH_REQS) "sglang==$(SGLANG_VERSION)" \
+		pytest pytest-benchmark pytest-xdist hypothesis safetensors transformers tabulate cmake
 	$(PY) -c "import torch, sglang, pytest, triton; assert torch.__version__.startswith('$(TORCH_VERSION)'), torch.__version__"
 	touch $@
 
 deps: $(VENV)/.deps-stamp
 
 # Builds the CUDA extension when nvcc is found (see setup.py); the full log is in .venv/build.log.
-install: deps
-	MAX_JOBS=$${MAX_JOBS:-2} $(PIP) install --no-build-isolation -v -e . > $(VENV)/build.log 2>&1 || (tail -40 $(VENV)/build.log; exit 1)
+# --no-deps: the dependencies are the Makefile's (deps), installed beside the build.
+build: $(VENV)/.torch-stamp
+	MAX_JOBS=$${MAX_JOBS:-2} $(PIP) install --no-build-isolation --no-deps -v -e . > $(VENV)/build.log 2>&1 \
+		|| (tail -40 $(VENV)/build.log; exit 1)
+
+install:
+	$(MAKE) --no-print-directory -j2 build deps
 	grep "eagle3_ops build:" $(VENV)/build.log || true
 	$(PY) -c "import eagle3_ops; print('eagle3_ops build info:', eagle3_ops.build_info())"
 
