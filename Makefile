@@ -23,10 +23,12 @@ SHELL := /bin/bash
 .SHELLFLAGS := -o pipefail -c
 QUIET_PIP := 2>&1 | { grep -v "is ignored: it is neither a file nor a directory" || true; }
 
-# --compile-bytecode: pip writes .pyc files at install, uv only when asked; without them every fresh
-# interpreter compiles torch, SGLang and transformers from source again where PYTHONDONTWRITEBYTECODE
-# is set (it is on this machine: the suite ran 635 s instead of ~350 s).
-UV_INSTALL = $(UV) pip install -q --compile-bytecode --python $(PY) $(UV_LOCAL) --index-strategy unsafe-best-match
+# Python writes the .pyc files of what it imports (uv does not compile at install; compiling all of
+# torch, SGLang and transformers there cost ~2 minutes here). With PYTHONDONTWRITEBYTECODE set (it is on
+# this machine) every fresh interpreter would compile its imports from source again: the suite ran
+# 635 s instead of ~350 s.
+unexport PYTHONDONTWRITEBYTECODE
+UV_INSTALL = $(UV) pip install -q --python $(PY) $(UV_LOCAL) --index-strategy unsafe-best-match
 TORCH_REQS = "torch==$(TORCH_VERSION)" "torchvision==$(TORCHVISION_VERSION)"
 
 # What the extension builds against first, so that it compiles (CPU) while uv fetches the rest (network).
