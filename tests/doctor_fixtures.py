@@ -3,6 +3,7 @@
 - ``write_target`` / ``write_draft``: hand-written target configs and draft checkpoints (config.json +
   a small model.safetensors with SpecForge/SGLang tensor names) for the config checks.
 - ``run_doctor``: ``eagle3_ops.doctor.cli.main([... , "--json"])`` in-process -> (exit status, JSON report).
+- ``eagle3_ops``: ``python -m eagle3_ops ...`` as a fresh process (tests/spawn.py) -> CompletedProcess.
 - ``tiny_pair`` / ``tiny_states`` (session fixtures): the real tiny target + trained draft of
   ``eagle3_ops.doctor.tiny``, built once per test session under pytest's base temp dir (shared by every
   test module that imports the fixtures), and its recorded states.
@@ -20,6 +21,8 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
+import machine
+import spawn
 from eagle3_ops.doctor import cli
 
 
@@ -111,6 +114,17 @@ def write_draft(path, *, ids: Optional[List[int]] = None, top_ids: Optional[List
         t.pop(name)
     save_file({n: v.contiguous() for n, v in t.items()}, str(path / "model.safetensors"))
     return path
+
+
+def eagle3_ops(*args, timeout: float = 120, env_extra: Optional[dict] = None):
+    """``python -m eagle3_ops ...`` as a fresh process (tests/spawn.py), stdin empty; ``timeout`` is seconds on
+    an idle machine, scaled to this one now. A doctor run reads SGLang's rules from the pinned table
+    (``--engine-code table``): importing SGLang costs about a minute per process on 2 cores; the in-process
+    tests run the installed SGLang."""
+    if args and args[0] == "doctor" and "--engine-code" not in args:
+        args = (*args, "--engine-code", "table")
+    env = dict(spawn.base_env(), **(env_extra or {}))
+    return spawn.run(args, env=env, timeout=machine.timeout(timeout))
 
 
 def run_doctor(*args: str):

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+import spawn
 from doctor_fixtures import write_draft, write_target
 from eagle3_ops import _cli, settings
 from eagle3_ops.__main__ import COMMANDS, main
@@ -64,9 +65,8 @@ def bad_environment(tmp_path) -> dict:
 def drive(cases, tmp_path):
     """Run ``cases`` in one subprocess (tests/cli_driver.py); their results."""
     (tmp_path / "cases.json").write_text(json.dumps(cases))
-    env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    env = spawn.base_env()
     env.pop("TRITON_INTERPRET", None)  # qualify's candidates: the reference only (the interpreter takes seconds)
-    env.pop("EAGLE3_OPS_DEBUG", None)
     r = subprocess.run([sys.executable, str(ROOT / "tests" / "cli_driver.py"), str(tmp_path / "cases.json"),
                         str(tmp_path / "results.json")], env=env, capture_output=True, text=True, timeout=900,
                        stdin=subprocess.DEVNULL, cwd=str(tmp_path))
@@ -129,7 +129,7 @@ def test_a_closed_pipe_at_exit_is_quiet():
     the pipe meets the closed reader at the interpreter's last flush."""
     r_fd, w_fd = os.pipe()
     os.close(r_fd)
-    env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    env = spawn.base_env()
     env.pop("PYTHONUNBUFFERED", None)
     try:
         p = subprocess.run([sys.executable, "-m", "eagle3_ops", "info"], stdout=w_fd, stderr=subprocess.PIPE,

@@ -6,19 +6,8 @@ import json
 
 import pytest
 
-import machine
-import spawn
-from doctor_fixtures import run_doctor, tiny_pair, tiny_states, write_draft, write_target  # noqa: F401
+from doctor_fixtures import eagle3_ops, run_doctor, tiny_pair, tiny_states, write_draft, write_target  # noqa: F401
 from eagle3_ops.doctor import cli
-
-
-def eagle3_ops(*args, timeout=120):
-    """``python -m eagle3_ops ...`` as a fresh process (tests/spawn.py). A doctor run reads SGLang's rules from the
-    pinned table (``--engine-code table``): importing SGLang costs about a minute per process on 2 cores; the
-    in-process tests run the installed SGLang."""
-    if args and args[0] == "doctor" and "--engine-code" not in args:
-        args = (*args, "--engine-code", "table")
-    return spawn.run(args, timeout=machine.timeout(timeout), stdin=None)
 
 
 @pytest.fixture

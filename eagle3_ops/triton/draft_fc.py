@@ -293,8 +293,8 @@ def _splitk_reduce_kernel(ws_ptr, bias_ptr, rows_ptr, out_ptr, stride_out, M, N,
     if HAS_BIAS:
         acc += tl.load(bias_ptr + offs, mask=n_in, other=0.0).to(tl.float32)[None, :]
     if HAS_ROWS:
-        row = tl.load(rows_ptr + offs_m, mask=m_in, other=0)
-        acc = tl.where(((row >= 0) & (row < R))[:, None], acc, float("nan"))
+        _, valid = _gather_rows(rows_ptr, offs_m, m_in, R, HAS_ROWS)
+        acc = tl.where(valid[:, None], acc, float("nan"))  # masked-off rows are not stored
     tl.store(out_ptr + offs_m[:, None] * stride_out + offs[None, :], cast(acc, out_ptr.dtype.element_ty, INTERPRETER_BF16),
              mask=mask)
 

@@ -13,22 +13,10 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-import machine
-import spawn
-from doctor_fixtures import draft_tensors, run_doctor, write_draft, write_target
+from doctor_fixtures import draft_tensors, eagle3_ops, run_doctor, write_draft, write_target
 from eagle3_ops.doctor import cli
 
 L = 32  # target layers of the hand-written pair
-
-
-def eagle3_ops(*args, timeout=120, env_extra=None):
-    """``python -m eagle3_ops ...`` as a fresh process (tests/spawn.py). A doctor run reads SGLang's rules from the
-    pinned table (``--engine-code table``): importing SGLang costs about a minute per process on 2 cores; the
-    in-process tests run the installed SGLang."""
-    if args and args[0] == "doctor" and "--engine-code" not in args:
-        args = (*args, "--engine-code", "table")
-    env = dict(spawn.base_env(), **(env_extra or {}))
-    return spawn.run(args, env=env, timeout=machine.timeout(timeout))  # seconds on an idle machine, scaled
 
 
 def assert_exit_2(rc, err, *phrases):
