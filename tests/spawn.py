@@ -3,8 +3,9 @@
 A test of the command line needs a real process: its own file descriptors, exit status, interpreter
 shutdown (the last flush into a closed pipe) and once-per-process state. Starting one costs 4-9 s of
 CPU on the loaded 2-core CI machine, nearly all of it importing torch, transformers and triton. So
-each pytest worker starts one server (this file run as a script) that imports those (:data:`PRELOAD`)
-and nothing of eagle3_ops (checked), then forks one child per command. The child takes the caller's
+each pytest worker keeps one server (this file run as a script; started again when the worker's own
+environment changes in a variable read at import) that imports those (:data:`PRELOAD`) and nothing
+of eagle3_ops (checked), then forks one child per command. The child takes the caller's
 stdin/stdout/stderr (passed as file descriptors), environment and working directory, and runs
 ``eagle3_ops`` as ``__main__`` at the top level of the script, so it ends as ``python -m eagle3_ops``
 ends: SystemExit's status, a traceback and status 1 for an uncaught exception, the interpreter's own
@@ -97,9 +98,16 @@ counts = {"forked": 0, "subprocess": 0}  # how run() ran its commands (tests/tes
 last_difference: List[str] = []  # the variables that made the last real process one
 
 
-def _get_server(env: Dict[str, str]) -> _Server:
+def _get_server() -> _Server:
+    """The server, under this process's :func:`base_env` as it is now: started on first use, and again
+    when that has changed in a variable read at import (importing SGLang's kernels sets some, e.g.
+    CUTE_DSL_CACHE_DIR). A caller's own variation on it never restarts it: that command runs as a real
+    process."""
     global _server
-    if _server is None or _server.proc.poll() is not None:
+    env = base_env()
+    if _server is None or _server.proc.poll() is not None or _server.differs_from(env):
+        if _server is not None:
+            _server.close()
         _server = _Server(env)
         import atexit
 
@@ -135,7 +143,7 @@ def run(args: Sequence, *, env: Optional[Dict[str, str]] = None, cwd=None, timeo
     env = base_env() if env is None else dict(env)
     cwd = os.path.abspath(cwd or ROOT)
     cmd = [sys.executable, "-m", module, *args]
-    server = _get_server(env)
+    server = _get_server()
     difference = server.differs_from(env)
     if difference:
         counts["subprocess"] += 1

@@ -85,6 +85,18 @@ def test_a_command_past_its_timeout_is_killed():
     assert forked(["report", "0"], cwd=TESTS).returncode == 0  # the server goes on
 
 
+def test_a_change_to_this_process_environment_starts_a_new_server(monkeypatch):
+    """What a library imported into the test process sets (SGLang's kernels set CUTE_DSL_CACHE_DIR and
+    others) is every later command's environment: the server follows it, commands still fork."""
+    assert forked(["report", "0"], cwd=TESTS).returncode == 0
+    first = spawn._server
+    monkeypatch.setenv("EAGLE3_OPS_SPAWN_TEST", "lazy")  # read after start: the same server
+    assert forked(["report", "0"], cwd=TESTS).returncode == 0 and spawn._server is first
+    monkeypatch.setenv("SPAWN_TEST_READ_AT_IMPORT", "1")
+    assert forked(["report", "0"], cwd=TESTS).returncode == 0
+    assert spawn._server is not first and spawn._server.env["SPAWN_TEST_READ_AT_IMPORT"] == "1"
+
+
 def test_an_environment_the_preloaded_modules_read_runs_a_real_process(tmp_path):
     env = dict(spawn.base_env(), HF_MODULES_CACHE=str(tmp_path))  # transformers reads it when imported
     before = dict(spawn.counts)
