@@ -77,9 +77,9 @@ SKINNY_REGISTERS = {
                 ("float16", 1): 71, ("float16", 2): 83, ("float16", 4): 101, ("float16", 8): 134},
 }
 SKINNY_STEP_INSTRUCTIONS = {
-    "sm_90a": {("bfloat16", 1): 76.5, ("bfloat16", 2): 77.0, ("bfloat16", 4): 97.0, ("bfloat16", 8): 151.0,
+    "sm_90a": {("bfloat16", 1): 75.5, ("bfloat16", 2): 77.0, ("bfloat16", 4): 97.0, ("bfloat16", 8): 151.0,
                ("float16", 1): 75.5, ("float16", 2): 77.0, ("float16", 4): 97.0, ("float16", 8): 151.0},
-    "sm_120a": {("bfloat16", 1): 75.5, ("bfloat16", 2): 75.0, ("bfloat16", 4): 95.5, ("bfloat16", 8): 147.0,
+    "sm_120a": {("bfloat16", 1): 76.5, ("bfloat16", 2): 75.0, ("bfloat16", 4): 95.5, ("bfloat16", 8): 147.0,
                 ("float16", 1): 76.5, ("float16", 2): 75.0, ("float16", 4): 95.5, ("float16", 8): 147.0},
 }
 SmLimits = skinny_model.SmLimits

@@ -88,7 +88,9 @@ def parse_sass(text: str) -> Dict[Tuple[str, str], List[Instr]]:
 
     for line in text.splitlines():
         if m := re.match(r"\s*code for (sm_\d+a?)", line):
-            arch = m.group(1)
+            # A new cubin: the function before this line belongs to the previous one's arch.
+            flush()
+            arch, fn, body = m.group(1), None, []
         elif m := re.match(r"\s*Function : (\S+)", line):
             flush()
             fn, body = m.group(1), []

@@ -59,6 +59,18 @@ def test_parse_finds_functions_arches_predicates_and_the_hot_loop():
     assert sass.hot_loop(fns[("sm_90a", "k2")]) is None  # no loop, no MMA
 
 
+def test_the_last_function_of_a_cubin_keeps_its_arch():
+    """cuobjdump lists one cubin per arch; the function just before `code for sm_120a` is still an
+    sm_90a one (the parser once filed it under the next arch, which swapped two rows of
+    cuda_backend.SKINNY_STEP_INSTRUCTIONS between the archs)."""
+    text = listing(("k", ring(2)), ("last", ["MOV R1, R2", "EXIT"])) + listing(
+        ("k", ring(1)), ("last", ["MOV R1, R3", "MOV R2, R3", "EXIT"]), arch="sm_120a")
+    fns = sass.parse_sass(text)
+    assert set(fns) == {(a, f) for a in ("sm_90a", "sm_120a") for f in ("k", "last")}
+    assert [len(fns[(a, "last")]) for a in ("sm_90a", "sm_120a")] == [2, 3]
+    assert fns[("sm_90a", "k")] != fns[("sm_120a", "k")]
+
+
 @pytest.mark.parametrize("pending,want", [(2, 3), (1, 2)])
 def test_a_ring_keeps_its_steps_in_flight_across_the_back_edge(pending, want):
     ins = only(listing(("ring", ring(pending))))
