@@ -19,20 +19,19 @@
 // the draft model after the whole target forward, so they should not evict the layer's live data
 // from L2. hidden/residual are plain loads (the next layer reads them again right away).
 // CUDA-graph safe: no allocation, no host sync, current stream.
-#include <c10/cuda/CUDAGuard.h>
-#include <c10/cuda/CUDAStream.h>
+//
+// This file holds the kernels and their launch (no ATen: see common.h); capture_op.cpp the op's
+// tensor-facing half (checks, device guard, stream, dtype dispatch).
+#include <algorithm>
 
+#include "capture_launch.h"
 #include "common.cuh"
-#include "ops.h"
 
 namespace eagle3 {
 namespace {
 
-constexpr int kMaxChunkThreads = 256;
-constexpr int kRowThreads = 256;
-
 template <typename T, bool kHasResidual>
-__global__ void __launch_bounds__(kMaxChunkThreads)
+__global__ void __launch_bounds__(kCaptureChunkThreads)
     capture_aligned_kernel(const T* __restrict__ hidden, int64_t hidden_stride, const T* __restrict__ residual,
                            int64_t residual_stride, T* __restrict__ out, int64_t out_stride, int vecs_per_row,
                            int chunks_per_row) {
@@ -67,7 +66,7 @@ __device__ __forceinline__ void capture_scalar(const T* h, const T* r, T* o, int
 }
 
 template <typename T, bool kHasResidual>
-__global__ void __launch_bounds__(kRowThreads)
+__global__ void __launch_bounds__(kCaptureRowThreads)
     capture_any_kernel(const T* hidden, int64_t hidden_stride, const T* residual, int64_t residual_stride, T* out,
                        int64_t out_stride, int H) {
   constexpr int VEC = Vec16<T>::kElems;
@@ -103,75 +102,43 @@ __global__ void __launch_bounds__(kRowThreads)
   for (int i = body_end + threadIdx.x; i < H; i += blockDim.x) capture_scalar<T, kHasResidual>(h, r, o, i);
 }
 
-template <typename T, bool kHasResidual>
-void launch_capture(const T* hidden, int64_t hidden_stride, const T* residual, int64_t residual_stride, T* out,
-                    int64_t out_stride, int64_t rows, int H, bool aligned, cudaStream_t stream) {
-  constexpr int VEC = Vec16<T>::kElems;
-  if (aligned) {
-    const int vecs_per_row = H / VEC;
-    const int chunks_per_row = (vecs_per_row + kMaxChunkThreads - 1) / kMaxChunkThreads;
-    const int per_chunk = (vecs_per_row + chunks_per_row - 1) / chunks_per_row;
-    const int threads = (per_chunk + 31) / 32 * 32;
-    const int64_t blocks = rows * chunks_per_row;
-    TORCH_CHECK(blocks <= INT32_MAX, "eagle3_cuda::capture: too many rows for one launch");
-    capture_aligned_kernel<T, kHasResidual><<<static_cast<unsigned>(blocks), threads, 0, stream>>>(
-        hidden, hidden_stride, residual, residual_stride, out, out_stride, vecs_per_row, chunks_per_row);
-  } else {
-    TORCH_CHECK(rows <= INT32_MAX, "eagle3_cuda::capture: too many rows for one launch");
-    const int threads = std::min(kRowThreads, (H + 31) / 32 * 32);
-    capture_any_kernel<T, kHasResidual><<<static_cast<unsigned>(rows), threads, 0, stream>>>(
-        hidden, hidden_stride, residual, residual_stride, out, out_stride, H);
-  }
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
-}
-
-template <typename T>
-void capture_typed(const at::Tensor& hidden, const std::optional<at::Tensor>& residual, at::Tensor& buffer,
-                   int64_t slot) {
-  constexpr int VEC = Vec16<T>::kElems;
-  const int64_t rows = hidden.size(0);
-  const int H = static_cast<int>(hidden.size(1));
-  const T* h = reinterpret_cast<const T*>(hidden.data_ptr());
-  T* out = reinterpret_cast<T*>(buffer.data_ptr()) + slot * H;
-  const T* r = residual.has_value() ? reinterpret_cast<const T*>(residual->data_ptr()) : nullptr;
-  const int64_t r_stride = residual.has_value() ? residual->stride(0) : 0;
-  // Aligned launch: every row of every tensor starts on a 16-byte boundary and holds whole vectors.
-  const bool aligned = H % VEC == 0 && hidden.stride(0) % VEC == 0 && buffer.stride(0) % VEC == 0 &&
-                       is_aligned16(h) && is_aligned16(out) &&
-                       (r == nullptr || (r_stride % VEC == 0 && is_aligned16(r)));
-  cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
-  if (r != nullptr) {
-    launch_capture<T, true>(h, hidden.stride(0), r, r_stride, out, buffer.stride(0), rows, H, aligned, stream);
-  } else {
-    launch_capture<T, false>(h, hidden.stride(0), nullptr, 0, out, buffer.stride(0), rows, H, aligned, stream);
-  }
-}
-
 }  // namespace
 
-void capture(const at::Tensor& hidden, const std::optional<at::Tensor>& residual, at::Tensor& buffer,
-             int64_t slot) {
-  TORCH_CHECK(hidden.is_cuda() && buffer.is_cuda(), "eagle3_cuda::capture: tensors must be on CUDA");
-  TORCH_CHECK(hidden.dim() == 2 && buffer.dim() == 2, "eagle3_cuda::capture: hidden and buffer must be 2-D");
-  const int64_t H = hidden.size(1);
-  TORCH_CHECK(H > 0 && H <= INT32_MAX / 2, "eagle3_cuda::capture: hidden size out of range");
-  TORCH_CHECK((H == 1 || hidden.stride(1) == 1) && (buffer.size(1) == 1 || buffer.stride(1) == 1),
-              "eagle3_cuda::capture: last dim must be contiguous");
-  TORCH_CHECK(!residual.has_value() || (residual->is_cuda() && residual->sizes() == hidden.sizes() &&
-                                        (H == 1 || residual->stride(1) == 1) &&
-                                        residual->scalar_type() == hidden.scalar_type()),
-              "eagle3_cuda::capture: residual must be CUDA, same shape and dtype as hidden, last dim contiguous");
-  TORCH_CHECK(buffer.scalar_type() == hidden.scalar_type(), "eagle3_cuda::capture: buffer dtype differs");
-  TORCH_CHECK(buffer.size(0) >= hidden.size(0) && (slot + 1) * H <= buffer.size(1) && slot >= 0,
-              "eagle3_cuda::capture: slot/rows outside the buffer");
-  if (hidden.size(0) == 0) return;
-  const c10::cuda::OptionalCUDAGuard guard(hidden.device());
-  switch (hidden.scalar_type()) {
-    case at::kBFloat16: capture_typed<c10::BFloat16>(hidden, residual, buffer, slot); break;
-    case at::kHalf: capture_typed<c10::Half>(hidden, residual, buffer, slot); break;
-    case at::kFloat: capture_typed<float>(hidden, residual, buffer, slot); break;
-    default: TORCH_CHECK(false, "eagle3_cuda::capture: unsupported dtype ", hidden.scalar_type());
+template <typename T>
+cudaError_t launch_capture(const CaptureArgs& a, cudaStream_t stream) {
+  const T* hidden = static_cast<const T*>(a.hidden);
+  const T* residual = static_cast<const T*>(a.residual);
+  T* out = static_cast<T*>(a.out);
+  const int H = a.H;
+  if (a.aligned) {
+    const int vecs_per_row = H / kVecElems<T>;
+    const int chunks_per_row = capture_chunks_per_row(vecs_per_row);
+    const int per_chunk = (vecs_per_row + chunks_per_row - 1) / chunks_per_row;
+    const int threads = (per_chunk + 31) / 32 * 32;
+    const auto blocks = static_cast<unsigned>(a.rows * chunks_per_row);
+    if (residual != nullptr) {
+      capture_aligned_kernel<T, true><<<blocks, threads, 0, stream>>>(hidden, a.hidden_stride, residual, a.residual_stride,
+                                                                      out, a.out_stride, vecs_per_row, chunks_per_row);
+    } else {
+      capture_aligned_kernel<T, false><<<blocks, threads, 0, stream>>>(hidden, a.hidden_stride, nullptr, 0, out,
+                                                                       a.out_stride, vecs_per_row, chunks_per_row);
+    }
+  } else {
+    const int threads = std::min(kCaptureRowThreads, (H + 31) / 32 * 32);
+    const auto blocks = static_cast<unsigned>(a.rows);
+    if (residual != nullptr) {
+      capture_any_kernel<T, true><<<blocks, threads, 0, stream>>>(hidden, a.hidden_stride, residual, a.residual_stride,
+                                                                  out, a.out_stride, H);
+    } else {
+      capture_any_kernel<T, false><<<blocks, threads, 0, stream>>>(hidden, a.hidden_stride, nullptr, 0, out,
+                                                                   a.out_stride, H);
+    }
   }
+  return cudaGetLastError();
 }
+
+template cudaError_t launch_capture<c10::BFloat16>(const CaptureArgs&, cudaStream_t);
+template cudaError_t launch_capture<c10::Half>(const CaptureArgs&, cudaStream_t);
+template cudaError_t launch_capture<float>(const CaptureArgs&, cudaStream_t);
 
 }  // namespace eagle3

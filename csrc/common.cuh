@@ -1,17 +1,19 @@
 // Shared device helpers for eagle3_ops kernels: 16-byte vector access, fp32 conversion, warp and
-// block sums, host-side ceil division.
+// block sums. Included by the .cu files only (the host helpers are in common.h).
 #pragma once
 
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
 #include <cstdint>
 
+#include "common.h"
+
 namespace eagle3 {
 
-// Elements of T in one 16-byte vector: 8 for bf16/fp16, 4 for fp32.
+// One 16-byte vector of T: the raw bits or its kVecElems<T> elements.
 template <typename T>
 struct Vec16 {
-  static constexpr int kElems = 16 / sizeof(T);
+  static constexpr int kElems = kVecElems<T>;
   union {
     uint4 raw;
     T elem[kElems];
@@ -23,10 +25,6 @@ __device__ __forceinline__ float to_float(T v) { return static_cast<float>(v); }
 
 template <typename T>
 __device__ __forceinline__ T from_float(float v) { return static_cast<T>(v); }
-
-inline bool is_aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15u) == 0; }
-
-inline int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
 // Sum over the 32 lanes of a warp (xor butterfly: every lane gets the same total).
 __device__ __forceinline__ float warp_sum(float v) {

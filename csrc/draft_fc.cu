@@ -72,41 +72,23 @@
 // M's token tile and the device's SM count, through the planner), not on timing. Row indices
 // outside [0, R) are never dereferenced; those output rows are NaN. No host sync, current stream:
 // CUDA-graph safe.
-#include <c10/cuda/CUDAGuard.h>
-#include <c10/cuda/CUDAStream.h>
-#include <ATen/ops/addmm.h>
-#include <ATen/ops/mm.h>
+//
+// This file holds the kernels and their launches (no ATen: see common.h); draft_fc_op.cpp the op's
+// tensor-facing half (checks, the skinny plan and workspace layout, the cuBLAS path, device guard,
+// stream, dtype dispatch); draft_fc_launch.h the launch shape and arguments both share.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
-#include <algorithm>
-#include <climits>
 #include <type_traits>
+#include <utility>
 
 #include "common.cuh"
-#include "ops.h"
+#include "draft_fc_launch.h"
+
 
 namespace eagle3 {
 namespace {
 
-// ---- launch shape ----------------------------------------------------------------------------------
-// eagle3_ops/cuda_backend.py mirrors kThreads, kRowsPerBlock, the token tile (8 * NT tokens, NT from
-// M), kStep, kMinSplitSteps, kMaxSplits, kStages(NT) and kPiece to plan its split request, and keeps
-// each kernel's register count and shared memory (SKINNY_REGISTERS, skinny_shared_bytes; checked
-// against the built cubins by tests/test_build.py); keep them in step.
-constexpr int kThreads = 128;        // 4 warps
-constexpr int kRowsPerWarp = 16;     // the MMA's M side: weight rows
-constexpr int kRowsPerBlock = 64;
-constexpr int kSlab = 32;            // k covered by one thread group (4 threads x 8 elements) per MMA pair
-constexpr int kSlabsPerStep = 2;     // a ring step: 64 k
-constexpr int kStep = kSlab * kSlabsPerStep;
-constexpr int kMinSplitSteps = 8;    // a split is at least 512 k: the ring's fill is a small part of it
-constexpr int kMaxTokenGroups = 8;   // token tile <= 64 tokens (8 groups of 8)
-constexpr int kMaxSplits = 64;
-constexpr int kReduceThreads = 256;
-constexpr int kPrepareThreads = 256;
-constexpr int kPieceThreads = 128;   // pre-pass: one 16-byte vector per thread
-constexpr int kPiece = kPieceThreads * 8;
 // Ring depth: kStages steps resident, kStages - 1 in flight while one is multiplied. Every variant
 // stays within the 48 KB of static shared memory (no opt-in attribute): 4 stages up to NT = 4,
 // 3 at NT = 8 (its x tile is 8 KB per step).
@@ -120,36 +102,7 @@ constexpr int kSkinnySharedBytes = kStages<NT> * (kWeightChunksPerStep + kXChunk
 static_assert(kSkinnySharedBytes<1> <= 48 * 1024 && kSkinnySharedBytes<2> <= 48 * 1024 &&
                   kSkinnySharedBytes<4> <= 48 * 1024 && kSkinnySharedBytes<8> <= 48 * 1024,
               "the skinny ring must fit the 48 KB of static shared memory");
-// Workspace regions start on this boundary (eagle3_ops.workspace.ALIGN: the Python side carves the
-// same way, and the float4 / 16-byte vector accesses need 16).
-constexpr int64_t kWorkspaceAlign = 256;
-// Path numbers: the index in eagle3_ops.plans.PATHS ("skinny", "tiled", "cublas").
-constexpr int64_t kPathSkinny = 0;
-constexpr int64_t kPathCublas = 2;
 
-
-struct FcArgs {
-  const void* x;
-  int64_t stride_x;
-  const void* w;
-  int64_t stride_w;
-  const void* rows;  // nullptr: row m of x
-  bool rows_are_int64;
-  const void* in_w;     // input_norm_weight [KH] or nullptr
-  const void* chunk_w;  // chunk_norm_weight [K, H] (flat [KH]) or nullptr
-  const void* bias;     // [N] or nullptr
-  void* out;
-  int64_t stride_out;
-  float* partial;  // [S][M][N] fp32, or nullptr: the skinny kernel writes out directly
-  float* stats;    // [M][P][2] fp32 (sum x^2, sum (x*in_w)^2 per pre-pass piece), or nullptr: no norm
-  bool folded;     // the weight carries g = in_w * chunk_w (in_w still feeds the chunk statistic)
-  int64_t R;
-  int M, N, KH;
-  int CH, NC;  // chunk width and count: (H, K) with chunk norm, else (KH, 1)
-  int pieces_per_chunk;  // pre-pass pieces of kPiece elements per chunk; P = NC * pieces_per_chunk
-  int splits_per_chunk, split_len, S;
-  float eps;
-};
 
 __device__ __forceinline__ int64_t source_row(const FcArgs& a, int m) {
   if (a.rows == nullptr) return m;
@@ -663,95 +616,11 @@ __global__ void __launch_bounds__(kPrepareThreads) fc_prepare_kernel(const FcArg
   }
 }
 
-
-// ---- host ------------------------------------------------------------------------------------------
-int64_t align_up(int64_t bytes) { return ceil_div(bytes, kWorkspaceAlign) * kWorkspaceAlign; }
-
-// The skinny launch for one problem: token tile, grid and splits (see the header comment).
-struct SkinnyPlan {
-  int nt;            // token groups of 8 per tile: 1, 2, 4 or 8
-  int token_tiles;   // grid.x
-  int weight_tiles;  // grid.y
-  int splits_per_chunk, split_len, S;  // grid.z = S = NC * splits_per_chunk
-  int pieces_per_chunk;  // the norm pre-pass's grid.y = NC * pieces_per_chunk
-};
-
-SkinnyPlan skinny_plan(int64_t M, int64_t N, int CH, int NC, int64_t splits) {
-  TORCH_CHECK(CH > 0 && NC > 0, "eagle3_cuda::draft_fc: the skinny path needs K*H > 0");
-  TORCH_CHECK(splits >= 1, "eagle3_cuda::draft_fc: the skinny path needs splits >= 1, got ", splits);
-  SkinnyPlan p{};
-  const int groups = static_cast<int>(ceil_div(std::min<int64_t>(M, 8 * kMaxTokenGroups), 8));
-  p.nt = groups <= 1 ? 1 : groups <= 2 ? 2 : groups <= 4 ? 4 : 8;
-  p.token_tiles = static_cast<int>(ceil_div(M, 8 * p.nt));
-  p.weight_tiles = static_cast<int>(ceil_div(N, kRowsPerBlock));
-  // Each split a whole number of kStep steps inside one chunk, at least kMinSplitSteps of them
-  // (unless the chunk is narrower), at most kMaxSplits splits in all.
-  const int asked = static_cast<int>(std::min<int64_t>(splits, INT_MAX));
-  const int per_chunk = std::max(1, std::min({asked, CH / (kMinSplitSteps * kStep), kMaxSplits / NC}));
-  p.split_len = static_cast<int>(ceil_div(ceil_div(CH, per_chunk), kStep) * kStep);
-  p.splits_per_chunk = static_cast<int>(ceil_div(CH, p.split_len));
-  p.S = NC * p.splits_per_chunk;
-  TORCH_CHECK(p.S <= kMaxSplits, "eagle3_cuda::draft_fc: ", p.S, " splits exceed the reducer's ", kMaxSplits,
-              " (more than ", kMaxSplits, " chunks: use the cublas path)");
-  p.pieces_per_chunk = static_cast<int>(ceil_div(CH, kPiece));
-  return p;
-}
-
-// Workspace regions of the skinny path, in this order: fp32 partials [S][M][N] (none with one split
-// and no norm: the kernel writes out directly); with norms the pre-pass's fp32 piece sums [M][P][2];
-// with unfolded norms x*g [M][KH] in the dtype.
-struct SkinnyRegions {
-  int64_t partial_bytes, stats_bytes, gained_bytes;
-  int64_t total() const { return partial_bytes + stats_bytes + gained_bytes; }
-};
-
-SkinnyRegions skinny_regions(const SkinnyPlan& p, int64_t M, int64_t N, int64_t KH, bool norm, bool folded,
-                             int64_t elem_bytes) {
-  SkinnyRegions r{0, 0, 0};
-  if (p.S > 1 || norm) r.partial_bytes = align_up(static_cast<int64_t>(p.S) * M * N * static_cast<int64_t>(sizeof(float)));
-  if (norm) {
-    const int64_t pieces = static_cast<int64_t>(p.S / p.splits_per_chunk) * p.pieces_per_chunk;  // NC * ppc
-    r.stats_bytes = align_up(M * pieces * 2 * static_cast<int64_t>(sizeof(float)));
-    if (!folded) r.gained_bytes = align_up(M * KH * elem_bytes);
-  }
-  return r;
-}
-
-// (chunk width, chunk count): (H, K) with chunk norm, else (KH, 1).
-std::pair<int64_t, int64_t> chunks(int64_t KH, int64_t K, bool chunk_norm) {
-  if (!chunk_norm) return {KH, 1};
-  TORCH_CHECK(K >= 1 && KH % K == 0 && KH / K > 0, "eagle3_cuda::draft_fc: chunk_norm needs K >= 1 chunks of ",
-              "equal, non-zero width (K*H = KH), got KH=", KH, ", K=", K);
-  return {KH / K, K};
-}
-
-int64_t workspace_bytes(int64_t M, int64_t N, int64_t KH, int64_t K, bool chunk_norm, bool input_norm, int64_t path,
-                        int64_t splits, at::ScalarType dtype, bool norm_folded) {
-  TORCH_CHECK(M >= 0 && N >= 0 && KH >= 0, "eagle3_cuda::draft_fc_workspace_bytes: negative size");
-  TORCH_CHECK(M <= INT32_MAX && N <= INT32_MAX && KH <= INT32_MAX,
-              "eagle3_cuda::draft_fc_workspace_bytes: sizes must fit int32");
-  TORCH_CHECK(dtype == at::kBFloat16 || dtype == at::kHalf || dtype == at::kFloat,
-              "eagle3_cuda::draft_fc_workspace_bytes: unsupported dtype ", dtype);
-  if (M == 0 || N == 0) return 0;
-  const int64_t elem = static_cast<int64_t>(c10::elementSize(dtype));
-  if (path == kPathSkinny) {
-    TORCH_CHECK(dtype != at::kFloat, "eagle3_cuda::draft_fc: the skinny path takes bf16/fp16 only");
-    const auto [CH, NC] = chunks(KH, K, chunk_norm);
-    const SkinnyPlan p = skinny_plan(M, N, static_cast<int>(CH), static_cast<int>(NC), splits);
-    return skinny_regions(p, M, N, KH, chunk_norm || input_norm, norm_folded, elem).total();
-  }
-  TORCH_CHECK(path == kPathCublas, "eagle3_cuda::draft_fc: path must be 0 (skinny) or 2 (cublas), got ", path,
-              " (1, tiled, is a Triton kernel only)");
-  // The prepared input norm(x[rows]) [M, KH] in the dtype. (A call with no gather and no norm has
-  // nothing to prepare and needs none of it; the caller knows, see draft_fc below.)
-  return align_up(M * KH * elem);
-}
-
 // cudaLaunchKernelEx, with the programmatic-stream-serialization attribute (PDL) when `pdl`: the
 // kernel may be scheduled before the previous one in the stream has finished and waits for it at
 // griddepcontrol.wait.
 template <typename... Params, typename... Args>
-void launch(void (*kernel)(Params...), dim3 grid, int threads, bool pdl, cudaStream_t stream, Args&&... args) {
+cudaError_t launch(void (*kernel)(Params...), dim3 grid, int threads, bool pdl, cudaStream_t stream, Args&&... args) {
   cudaLaunchConfig_t config{};
   config.gridDim = grid;
   config.blockDim = dim3(threads);
@@ -762,242 +631,94 @@ void launch(void (*kernel)(Params...), dim3 grid, int threads, bool pdl, cudaStr
   attr[0].val.programmaticStreamSerializationAllowed = 1;
   config.attrs = attr;
   config.numAttrs = pdl ? 1 : 0;
-  C10_CUDA_CHECK(cudaLaunchKernelEx(&config, kernel, std::forward<Args>(args)...));
+  return cudaLaunchKernelEx(&config, kernel, std::forward<Args>(args)...);
 }
 
 template <typename T>
-void launch_skinny(const FcArgs& a, int nt, dim3 grid, bool pdl, cudaStream_t stream) {
+cudaError_t launch_skinny(const FcArgs& a, int nt, dim3 grid, bool pdl, cudaStream_t stream) {
   switch (nt) {
-    case 1: launch(fc_skinny_kernel<T, 1>, grid, kThreads, pdl, stream, a); break;
-    case 2: launch(fc_skinny_kernel<T, 2>, grid, kThreads, pdl, stream, a); break;
-    case 4: launch(fc_skinny_kernel<T, 4>, grid, kThreads, pdl, stream, a); break;
-    default: launch(fc_skinny_kernel<T, 8>, grid, kThreads, pdl, stream, a); break;
+    case 1: return launch(fc_skinny_kernel<T, 1>, grid, kThreads, pdl, stream, a);
+    case 2: return launch(fc_skinny_kernel<T, 2>, grid, kThreads, pdl, stream, a);
+    case 4: return launch(fc_skinny_kernel<T, 4>, grid, kThreads, pdl, stream, a);
+    default: return launch(fc_skinny_kernel<T, 8>, grid, kThreads, pdl, stream, a);
   }
 }
 
-// pre-pass (with norms) -> skinny -> reducer (with partials), each a PDL dependent of the previous.
 template <typename T>
-void run_skinny(FcArgs a, const SkinnyPlan& p, uint8_t* workspace, cudaStream_t stream) {
+const void* skinny_kernel_for(int nt) {
+  switch (nt) {
+    case 1: return reinterpret_cast<const void*>(&fc_skinny_kernel<T, 1>);
+    case 2: return reinterpret_cast<const void*>(&fc_skinny_kernel<T, 2>);
+    case 4: return reinterpret_cast<const void*>(&fc_skinny_kernel<T, 4>);
+    case 8: return reinterpret_cast<const void*>(&fc_skinny_kernel<T, 8>);
+    default: return nullptr;
+  }
+}
+
+}  // namespace
+
+template <typename T>
+cudaError_t run_skinny(FcArgs a, const SkinnyPlan& p, const SkinnyRegions& regions, uint8_t* workspace,
+                       cudaStream_t stream) {
   const bool norm = a.in_w != nullptr || a.chunk_w != nullptr;
   a.split_len = p.split_len;
   a.splits_per_chunk = p.splits_per_chunk;
   a.S = p.S;
   a.pieces_per_chunk = p.pieces_per_chunk;
-  const SkinnyRegions regions = skinny_regions(p, a.M, a.N, a.KH, norm, a.folded, sizeof(T));
   if (regions.partial_bytes > 0) a.partial = reinterpret_cast<float*>(workspace);
   FcArgs sk = a;  // what the skinny kernel reads
   if (norm) {
     a.stats = reinterpret_cast<float*>(workspace + regions.partial_bytes);
     T* gained = a.folded ? nullptr : reinterpret_cast<T*>(workspace + regions.partial_bytes + regions.stats_bytes);
     const dim3 pgrid(a.M, static_cast<unsigned>(a.NC * p.pieces_per_chunk));
+    cudaError_t err;
     if (gained != nullptr) {
-      launch(fc_norm_prepass_kernel<T, true>, pgrid, kPieceThreads, false, stream, a, gained);
+      err = launch(fc_norm_prepass_kernel<T, true>, pgrid, kPieceThreads, false, stream, a, gained);
       // the skinny kernel multiplies x*g, gathered already: row m of a [M, KH] matrix
       sk.x = gained;
       sk.stride_x = a.KH;
       sk.rows = nullptr;
       sk.R = a.M;
     } else {
-      launch(fc_norm_prepass_kernel<T, false>, pgrid, kPieceThreads, false, stream, a, static_cast<T*>(nullptr));
+      err = launch(fc_norm_prepass_kernel<T, false>, pgrid, kPieceThreads, false, stream, a, static_cast<T*>(nullptr));
     }
+    if (err != cudaSuccess) return err;
   }
-  launch_skinny<T>(sk, p.nt, dim3(p.token_tiles, p.weight_tiles, a.S), norm, stream);
-  if (a.partial != nullptr) {
-    const dim3 rgrid(a.M, static_cast<unsigned>(ceil_div(a.N, kReduceThreads * 4)));
-    if (a.N % 4 == 0) {
-      launch(fc_reduce_kernel<T, true>, rgrid, kReduceThreads, true, stream, a);
-    } else {
-      launch(fc_reduce_kernel<T, false>, rgrid, kReduceThreads, true, stream, a);
-    }
-  }
+  const cudaError_t err = launch_skinny<T>(sk, p.nt, dim3(p.token_tiles, p.weight_tiles, a.S), norm, stream);
+  if (err != cudaSuccess || a.partial == nullptr) return err;
+  const dim3 rgrid(a.M, static_cast<unsigned>(ceil_div(a.N, kReduceThreads * 4)));
+  return a.N % 4 == 0 ? launch(fc_reduce_kernel<T, true>, rgrid, kReduceThreads, true, stream, a)
+                      : launch(fc_reduce_kernel<T, false>, rgrid, kReduceThreads, true, stream, a);
 }
 
-// norm(x[rows]) [M, KH] in the dtype, written into the workspace's first region.
 template <typename T>
-at::Tensor prepare_input(const FcArgs& a, const at::Tensor& workspace, at::ScalarType dtype, cudaStream_t stream) {
+cudaError_t launch_prepare(const FcArgs& a, void* prep, int64_t prep_stride, cudaStream_t stream) {
   constexpr int VEC = Vec16<T>::kElems;
-  const int64_t bytes = static_cast<int64_t>(a.M) * a.KH * static_cast<int64_t>(sizeof(T));
-  at::Tensor prep = workspace.narrow(0, 0, bytes).view(dtype).view({a.M, a.KH});
   const bool vec = a.KH % VEC == 0 && a.CH % VEC == 0 && a.stride_x % VEC == 0 && is_aligned16(a.x) &&
                    (a.in_w == nullptr || is_aligned16(a.in_w)) && (a.chunk_w == nullptr || is_aligned16(a.chunk_w));
-  T* dst = reinterpret_cast<T*>(prep.data_ptr());
+  T* dst = static_cast<T*>(prep);
   if (vec) {
-    fc_prepare_kernel<T, VEC><<<a.M, kPrepareThreads, 0, stream>>>(a, dst, prep.stride(0));
+    fc_prepare_kernel<T, VEC><<<a.M, kPrepareThreads, 0, stream>>>(a, dst, prep_stride);
   } else {
-    fc_prepare_kernel<T, 1><<<a.M, kPrepareThreads, 0, stream>>>(a, dst, prep.stride(0));
+    fc_prepare_kernel<T, 1><<<a.M, kPrepareThreads, 0, stream>>>(a, dst, prep_stride);
   }
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
-  return prep;
-}
-
-bool aligned16(const std::optional<at::Tensor>& t) { return !t.has_value() || is_aligned16(t->data_ptr()); }
-
-template <typename T>
-void draft_fc_typed(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
-                    const std::optional<at::Tensor>& rows, const std::optional<at::Tensor>& chunk_norm_weight,
-                    const std::optional<at::Tensor>& input_norm_weight, double eps, at::Tensor& out,
-                    const std::optional<at::Tensor>& workspace, int64_t path, int64_t splits,
-                    bool norm_folded) {
-  FcArgs a{};
-  a.folded = norm_folded;
-  a.x = x.data_ptr();
-  a.stride_x = x.stride(0);
-  a.w = weight.data_ptr();
-  a.stride_w = weight.stride(0);
-  a.rows = rows.has_value() ? rows->data_ptr() : nullptr;
-  a.rows_are_int64 = rows.has_value() && rows->scalar_type() == at::kLong;
-  a.in_w = input_norm_weight.has_value() ? input_norm_weight->data_ptr() : nullptr;
-  a.chunk_w = chunk_norm_weight.has_value() ? chunk_norm_weight->data_ptr() : nullptr;
-  a.bias = bias.has_value() ? bias->data_ptr() : nullptr;
-  a.out = out.data_ptr();
-  a.stride_out = out.stride(0);
-  a.R = x.size(0);
-  a.M = static_cast<int>(out.size(0));
-  a.N = static_cast<int>(weight.size(0));
-  a.KH = static_cast<int>(x.size(1));
-  a.NC = chunk_norm_weight.has_value() ? static_cast<int>(chunk_norm_weight->size(0)) : 1;
-  a.CH = chunk_norm_weight.has_value() ? static_cast<int>(chunk_norm_weight->size(1)) : a.KH;
-  a.eps = static_cast<float>(eps);
-
-  cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
-  if (path == kPathSkinny) {
-    if constexpr (!std::is_same_v<T, float>) {
-      // The launch contract of the 16-byte fragments (cuda_backend checks it before choosing this
-      // path; here it guards direct callers against misaligned loads).
-      TORCH_CHECK(a.KH > 0 && a.CH % 8 == 0 && a.stride_x % 8 == 0 && a.stride_w % 8 == 0 && is_aligned16(a.x) &&
-                      is_aligned16(a.w) && aligned16(chunk_norm_weight) && aligned16(input_norm_weight),
-                  "eagle3_cuda::draft_fc: the skinny path needs K*H > 0, a chunk width and row strides that are ",
-                  "multiples of 8 and 16-byte aligned x, weight and norm weights; use the cublas path");
-      const SkinnyPlan p = skinny_plan(a.M, a.N, a.CH, a.NC, splits);
-      run_skinny<T>(a, p, workspace.has_value() ? static_cast<uint8_t*>(workspace->data_ptr()) : nullptr, stream);
-      return;
-    }
-    TORCH_CHECK(false, "eagle3_cuda::draft_fc: the skinny path takes bf16/fp16 only");
-  }
-  at::Tensor input = x;
-  if (rows.has_value() || chunk_norm_weight.has_value() || input_norm_weight.has_value()) {
-    // K*H = 0: nothing to prepare (and no workspace): an empty [M, 0] view; out = bias.
-    input = a.KH > 0 ? prepare_input<T>(a, *workspace, x.scalar_type(), stream) : x.as_strided({a.M, 0}, {0, 1});
-  }
-  if (bias.has_value()) {
-    at::addmm_out(out, *bias, input, weight.t());
-  } else {
-    at::mm_out(out, input, weight.t());
-  }
-}
-
-bool unit_stride(const std::optional<at::Tensor>& t) {
-  return !t.has_value() || t->numel() <= 1 || t->stride(0) == 1;
+  return cudaGetLastError();
 }
 
 template <typename T>
-const void* skinny_kernel_for(int64_t nt) {
-  switch (nt) {
-    case 1: return reinterpret_cast<const void*>(&fc_skinny_kernel<T, 1>);
-    case 2: return reinterpret_cast<const void*>(&fc_skinny_kernel<T, 2>);
-    case 4: return reinterpret_cast<const void*>(&fc_skinny_kernel<T, 4>);
-    case 8: return reinterpret_cast<const void*>(&fc_skinny_kernel<T, 8>);
-    default: TORCH_CHECK(false, "eagle3_cuda::skinny_occupancy: nt must be 1, 2, 4 or 8, got ", nt);
-  }
-  return nullptr;
-}
-
-}  // namespace
-
-int64_t skinny_occupancy(int64_t nt, at::ScalarType dtype) {
-  const void* kernel = nullptr;
-  switch (dtype) {
-    case at::kBFloat16: kernel = skinny_kernel_for<c10::BFloat16>(nt); break;
-    case at::kHalf: kernel = skinny_kernel_for<c10::Half>(nt); break;
-    default: TORCH_CHECK(false, "eagle3_cuda::skinny_occupancy: the skinny kernel takes bf16/fp16 only, got ", dtype);
-  }
-  int blocks = 0;
+cudaError_t skinny_occupancy_blocks(int nt, int* blocks) {
+  const void* kernel = skinny_kernel_for<T>(nt);
+  if (kernel == nullptr) return cudaErrorInvalidValue;
   // static shared memory only (the ring): the runtime counts it from the function itself
-  C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, kernel, kThreads, 0));
-  return blocks;
+  return cudaOccupancyMaxActiveBlocksPerMultiprocessor(blocks, kernel, kThreads, 0);
 }
 
-int64_t draft_fc_workspace_bytes(int64_t M, int64_t N, int64_t KH, int64_t K, bool chunk_norm, bool input_norm,
-                                 int64_t path, int64_t splits, at::ScalarType dtype, bool norm_folded) {
-  return workspace_bytes(M, N, KH, K, chunk_norm, input_norm, path, splits, dtype, norm_folded);
-}
-
-void draft_fc(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
-              const std::optional<at::Tensor>& rows, const std::optional<at::Tensor>& chunk_norm_weight,
-              const std::optional<at::Tensor>& input_norm_weight, double eps, at::Tensor& out,
-              const std::optional<at::Tensor>& workspace, int64_t path, int64_t splits, bool norm_folded) {
-  const char* op = "eagle3_cuda::draft_fc: ";
-  // eagle3_ops/validation.py checks all of this with clear messages first; these guard direct
-  // callers of the op against out-of-bounds accesses.
-  TORCH_CHECK(x.is_cuda() && weight.is_cuda() && out.is_cuda(), op, "tensors must be on CUDA");
-  TORCH_CHECK(x.dim() == 2 && weight.dim() == 2 && out.dim() == 2 && weight.size(1) == x.size(1) &&
-                  out.size(1) == weight.size(0) && (rows.has_value() || out.size(0) == x.size(0)),
-              op, "shapes: x [R, KH], weight [N, KH], out [M, N] (M = R without rows)");
-  TORCH_CHECK(weight.scalar_type() == x.scalar_type() && out.scalar_type() == x.scalar_type() &&
-                  weight.device() == x.device() && out.device() == x.device(),
-              op, "one dtype, one device");
-  TORCH_CHECK(!rows.has_value() || (rows->device() == x.device() && rows->dim() == 1 && rows->numel() == out.size(0) &&
-                                    (rows->scalar_type() == at::kInt || rows->scalar_type() == at::kLong)),
-              op, "rows must be int32/int64 [M] on x's device");
-  TORCH_CHECK(!bias.has_value() || (bias->dim() == 1 && bias->numel() == weight.size(0) &&
-                                    bias->scalar_type() == x.scalar_type() && bias->device() == x.device()),
-              op, "bias must be [N]");
-  TORCH_CHECK(!input_norm_weight.has_value() ||
-                  (input_norm_weight->dim() == 1 && input_norm_weight->numel() == x.size(1) &&
-                   input_norm_weight->scalar_type() == x.scalar_type() && input_norm_weight->device() == x.device()),
-              op, "input_norm_weight must be [KH]");
-  TORCH_CHECK(!chunk_norm_weight.has_value() ||
-                  (chunk_norm_weight->dim() == 2 && chunk_norm_weight->numel() == x.size(1) &&
-                   chunk_norm_weight->size(1) > 0 && chunk_norm_weight->scalar_type() == x.scalar_type() &&
-                   chunk_norm_weight->device() == x.device()),
-              op, "chunk_norm_weight must be [K, H], K*H = KH");
-  TORCH_CHECK((x.size(1) <= 1 || x.stride(1) == 1) && (weight.size(1) <= 1 || weight.stride(1) == 1) &&
-                  (out.size(1) <= 1 || out.stride(1) == 1),
-              op, "last dims must be contiguous");
-  TORCH_CHECK(!chunk_norm_weight.has_value() || chunk_norm_weight->is_contiguous(), op,
-              "chunk_norm_weight must be contiguous");
-  TORCH_CHECK(unit_stride(rows) && unit_stride(bias) && unit_stride(input_norm_weight), op,
-              "rows, bias and input_norm_weight must have stride 1 (copy strided views first)");
-  TORCH_CHECK(x.size(1) <= INT32_MAX && weight.size(0) <= INT32_MAX && out.size(0) <= INT32_MAX, op,
-              "sizes must fit int32");
-  TORCH_CHECK(path == kPathSkinny || path == kPathCublas, op, "path must be 0 (skinny) or 2 (cublas), got ", path);
-  TORCH_CHECK(!norm_folded || chunk_norm_weight.has_value() || input_norm_weight.has_value(), op,
-              "norm_folded needs the norm weights (their shapes and input_norm_weight's values give the scales)");
-  if (out.size(0) == 0 || out.size(1) == 0) return;
-  const bool prepares = rows.has_value() || chunk_norm_weight.has_value() || input_norm_weight.has_value();
-  const int64_t K = chunk_norm_weight.has_value() ? chunk_norm_weight->size(0) : 1;
-  const int64_t need = (path == kPathCublas && !prepares)
-                           ? 0
-                           : workspace_bytes(out.size(0), weight.size(0), x.size(1), K, chunk_norm_weight.has_value(),
-                                             input_norm_weight.has_value(), path, splits, x.scalar_type(),
-                                             norm_folded);
-  if (need > 0) {
-    TORCH_CHECK(workspace.has_value(), op, "this call needs a workspace of ", need,
-                " bytes (eagle3_cuda::draft_fc_workspace_bytes), got none");
-    TORCH_CHECK(workspace->device() == x.device() && workspace->scalar_type() == at::kByte && workspace->dim() == 1 &&
-                    (workspace->numel() <= 1 || workspace->stride(0) == 1),
-                op, "workspace must be a 1-D uint8 tensor with stride 1 on x's device");
-    TORCH_CHECK(workspace->numel() >= need, op, "workspace has ", workspace->numel(), " bytes, this call needs ", need,
-                " (eagle3_cuda::draft_fc_workspace_bytes)");
-    TORCH_CHECK(is_aligned16(workspace->data_ptr()), op, "workspace must be 16-byte aligned");
-  }
-  const c10::cuda::OptionalCUDAGuard guard(x.device());
-  switch (x.scalar_type()) {
-    case at::kBFloat16:
-      draft_fc_typed<c10::BFloat16>(x, weight, bias, rows, chunk_norm_weight, input_norm_weight, eps, out, workspace,
-                                    path, splits, norm_folded);
-      break;
-    case at::kHalf:
-      draft_fc_typed<c10::Half>(x, weight, bias, rows, chunk_norm_weight, input_norm_weight, eps, out, workspace, path,
-                                splits, norm_folded);
-      break;
-    case at::kFloat:
-      draft_fc_typed<float>(x, weight, bias, rows, chunk_norm_weight, input_norm_weight, eps, out, workspace, path,
-                            splits, norm_folded);
-      break;
-    default:
-      TORCH_CHECK(false, op, "unsupported dtype ", x.scalar_type());
-  }
-}
+template cudaError_t run_skinny<c10::BFloat16>(FcArgs, const SkinnyPlan&, const SkinnyRegions&, uint8_t*, cudaStream_t);
+template cudaError_t run_skinny<c10::Half>(FcArgs, const SkinnyPlan&, const SkinnyRegions&, uint8_t*, cudaStream_t);
+template cudaError_t launch_prepare<c10::BFloat16>(const FcArgs&, void*, int64_t, cudaStream_t);
+template cudaError_t launch_prepare<c10::Half>(const FcArgs&, void*, int64_t, cudaStream_t);
+template cudaError_t launch_prepare<float>(const FcArgs&, void*, int64_t, cudaStream_t);
+template cudaError_t skinny_occupancy_blocks<c10::BFloat16>(int, int*);
+template cudaError_t skinny_occupancy_blocks<c10::Half>(int, int*);
 
 }  // namespace eagle3

@@ -26,13 +26,13 @@
 // The buffer store is streaming (st.global.cs): it is read again only by the draft model, after the
 // whole target forward; input/residual are what the next layer reads, so they keep L2.
 // CUDA-graph safe: no allocation, no host sync, current stream.
-#include <c10/cuda/CUDAGuard.h>
-#include <c10/cuda/CUDAStream.h>
-
+//
+// This file holds the kernels and their launch (no ATen: see common.h); fused_add_rmsnorm_capture_op.cpp
+// the op's tensor-facing half (checks, device guard, stream, dtype dispatch).
 #include <type_traits>
 
 #include "common.cuh"
-#include "ops.h"
+#include "fused_add_rmsnorm_capture_launch.h"
 
 namespace eagle3 {
 namespace {
@@ -179,19 +179,6 @@ __global__ void __launch_bounds__(kTwoPassThreads)
   }
 }
 
-struct FusedArgs {
-  void* input;
-  int64_t input_stride;
-  void* residual;
-  int64_t residual_stride;
-  const void* weight;
-  void* out;
-  int64_t out_stride;
-  int64_t rows;
-  int H;
-  float eps;
-};
-
 template <typename T, int VEC, int VPT>
 void launch_row(const FusedArgs& a, int threads, cudaStream_t stream) {
   fused_row_kernel<T, VEC, VPT><<<static_cast<unsigned>(a.rows), threads, 0, stream>>>(
@@ -204,7 +191,7 @@ template <int VEC>
 constexpr int kMaxVpt = VEC == 1 ? 32 : 8;
 
 template <typename T, int VEC>
-void launch_fused(const FusedArgs& a, cudaStream_t stream) {
+cudaError_t launch_fused(const FusedArgs& a, cudaStream_t stream) {
   const int packs = a.H / VEC;
   const int preferred = a.rows >= 256 ? 256 : 1024;
   int vpt = 0, threads = 0;
@@ -234,59 +221,18 @@ void launch_fused(const FusedArgs& a, cudaStream_t stream) {
           static_cast<T*>(a.input), a.input_stride, static_cast<T*>(a.residual), a.residual_stride,
           static_cast<const T*>(a.weight), static_cast<T*>(a.out), a.out_stride, a.H, a.eps);
   }
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
-}
-
-template <typename T>
-void fused_typed(at::Tensor& input, at::Tensor& residual, const at::Tensor& weight, double eps, at::Tensor& buffer,
-                 int64_t slot) {
-  constexpr int VEC = Vec16<T>::kElems;
-  const int H = static_cast<int>(input.size(1));
-  T* out = reinterpret_cast<T*>(buffer.data_ptr()) + slot * H;
-  const FusedArgs args{input.data_ptr(), input.stride(0), residual.data_ptr(), residual.stride(0),
-                       weight.data_ptr(), out, buffer.stride(0), input.size(0), H, static_cast<float>(eps)};
-  // 16-byte packs only when every row of every tensor starts on a 16-byte boundary and holds whole
-  // vectors; any other layout takes the scalar (one element per pack) kernels.
-  const bool vectorizable = H % VEC == 0 && input.stride(0) % VEC == 0 && residual.stride(0) % VEC == 0 &&
-                            buffer.stride(0) % VEC == 0 && is_aligned16(input.data_ptr()) &&
-                            is_aligned16(residual.data_ptr()) && is_aligned16(weight.data_ptr()) && is_aligned16(out);
-  cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
-  if (vectorizable) {
-    launch_fused<T, VEC>(args, stream);
-  } else {
-    launch_fused<T, 1>(args, stream);
-  }
+  return cudaGetLastError();
 }
 
 }  // namespace
 
-void fused_add_rmsnorm_capture(at::Tensor& input, at::Tensor& residual, const at::Tensor& weight, double eps,
-                               at::Tensor& buffer, int64_t slot) {
-  const char* op = "eagle3_cuda::fused_add_rmsnorm_capture: ";
-  TORCH_CHECK(input.is_cuda() && residual.is_cuda() && weight.is_cuda() && buffer.is_cuda(), op,
-              "tensors must be on CUDA");
-  TORCH_CHECK(input.dim() == 2 && residual.sizes() == input.sizes() && buffer.dim() == 2 && weight.dim() == 1 &&
-                  weight.size(0) == input.size(1),
-              op, "shapes: input/residual [T, H], weight [H], buffer [R, K*H]");
-  const int64_t H = input.size(1);
-  TORCH_CHECK(H > 0 && H <= INT32_MAX / 2, op, "hidden size out of range");
-  TORCH_CHECK(residual.scalar_type() == input.scalar_type() && weight.scalar_type() == input.scalar_type() &&
-                  buffer.scalar_type() == input.scalar_type(),
-              op, "all tensors must have one dtype");
-  TORCH_CHECK((H == 1 || (input.stride(1) == 1 && residual.stride(1) == 1 && weight.stride(0) == 1)) &&
-                  (buffer.size(1) == 1 || buffer.stride(1) == 1),
-              op, "last dim must be contiguous");
-  TORCH_CHECK(buffer.size(0) >= input.size(0) && slot >= 0 && (slot + 1) * H <= buffer.size(1), op,
-              "slot/rows outside the buffer");
-  TORCH_CHECK(input.size(0) <= INT32_MAX, op, "too many rows for one launch");
-  if (input.size(0) == 0) return;
-  const c10::cuda::OptionalCUDAGuard guard(input.device());
-  switch (input.scalar_type()) {
-    case at::kBFloat16: fused_typed<c10::BFloat16>(input, residual, weight, eps, buffer, slot); break;
-    case at::kHalf: fused_typed<c10::Half>(input, residual, weight, eps, buffer, slot); break;
-    case at::kFloat: fused_typed<float>(input, residual, weight, eps, buffer, slot); break;
-    default: TORCH_CHECK(false, op, "unsupported dtype ", input.scalar_type());
-  }
+template <typename T>
+cudaError_t launch_fused_add_rmsnorm_capture(const FusedArgs& args, cudaStream_t stream) {
+  return args.vectorizable ? launch_fused<T, kVecElems<T>>(args, stream) : launch_fused<T, 1>(args, stream);
 }
+
+template cudaError_t launch_fused_add_rmsnorm_capture<c10::BFloat16>(const FusedArgs&, cudaStream_t);
+template cudaError_t launch_fused_add_rmsnorm_capture<c10::Half>(const FusedArgs&, cudaStream_t);
+template cudaError_t launch_fused_add_rmsnorm_capture<float>(const FusedArgs&, cudaStream_t);
 
 }  // namespace eagle3

@@ -5,7 +5,8 @@
 // memory safety (devices, dtypes, shapes, strides, bounds, workspace size).
 #pragma once
 
-// Only the Tensor class: ATen/ATen.h (every op's declaration) tripled the CUDA files' compile time.
+// Only the Tensor class: ATen/ATen.h (every op's declaration) tripled the compile time. Included by
+// bindings.cpp and the *_op.cpp files, never by a .cu (see common.h).
 #include <ATen/core/Tensor.h>
 #include <optional>
 
