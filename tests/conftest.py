@@ -1,4 +1,7 @@
+import atexit
 import os
+import shutil
+import tempfile
 
 import pytest
 import torch
@@ -15,6 +18,12 @@ if not torch.cuda.is_available():
 # Subprocess and forked workers inherit os.environ.
 os.environ["HF_HUB_OFFLINE"] = "1"
 os.environ["TRANSFORMERS_OFFLINE"] = "1"
+# Remote code a test loads (--trust-remote-code) goes into a folder of this run, not the user's cache.
+# Set here, before transformers is imported (it reads the variable then), so that the commands
+# tests/spawn.py forks share it and a test needs no variable of its own (which would mean a real process).
+_HF_MODULES = tempfile.mkdtemp(prefix="eagle3_ops-tests-hf-modules-")
+atexit.register(shutil.rmtree, _HF_MODULES, ignore_errors=True)
+os.environ["HF_MODULES_CACHE"] = _HF_MODULES
 
 GPU_SKIP_REASON = "needs a CUDA device (runs in benchmarks/device_check.sh)"
 

@@ -3,8 +3,8 @@
 A test of the command line needs a real process: its own file descriptors, exit status, interpreter
 shutdown (the last flush into a closed pipe) and once-per-process state. Starting one costs 4-9 s of
 CPU on the loaded 2-core CI machine, nearly all of it importing torch, transformers and triton. So
-each pytest worker keeps one server (this file run as a script; started again when the worker's own
-environment changes in a variable read at import) that imports those (:data:`PRELOAD`) and nothing
+each pytest worker keeps a server (this file run as a script; another one when the worker's own
+environment changes in a variable read at import, the last two kept) that imports those (:data:`PRELOAD`) and nothing
 of eagle3_ops (checked), then forks one child per command. The child takes the caller's
 stdin/stdout/stderr (passed as file descriptors), environment and working directory, and runs
 ``eagle3_ops`` as ``__main__`` at the top level of the script, so it ends as ``python -m eagle3_ops``
@@ -93,26 +93,35 @@ class _Server:
             self.proc.kill()
 
 
-_server: Optional[_Server] = None
+_server: Optional[_Server] = None  # the one the last command used
+_servers: List[_Server] = []  # live servers, the most recently used last
+_MAX_SERVERS = 2  # a test that changes the environment and changes it back needs no third start
 counts = {"forked": 0, "subprocess": 0}  # how run() ran its commands (tests/test_spawn.py reads it)
 last_difference: List[str] = []  # the variables that made the last real process one
 
 
 def _get_server() -> _Server:
-    """The server, under this process's :func:`base_env` as it is now: started on first use, and again
+    """A server under this process's :func:`base_env` as it is now: started on first use, and again
     when that has changed in a variable read at import (importing SGLang's kernels sets some, e.g.
-    CUTE_DSL_CACHE_DIR). A caller's own variation on it never restarts it: that command runs as a real
-    process."""
+    CUTE_DSL_CACHE_DIR); the previous one is kept (up to _MAX_SERVERS), so an environment that comes
+    back (a test's monkeypatch undone) finds its server. A caller's own variation on it never starts
+    one: that command runs as a real process."""
     global _server
     env = base_env()
-    if _server is None or _server.proc.poll() is not None or _server.differs_from(env):
-        if _server is not None:
-            _server.close()
-        _server = _Server(env)
+    _servers[:] = [s for s in _servers if s.proc.poll() is None]
+    found = next((s for s in _servers if not s.differs_from(env)), None)
+    if found is None:
+        found = _Server(env)
         import atexit
 
-        atexit.register(_server.close)
-    return _server
+        atexit.register(found.close)
+        if len(_servers) >= _MAX_SERVERS:
+            _servers.pop(0).close()
+    else:
+        _servers.remove(found)
+    _servers.append(found)
+    _server = found
+    return found
 
 
 def _fd_for(spec, ours: int, closers: List[int]):

@@ -94,7 +94,11 @@ def test_a_change_to_this_process_environment_starts_a_new_server(monkeypatch):
     assert forked(["report", "0"], cwd=TESTS).returncode == 0 and spawn._server is first
     monkeypatch.setenv("SPAWN_TEST_READ_AT_IMPORT", "1")
     assert forked(["report", "0"], cwd=TESTS).returncode == 0
-    assert spawn._server is not first and spawn._server.env["SPAWN_TEST_READ_AT_IMPORT"] == "1"
+    second = spawn._server
+    assert second is not first and second.env["SPAWN_TEST_READ_AT_IMPORT"] == "1"
+    monkeypatch.undo()  # the environment comes back: so does its server, still running
+    assert forked(["report", "0"], cwd=TESTS).returncode == 0
+    assert spawn._server is first and first.proc.poll() is None
 
 
 def test_an_environment_the_preloaded_modules_read_runs_a_real_process(tmp_path):

@@ -330,9 +330,10 @@ def test_remote_code_needs_the_flag_and_never_prompts(tmp_path, prompts, capsys,
 def test_trust_remote_code_loads_the_model(tmp_path, prompts):
     m = _remote_code_model(tmp_path / "m", weights=True)
     out = tmp_path / "s.safetensors"
-    r = eagle3_ops("capture-states", "--model", m, "--prompts", prompts, "--out", out, "--trust-remote-code",
-                   env_extra={"HF_MODULES_CACHE": str(tmp_path / "hf_modules")})
+    r = eagle3_ops("capture-states", "--model", m, "--prompts", prompts, "--out", out, "--trust-remote-code")
     assert r.returncode == 0, r.stderr
+    # its code went into the run's folder (tests/conftest.py), not the user's cache
+    assert any(Path(os.environ["HF_MODULES_CACHE"]).rglob("modeling_e3.py"))
     assert "2 prompts, 8 tokens, 3 boundaries" in r.stdout and out.exists()
 
 

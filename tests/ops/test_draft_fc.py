@@ -32,8 +32,13 @@ GPU_M = (1, 2, 7, 16, 64, 256, 1000, 4096)
 def grid(target):
     """(M, H, K, N, variant, dtype) per target (N None: N = H)."""
     if target == testing.REFERENCE_CPU:
-        shapes = list(itertools.product((0, 1, 7, 64, 300), (64, 256), (1, 2, 3, 4))) + [(7, 4096, 3), (1, 4096, 1)]
-        return [(M, H, K, None, v, dt) for (M, H, K), v, dt in itertools.product(shapes, VARIANTS, DTYPES)]
+        # Every variant on small shapes; at a model's width (K*H = 12288 and 4096 long fp32 sums) the
+        # variant with no option and the one with all of them (a 400 MB fp64 weight per case: the other
+        # four variants there cost ~30 s of CPU and run nothing the small shapes do not).
+        shapes = list(itertools.product((0, 1, 7, 64, 300), (64, 256), (1, 2, 3, 4)))
+        cases = [(M, H, K, None, v, dt) for (M, H, K), v, dt in itertools.product(shapes, VARIANTS, DTYPES)]
+        return cases + [(M, 4096, K, None, v, dt) for (M, K), v, dt in
+                        itertools.product(((7, 3), (1, 1)), ("plain", "all"), DTYPES)]
     if target == testing.TRITON_CPU:
         shapes = [(1, 64, 1), (7, 72, 3), (33, 64, 2), (16, 128, 3)]
         return [(M, H, K, None, v, dt) for (M, H, K), v, dt in itertools.product(shapes, VARIANTS, DTYPES)]
