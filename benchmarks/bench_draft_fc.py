@@ -98,7 +98,8 @@ def fc_problem(M, H, device, N=None):
 def path_info(backend, x, weight, bias, rows, chunk_norm_weight, input_norm_weight, M, norm_folded=False):
     """What ``backend`` launches for these arguments right now (call inside any forced_path scope):
     ``path_table`` = plans.choose, ``path`` / ``splits_per_chunk`` / ``launch`` = the backend's own
-    plan (after its launch-contract fallbacks)."""
+    plan (after its launch-contract fallbacks; for the CUDA skinny kernel ``launch`` names the block
+    shape)."""
     if backend == "reference":
         return {"path_table": None, "path": "reference (torch)", "splits_per_chunk": None}
     info = {"path_table": plans.choose(backend, x.device, M)}
@@ -107,7 +108,8 @@ def path_info(backend, x, weight, bias, rows, chunk_norm_weight, input_norm_weig
             from eagle3_ops import cuda_backend
 
             pl = cuda_backend.plan(x, weight, bias, rows, chunk_norm_weight, input_norm_weight, norm_folded)
-            info.update(path=pl.path, splits_per_chunk=getattr(pl, "splits", None))
+            info.update(path=pl.path, splits_per_chunk=getattr(pl, "splits", None),
+                        launch=f"{pl.block_rows}-row blocks, stages {pl.stages}" if pl.path == "skinny" else None)
         else:
             from eagle3_ops.triton import draft_fc as triton_fc
 

@@ -2,8 +2,8 @@
 
 Reads the built extension's cubins (``cuobjdump -res-usage`` and ``-sass`` of ``eagle3_ops/_C*.so``:
 registers, shared memory, the weight ring's steps in flight across the hot loop's back-edge and the
-hot loop's instructions per step, per kernel and arch), takes the split plan the planner makes for
-each shape (``eagle3_ops.skinny_model.best_splits``, the function ``cuda_backend.skinny_splits``
+hot loop's instructions per step, per kernel and arch), takes the block shape and split plan the planner
+makes for each shape (``eagle3_ops.skinny_model.best_plan``, the function ``cuda_backend.skinny_choice``
 calls; the script checks that the planner's own tables give the same plan), and prints per shape
 and device the predicted fraction of the read bandwidth and its limiting factor
 (``eagle3_ops/skinny_model.py`` documents the model and every device number, all datasheet figures
@@ -47,7 +47,7 @@ BEGIN, END = "<!-- static_model table: begin -->", "<!-- static_model table: end
 SHORT = {"DRAM bandwidth": "bw", "fill latency": "lat", "bytes in flight": "infl", "L2 bandwidth": "L2",
          "issue rate": "issue", "tensor rate": "mma", "split-K partials": "part", "norm pre-pass": "pre",
          "reducer": "red"}
-_SKINNY = re.compile(r"fc_skinny_kernelIN3c10(\d+)(BFloat16|Half)ELi(\d)E")
+_SKINNY = re.compile(r"fc_skinny_kernelIN3c10(\d+)(BFloat16|Half)ELi(\d+)ELi(\d+)ELi(\d+)E")
 
 
 def target(M: int) -> Optional[float]:
@@ -78,8 +78,8 @@ def extension_path(path: Optional[str]) -> str:
     return built[0]
 
 
-def kernels_from_cubins(so: str, dtype: str = "BFloat16") -> Dict[str, Dict[int, skinny_model.Kernel]]:
-    """arch ("sm_90" / "sm_120") -> NT -> the model's Kernel, from the built cubins."""
+def kernels_from_cubins(so: str, dtype: str = "BFloat16") -> Dict[str, Dict[tuple, skinny_model.Kernel]]:
+    """arch ("sm_90" / "sm_120") -> (NT, rows, stages) -> the model's Kernel, from the built cubins."""
     tool = cuobjdump()
     usage = sass.resource_usage(subprocess.run([tool, "-res-usage", so], capture_output=True, text=True,
                                                check=True).stdout)
@@ -87,21 +87,25 @@ def kernels_from_cubins(so: str, dtype: str = "BFloat16") -> Dict[str, Dict[int,
     return kernels_from(usage, code, dtype)
 
 
-def kernels_from(usage: dict, code: dict, dtype: str = "BFloat16") -> Dict[str, Dict[int, skinny_model.Kernel]]:
-    """The same from parsed ``cuobjdump -res-usage`` / ``-sass`` (sass.resource_usage / parse_sass)."""
-    out: Dict[str, Dict[int, skinny_model.Kernel]] = {}
+def kernels_from(usage: dict, code: dict, dtype: str = "BFloat16") -> Dict[str, Dict[tuple, skinny_model.Kernel]]:
+    """The same from parsed ``cuobjdump -res-usage`` / ``-sass`` (sass.resource_usage / parse_sass).
+    The ring's depth is what the SASS keeps in flight (+ 1); its shared memory is the static
+    allocation, or for a dynamic ring (nothing static) the size the launch passes."""
+    out: Dict[str, Dict[tuple, skinny_model.Kernel]] = {}
     for (arch, fn), ins in code.items():
         m = _SKINNY.search(fn)
         if not m or m.group(2) != dtype:
             continue
-        nt = int(m.group(3))
+        nt, rows, built_stages = int(m.group(3)), int(m.group(4)), int(m.group(5))
         lp = sass.hot_loop(ins)
-        depth = sass.pipeline(ins, lp, sass.WEIGHT_LOAD).stages_in_flight
+        depth = int(sass.pipeline(ins, lp, sass.WEIGHT_LOAD).stages_in_flight) + 1
         res = usage.get((arch, fn)) or usage[(None, fn)]  # a bare cubin names no arch
         base = arch.rstrip("a")
         shared = res["SHARED"] - skinny_model.SM_LIMITS[base].shared_reserved_per_block  # cuobjdump counts it in
-        out.setdefault(base, {})[nt] = skinny_model.Kernel(nt, res["REG"], shared, int(depth) + 1,
-                                                           sass.hot_loop_instructions_per_step(ins, lp))
+        if shared == 0:  # dynamic ring
+            shared = skinny_model.shared_bytes(nt, rows, built_stages)
+        out.setdefault(base, {})[(nt, rows, built_stages)] = skinny_model.Kernel(
+            nt, res["REG"], shared, depth, sass.hot_loop_instructions_per_step(ins, lp), 2, rows)
     return out
 
 
@@ -114,6 +118,7 @@ class Row:
     M: int
     variant: str
     p: skinny_model.Prediction
+    kernel: skinny_model.Kernel
     planner_agrees: bool
 
 
@@ -126,24 +131,26 @@ def predict_all(kernels, devices=DEVICES) -> List[Row]:
         for shape, N, KH in SHAPES:
             for variant, NC, norm, folded in VARIANTS:
                 for M in MS:
-                    k = kernels[dev.arch][skinny_model.token_groups(M)]
-                    asked, p = skinny_model.best_splits(M, N, KH // NC, NC, dev, k, norm, folded)
-                    rows.append(Row(dname, shape, N, KH, M, variant, p, _planner_agrees(M, N, KH, NC, dev, k, norm,
-                                                                                       folded, asked)))
+                    ks = [kernels[dev.arch][s] for s in skinny_model.shapes_for(skinny_model.token_groups(M))]
+                    k, asked, p = skinny_model.best_plan(M, N, KH // NC, NC, dev, ks, norm, folded)
+                    rows.append(Row(dname, shape, N, KH, M, variant, p, k,
+                                    _planner_agrees(M, N, KH, NC, dev, k, norm, folded, asked)))
     return rows
 
 
 def _planner_agrees(M, N, KH, NC, dev, k, norm, folded, asked) -> bool:
-    """Whether cuda_backend (its tables of the cubins, torch imported) plans the same splits."""
+    """Whether cuda_backend (its tables of the cubins, torch imported) plans the same block shape and
+    splits."""
     try:
         import torch
 
         from eagle3_ops import cuda_backend
     except ImportError:
         return True  # no torch here: the planner cannot be asked (the tables are checked in CI)
-    table = cuda_backend.kernel_model(dev.arch, k.nt, torch.bfloat16)
-    bpsm = skinny_model.blocks_per_sm(table.regs, table.shared, skinny_model.THREADS, dev.limits)
-    return cuda_backend.skinny_splits(M, N, KH // NC, NC, dev, table, bpsm, norm, folded) == asked
+    tables = tuple(cuda_backend.kernel_model(dev.arch, s, torch.bfloat16) for s in skinny_model.shapes_for(k.nt))
+    bpsm = tuple(skinny_model.blocks_per_sm(t.regs, t.shared, t.threads, dev.limits) for t in tables)
+    chosen, splits, _ = cuda_backend.skinny_choice(M, N, KH // NC, NC, dev, tables, bpsm, norm, folded)
+    return chosen.shape == k.shape and splits == asked
 
 
 def markdown(rows: List[Row]) -> str:
@@ -160,19 +167,22 @@ def markdown(rows: List[Row]) -> str:
         for r in sorted(rs, key=lambda r: r.M):
             t = target(r.M)
             miss = "" if t is None or r.p.fraction >= t else " **below target**"
-            cells.append(f"{100 * r.p.fraction:.0f}% {SHORT[r.p.limiter]} S={r.p.S}{miss}")
+            k = r.kernel
+            wide = "" if k.rows == skinny_model.DEFAULT_ROWS else f" B={k.rows}x{k.stages}"
+            cells.append(f"{100 * r.p.fraction:.0f}% {SHORT[r.p.limiter]} S={r.p.S}{wide}{miss}")
         r0 = rs[0]
         lines.append(f"| {dev} | {shape} ({r0.N} x {r0.KH}) | {variant} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
 def detail(rows: List[Row]) -> str:
-    out = ["device        shape            M  variant  S   blocks bpsm waves  in-flight MB  time us  floor us  "
+    out = ["device        shape            M  variant  S   block  blocks bpsm waves  in-flight MB  time us  floor us  "
            "% read bw  limiter            losses (us)"]
     for r in rows:
         p = r.p
         losses = ", ".join(f"{k} {v * 1e6:.2f}" for k, v in p.losses.items() if v > 0)
-        out.append(f"{r.device:13s} {r.shape:15s} {r.M:3d}  {r.variant:7s} {p.S:3d}  {p.blocks:5d}  {p.blocks_per_sm:3d} "
+        out.append(f"{r.device:13s} {r.shape:15s} {r.M:3d}  {r.variant:7s} {p.S:3d}  "
+                   f"{r.kernel.rows:4d}x{r.kernel.stages} {p.blocks:5d}  {p.blocks_per_sm:3d} "
                    f"{p.waves:5.2f}  {p.in_flight / 1e6:10.2f}  {p.time * 1e6:7.1f}  {p.floor * 1e6:7.1f}  "
                    f"{100 * p.fraction:7.1f}%  {p.limiter:18s} {losses}"
                    + ("" if r.planner_agrees else "  PLANNER DIFFERS"))
@@ -182,9 +192,10 @@ def detail(rows: List[Row]) -> str:
 def header(kernels, so: str) -> str:
     lines = [f"Static model of the CUDA skinny draft fc (PREDICTION, not a measurement) from {Path(so).name}:"]
     for arch, ks in sorted(kernels.items()):
-        lines.append(f"  {arch}: " + "; ".join(f"NT={nt} {k.regs} regs, {k.shared // 1024} KB shared, "
-                                                f"{k.stages - 1} steps in flight, {k.instructions_per_step:.0f} "
-                                                f"instr/step" for nt, k in sorted(ks.items())))
+        lines.append(f"  {arch}: " + "; ".join(f"NT={nt} x {rows} rows: {k.regs} regs, {k.shared // 1024} KB "
+                                                f"shared, {k.stages - 1} steps in flight, "
+                                                f"{k.instructions_per_step:.0f} instr/step"
+                                                for (nt, rows, _), k in sorted(ks.items())))
     for name in DEVICES:
         d = skinny_model.DEVICES[name]
         lines.append(f"  {name}: {d.sms} SMs, read {d.read_bw / 1e12:.2f} TB/s, latency {d.latency * 1e6:.1f} us "
@@ -197,7 +208,9 @@ def header(kernels, so: str) -> str:
 LEGEND = ("Cells: predicted % of the read bandwidth (weight bytes / read_bw over the modelled time), the "
           "limiting factor (bw: DRAM bandwidth, lat: fill latency, infl: bytes in flight, L2: L2 -> SM "
           "traffic, issue, mma: tensor rate, part: split-K partials, pre: norm pre-pass, red: reducer), the "
-          "split count S. Targets (issue 21): >= 80% at M <= 16, >= 70% at M = 64.")
+          "split count S, and B=128x4 / B=128x6 where the planner chose 128-row blocks with a 4- or 6-stage "
+          "ring (else 64-row blocks). Targets (issue 21): "
+          ">= 80% at M <= 16, >= 70% at M = 64.")
 
 
 def docs_block(rows: List[Row]) -> str:

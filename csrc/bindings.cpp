@@ -22,11 +22,12 @@ TORCH_LIBRARY(eagle3_cuda, m) {
       "fused_add_rmsnorm_capture(Tensor(a!) input, Tensor(b!) residual, Tensor weight, float eps, Tensor(c!) buffer, "
       "int slot) -> ()");
   // path: 0 skinny, 2 cublas (eagle3_ops.plans.PATHS index); splits: split-K splits per chunk asked for;
-  // norm_folded: the weight carries the norm weights (eagle3_ops.fold_norm_weights).
+  // norm_folded: the weight carries the norm weights (eagle3_ops.fold_norm_weights); block_rows,
+  // stages: the skinny block shape (csrc/draft_fc_launch.h kSkinnyShapes; stages 0: the first built).
   m.def(
       "draft_fc(Tensor x, Tensor weight, Tensor? bias, Tensor? rows, Tensor? chunk_norm_weight, "
       "Tensor? input_norm_weight, float eps, Tensor(a!) out, Tensor(b!)? workspace, int path, int splits, "
-      "bool norm_folded=False) -> ()");
+      "bool norm_folded=False, int block_rows=64, int stages=0) -> ()");
   // No tensor arguments: one catch-all kernel, callable without a GPU.
   m.def(
       "draft_fc_workspace_bytes(int M, int N, int KH, int K, bool chunk_norm, bool input_norm, int path, int splits, "
@@ -34,7 +35,8 @@ TORCH_LIBRARY(eagle3_cuda, m) {
       &eagle3::draft_fc_workspace_bytes);
   // Resident skinny blocks per SM on the current GPU (cudaOccupancyMaxActiveBlocksPerMultiprocessor);
   // no tensor arguments: a catch-all kernel, which raises without a usable GPU.
-  m.def("skinny_occupancy(int nt, ScalarType dtype) -> int", &eagle3::skinny_occupancy);
+  m.def("skinny_occupancy(int nt, ScalarType dtype, int block_rows=64, int stages=0) -> int",
+        &eagle3::skinny_occupancy);
 }
 
 TORCH_LIBRARY_IMPL(eagle3_cuda, CUDA, m) {
@@ -51,7 +53,7 @@ void fused_add_rmsnorm_capture_meta(at::Tensor&, at::Tensor&, const at::Tensor&,
 void draft_fc_meta(const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&,
                    const std::optional<at::Tensor>&, const std::optional<at::Tensor>&,
                    const std::optional<at::Tensor>&, double, at::Tensor&, const std::optional<at::Tensor>&, int64_t,
-                   int64_t, bool) {}
+                   int64_t, bool, int64_t, int64_t) {}
 }  // namespace
 
 TORCH_LIBRARY_IMPL(eagle3_cuda, Meta, m) {

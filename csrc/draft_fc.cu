@@ -24,13 +24,14 @@
 //     input) for the gathered rows: the norm statistics and the gains are computed once per call,
 //     by every SM in parallel, and the skinny kernel below runs the same hot loop with or without
 //     norms (it reads x*g instead of x[rows]).
-//   * fc_skinny_kernel<T, NT>: swap-AB mma.sync m16n8k16 (an sm_80+ instruction: the same code serves
-//     sm_90a and sm_120a). A block is 4 warps; warp w owns 16 weight rows (64 per block), all warps
-//     share one token tile of 8*NT tokens and one k range (a split). The k range is streamed through a
-//     kStages-deep shared-memory ring of 64-wide k steps filled by cp.async (LDGSTS): every thread
-//     copies the 16-byte weight vectors it will itself use (L2 evict-first policy, 256-byte L2
-//     prefetch, no L1), and the block copies the step's x tile once (L2 evict-last) for all four warps.
-//     While one step is multiplied, the next kStages - 1 steps are in flight, across the loop's
+//   * fc_skinny_kernel<T, NT, RB, ST>: swap-AB mma.sync m16n8k16 (an sm_80+ instruction: the same code
+//     serves sm_90a and sm_120a). A block is RB / 16 warps (4 for 64 rows, 8 for 128; the shapes built
+//     are draft_fc_launch.h's kSkinnyShapes); warp w owns 16 weight rows, all warps share one token
+//     tile of 8*NT tokens and one k range (a split). The k range is streamed through an ST-deep
+//     shared-memory ring of 64-wide k steps filled by cp.async (LDGSTS): the block's threads copy
+//     the step's weight tile (L2 evict-first policy, 256-byte L2 prefetch, no L1) and its x tile once
+//     (L2 evict-last) for all warps: per weight byte, a 128-row block copies half the x bytes a 64-row
+//     one does. While one step is multiplied, the next ST - 1 steps are in flight, across the loop's
 //     back-edge (tests/test_build.py reads this from the SASS). The weight loads of the first steps
 //     are issued before griddepcontrol.wait, so they overlap the pre-pass.
 //     Thread (g = lane/4, t = lane%4) uses W[row g][k+8t, k+8t+8), W[row g+8][same] and x[token
@@ -89,19 +90,14 @@
 namespace eagle3 {
 namespace {
 
-// Ring depth: kStages steps resident, kStages - 1 in flight while one is multiplied. Every variant
-// stays within the 48 KB of static shared memory (no opt-in attribute): 4 stages up to NT = 4,
-// 3 at NT = 8 (its x tile is 8 KB per step).
-template <int NT>
-constexpr int kStages = NT == 8 ? 3 : 4;
-constexpr int kWeightChunksPerStep = kRowsPerBlock * (kStep / 8);  // 16-byte chunks of a step's weight tile
-template <int NT>
-constexpr int kXChunksPerStep = 8 * NT * (kStep / 8);  // 16-byte chunks of a step's x tile
-template <int NT>
-constexpr int kSkinnySharedBytes = kStages<NT> * (kWeightChunksPerStep + kXChunksPerStep<NT>) * 16;
-static_assert(kSkinnySharedBytes<1> <= 48 * 1024 && kSkinnySharedBytes<2> <= 48 * 1024 &&
-                  kSkinnySharedBytes<4> <= 48 * 1024 && kSkinnySharedBytes<8> <= 48 * 1024,
-              "the skinny ring must fit the 48 KB of static shared memory");
+// The ring of fc_skinny_kernel<T, NT, RB, ST>: ST steps resident, ST - 1 in flight while one is
+// multiplied (draft_fc_launch.h lists the shapes built). Rings within the 48 KB of static shared
+// memory are static arrays; larger ones (the 128-row blocks) are dynamic shared memory, which the
+// launch opts in to (cudaFuncAttributeMaxDynamicSharedMemorySize).
+template <int NT, int RB, int ST>
+constexpr int kSkinnyShared = skinny_shared_bytes(SkinnyShape{NT, RB, ST});
+template <int NT, int RB, int ST>
+constexpr bool kDynamicRing = kSkinnyShared<NT, RB, ST> > kStaticSharedLimit;
 
 
 __device__ __forceinline__ int64_t source_row(const FcArgs& a, int m) {
@@ -296,7 +292,7 @@ __global__ void __launch_bounds__(kPieceThreads) fc_norm_prepass_kernel(const Fc
 }
 
 // ---- the skinny kernel -----------------------------------------------------------------------------
-// See the header. Shared memory: a ring of kStages steps, each the step's weight tile [64 rows][64 k]
+// See the header. Shared memory: a ring of ST steps, each the step's weight tile [RB rows][64 k]
 // and x tile [8*NT tokens][64 k], rows of 8 16-byte chunks with chunk c of row r stored at
 // c ^ (r & 7): the 8 rows an ldmatrix phase reads (and the 8 chunks a quarter warp's cp.async
 // writes) fall in 8 different bank groups.
@@ -306,18 +302,31 @@ __device__ __forceinline__ void ldmatrix_x4(uint32_t addr, uint32_t& r0, uint32_
                : "r"(addr));
 }
 
-template <typename T, int NT>
-__global__ void __launch_bounds__(kThreads) fc_skinny_kernel(const FcArgs a) {
+template <typename T, int NT, int RB, int ST>
+__global__ void __launch_bounds__(skinny_threads(RB)) fc_skinny_kernel(const FcArgs a) {
   static_assert(NT >= 1 && NT <= kMaxTokenGroups, "token tile of 8..64 tokens");
-  constexpr int S = kStages<NT>;
+  static_assert(RB % kRowsPerWarp == 0 && ST >= 3, "warps of 16 rows; at least two steps in flight");
+  constexpr int S = ST;
+  constexpr int kThreads = skinny_threads(RB);
   constexpr int kChunks = kStep / 8;                                 // 16-byte chunks per row and step
-  constexpr int kWeightStage = kWeightChunksPerStep;
-  constexpr int kXStage = kXChunksPerStep<NT>;
+  constexpr int kWeightStage = RB * kChunks;                         // a step's weight tile [RB][64]
+  constexpr int kXStage = 8 * NT * kChunks;                          // a step's x tile [8 NT][64]
   constexpr int kWeightPerThread = kWeightStage / kThreads;          // 4
-  constexpr int kXPerThread = (kXStage + kThreads - 1) / kThreads;   // 1 (NT <= 2), 2, 4
+  constexpr int kXPerThread = (kXStage + kThreads - 1) / kThreads;   // 1 (NT <= 2, RB = 64), 2, 4
   static_assert(kWeightStage % kThreads == 0 && kThreads % kChunks == 0, "copy assignment");
-  __shared__ uint4 ring_w[S * kWeightStage];
-  __shared__ uint4 ring_x[S * kXStage];
+  static_assert(kSkinnyShared<NT, RB, ST> == S * (kWeightStage + kXStage) * 16, "the launch's ring size");
+  uint4* ring_w;  // [S][kWeightStage]
+  uint4* ring_x;  // [S][kXStage]
+  if constexpr (kDynamicRing<NT, RB, ST>) {
+    extern __shared__ uint4 dynamic_ring[];  // kSkinnyShared bytes, the launch's dynamic shared memory
+    ring_w = dynamic_ring;
+    ring_x = dynamic_ring + S * kWeightStage;
+  } else {
+    __shared__ uint4 static_ring_w[S * kWeightStage];
+    __shared__ uint4 static_ring_x[S * kXStage];
+    ring_w = static_ring_w;
+    ring_x = static_ring_x;
+  }
   using P = Pair<T>;
   const int tid = threadIdx.x;
   const int warp = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3;
@@ -327,9 +336,10 @@ __global__ void __launch_bounds__(kThreads) fc_skinny_kernel(const FcArgs a) {
   const int k_hi = min(k_lo + a.split_len, (chunk + 1) * a.CH);
   const int steps = (k_hi - k_lo + kStep - 1) / kStep;
   const int tok0 = blockIdx.x * (8 * NT);
-  const int n_blk = blockIdx.y * kRowsPerBlock;
-  // Copies: thread tid moves chunk c = tid % 8 (k + 8c) of weight rows tid / 8 + 16 i and of x tokens
-  // tid / 8 + 16 i; the row gather happens here, once, as one base pointer per token.
+  const int n_blk = blockIdx.y * RB;
+  // Copies: thread tid moves chunk c = tid % 8 (k + 8c) of weight rows tid / 8 + (kThreads / 8) i and
+  // of x tokens tid / 8 + (kThreads / 8) i; the row gather happens here, once, as one base pointer per
+  // token.
   const int c_copy = tid % kChunks;
   const T* w = static_cast<const T*>(a.w);
   const T* w_src[kWeightPerThread];
@@ -620,11 +630,12 @@ __global__ void __launch_bounds__(kPrepareThreads) fc_prepare_kernel(const FcArg
 // kernel may be scheduled before the previous one in the stream has finished and waits for it at
 // griddepcontrol.wait.
 template <typename... Params, typename... Args>
-cudaError_t launch(void (*kernel)(Params...), dim3 grid, int threads, bool pdl, cudaStream_t stream, Args&&... args) {
+cudaError_t launch(void (*kernel)(Params...), dim3 grid, int threads, int dynamic_shared, bool pdl, cudaStream_t stream,
+                   Args&&... args) {
   cudaLaunchConfig_t config{};
   config.gridDim = grid;
   config.blockDim = dim3(threads);
-  config.dynamicSmemBytes = 0;
+  config.dynamicSmemBytes = static_cast<size_t>(dynamic_shared);
   config.stream = stream;
   cudaLaunchAttribute attr[1];
   attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
@@ -634,25 +645,40 @@ cudaError_t launch(void (*kernel)(Params...), dim3 grid, int threads, bool pdl, 
   return cudaLaunchKernelEx(&config, kernel, std::forward<Args>(args)...);
 }
 
-template <typename T>
-cudaError_t launch_skinny(const FcArgs& a, int nt, dim3 grid, bool pdl, cudaStream_t stream) {
-  switch (nt) {
-    case 1: return launch(fc_skinny_kernel<T, 1>, grid, kThreads, pdl, stream, a);
-    case 2: return launch(fc_skinny_kernel<T, 2>, grid, kThreads, pdl, stream, a);
-    case 4: return launch(fc_skinny_kernel<T, 4>, grid, kThreads, pdl, stream, a);
-    default: return launch(fc_skinny_kernel<T, 8>, grid, kThreads, pdl, stream, a);
+using SkinnyKernel = void (*)(const FcArgs);
+
+// fc_skinny_kernel<T, shape> for one of kSkinnyShapes, or nullptr.
+template <typename T, int I = 0>
+SkinnyKernel skinny_kernel_for(SkinnyShape shape) {
+  if constexpr (I == kNumSkinnyShapes) {
+    return nullptr;
+  } else {
+    constexpr SkinnyShape s = kSkinnyShapes[I];
+    if (shape.nt == s.nt && shape.rows == s.rows && shape.stages == s.stages) {
+      return fc_skinny_kernel<T, s.nt, s.rows, s.stages>;
+    }
+    return skinny_kernel_for<T, I + 1>(shape);
   }
 }
 
+// A ring above the static limit is dynamic shared memory: the kernel must be allowed that much
+// (per device; cheap, and not a stream operation, so legal during graph capture). Fails where the
+// device's shared memory per block is smaller.
+cudaError_t allow_ring(SkinnyKernel kernel, SkinnyShape shape) {
+  const int bytes = skinny_shared_bytes(shape);
+  if (bytes <= kStaticSharedLimit) return cudaSuccess;
+  return cudaFuncSetAttribute(reinterpret_cast<const void*>(kernel), cudaFuncAttributeMaxDynamicSharedMemorySize,
+                              bytes);
+}
+
 template <typename T>
-const void* skinny_kernel_for(int nt) {
-  switch (nt) {
-    case 1: return reinterpret_cast<const void*>(&fc_skinny_kernel<T, 1>);
-    case 2: return reinterpret_cast<const void*>(&fc_skinny_kernel<T, 2>);
-    case 4: return reinterpret_cast<const void*>(&fc_skinny_kernel<T, 4>);
-    case 8: return reinterpret_cast<const void*>(&fc_skinny_kernel<T, 8>);
-    default: return nullptr;
-  }
+cudaError_t launch_skinny(const FcArgs& a, SkinnyShape shape, dim3 grid, bool pdl, cudaStream_t stream) {
+  const SkinnyKernel kernel = skinny_kernel_for<T>(shape);
+  if (kernel == nullptr) return cudaErrorInvalidValue;
+  const cudaError_t err = allow_ring(kernel, shape);
+  if (err != cudaSuccess) return err;
+  const int bytes = skinny_shared_bytes(shape);
+  return launch(kernel, grid, skinny_threads(shape.rows), bytes > kStaticSharedLimit ? bytes : 0, pdl, stream, a);
 }
 
 }  // namespace
@@ -673,22 +699,23 @@ cudaError_t run_skinny(FcArgs a, const SkinnyPlan& p, const SkinnyRegions& regio
     const dim3 pgrid(a.M, static_cast<unsigned>(a.NC * p.pieces_per_chunk));
     cudaError_t err;
     if (gained != nullptr) {
-      err = launch(fc_norm_prepass_kernel<T, true>, pgrid, kPieceThreads, false, stream, a, gained);
+      err = launch(fc_norm_prepass_kernel<T, true>, pgrid, kPieceThreads, 0, false, stream, a, gained);
       // the skinny kernel multiplies x*g, gathered already: row m of a [M, KH] matrix
       sk.x = gained;
       sk.stride_x = a.KH;
       sk.rows = nullptr;
       sk.R = a.M;
     } else {
-      err = launch(fc_norm_prepass_kernel<T, false>, pgrid, kPieceThreads, false, stream, a, static_cast<T*>(nullptr));
+      err = launch(fc_norm_prepass_kernel<T, false>, pgrid, kPieceThreads, 0, false, stream, a,
+                   static_cast<T*>(nullptr));
     }
     if (err != cudaSuccess) return err;
   }
-  const cudaError_t err = launch_skinny<T>(sk, p.nt, dim3(p.token_tiles, p.weight_tiles, a.S), norm, stream);
+  const cudaError_t err = launch_skinny<T>(sk, p.shape, dim3(p.token_tiles, p.weight_tiles, a.S), norm, stream);
   if (err != cudaSuccess || a.partial == nullptr) return err;
   const dim3 rgrid(a.M, static_cast<unsigned>(ceil_div(a.N, kReduceThreads * 4)));
-  return a.N % 4 == 0 ? launch(fc_reduce_kernel<T, true>, rgrid, kReduceThreads, true, stream, a)
-                      : launch(fc_reduce_kernel<T, false>, rgrid, kReduceThreads, true, stream, a);
+  return a.N % 4 == 0 ? launch(fc_reduce_kernel<T, true>, rgrid, kReduceThreads, 0, true, stream, a)
+                      : launch(fc_reduce_kernel<T, false>, rgrid, kReduceThreads, 0, true, stream, a);
 }
 
 template <typename T>
@@ -706,11 +733,21 @@ cudaError_t launch_prepare(const FcArgs& a, void* prep, int64_t prep_stride, cud
 }
 
 template <typename T>
-cudaError_t skinny_occupancy_blocks(int nt, int* blocks) {
-  const void* kernel = skinny_kernel_for<T>(nt);
+cudaError_t skinny_occupancy_blocks(SkinnyShape shape, int* blocks) {
+  *blocks = 0;
+  const SkinnyKernel kernel = skinny_kernel_for<T>(shape);
   if (kernel == nullptr) return cudaErrorInvalidValue;
-  // static shared memory only (the ring): the runtime counts it from the function itself
-  return cudaOccupancyMaxActiveBlocksPerMultiprocessor(blocks, kernel, kThreads, 0);
+  int device = 0, per_block = 0;
+  cudaError_t err = cudaGetDevice(&device);
+  if (err == cudaSuccess) err = cudaDeviceGetAttribute(&per_block, cudaDevAttrMaxSharedMemoryPerBlockOptin, device);
+  if (err != cudaSuccess) return err;
+  const int bytes = skinny_shared_bytes(shape);
+  if (bytes > per_block) return cudaSuccess;  // this device cannot hold the ring: 0 blocks
+  err = allow_ring(kernel, shape);
+  if (err != cudaSuccess) return err;
+  // the static rings are counted from the function itself; a dynamic one is passed
+  return cudaOccupancyMaxActiveBlocksPerMultiprocessor(blocks, kernel, skinny_threads(shape.rows),
+                                                       bytes > kStaticSharedLimit ? bytes : 0);
 }
 
 template cudaError_t run_skinny<c10::BFloat16>(FcArgs, const SkinnyPlan&, const SkinnyRegions&, uint8_t*, cudaStream_t);
@@ -718,7 +755,7 @@ template cudaError_t run_skinny<c10::Half>(FcArgs, const SkinnyPlan&, const Skin
 template cudaError_t launch_prepare<c10::BFloat16>(const FcArgs&, void*, int64_t, cudaStream_t);
 template cudaError_t launch_prepare<c10::Half>(const FcArgs&, void*, int64_t, cudaStream_t);
 template cudaError_t launch_prepare<float>(const FcArgs&, void*, int64_t, cudaStream_t);
-template cudaError_t skinny_occupancy_blocks<c10::BFloat16>(int, int*);
-template cudaError_t skinny_occupancy_blocks<c10::Half>(int, int*);
+template cudaError_t skinny_occupancy_blocks<c10::BFloat16>(SkinnyShape, int*);
+template cudaError_t skinny_occupancy_blocks<c10::Half>(SkinnyShape, int*);
 
 }  // namespace eagle3

@@ -12,18 +12,45 @@
 namespace eagle3 {
 
 // ---- launch shape ----------------------------------------------------------------------------------
-// eagle3_ops/cuda_backend.py mirrors kThreads, kRowsPerBlock, the token tile (8 * NT tokens, NT from
-// M), kStep, kMinSplitSteps, kMaxSplits, kStages(NT) (draft_fc.cu) and kPiece to plan its split request, and keeps
-// each kernel's register count and shared memory (SKINNY_REGISTERS, skinny_shared_bytes; checked
-// against the built cubins by tests/test_build.py); keep them in step.
-constexpr int kThreads = 128;        // 4 warps
+// eagle3_ops/skinny_model.py mirrors the block shapes below (SKINNY_SHAPES), the token tile (8 * NT
+// tokens, NT from M), kStep, kMinSplitSteps, kMaxSplits and kPiece to plan its split request, and
+// cuda_backend.py keeps each kernel's register count (SKINNY_REGISTERS; checked against the built
+// cubins by tests/test_build.py, with the shared memory skinny_model.shared_bytes computes); keep
+// them in step.
 constexpr int kRowsPerWarp = 16;     // the MMA's M side: weight rows
-constexpr int kRowsPerBlock = 64;
 constexpr int kSlab = 32;            // k covered by one thread group (4 threads x 8 elements) per MMA pair
 constexpr int kSlabsPerStep = 2;     // a ring step: 64 k
 constexpr int kStep = kSlab * kSlabsPerStep;
 constexpr int kMinSplitSteps = 8;    // a split is at least 512 k: the ring's fill is a small part of it
 constexpr int kMaxTokenGroups = 8;   // token tile <= 64 tokens (8 groups of 8)
+constexpr int kStaticSharedLimit = 48 * 1024;  // above it a kernel's ring is dynamic shared memory (opt-in)
+
+// The skinny kernels built, fc_skinny_kernel<T, nt, rows, stages> for T in {bf16, fp16}: a block of
+// rows / 16 warps (2 * rows threads) owns `rows` weight rows and one token tile of 8 * nt tokens,
+// and streams its k range through a ring of `stages` 64-wide steps (stages - 1 in flight). 64 rows
+// for every token tile; at nt = 8 also 128 rows (x, as many bytes per step as a 64-row weight tile
+// at 64 tokens, is then copied from L2 half as often per weight byte), with 4 stages (fits sm_120's
+// 99 KB per block) or 6 (sm_90 only: more bytes in flight per block, fewer splits). The planner
+// (cuda_backend.py) picks the shape; the op accepts only these.
+struct SkinnyShape {
+  int nt, rows, stages;
+};
+constexpr SkinnyShape kSkinnyShapes[] = {{1, 64, 4}, {2, 64, 4}, {4, 64, 4}, {8, 64, 3}, {8, 128, 4}, {8, 128, 6}};
+constexpr int kNumSkinnyShapes = static_cast<int>(sizeof(kSkinnyShapes) / sizeof(kSkinnyShapes[0]));
+constexpr int kDefaultSkinnyRows = 64;
+
+constexpr int skinny_threads(int rows) { return 2 * rows; }  // rows / kRowsPerWarp warps
+// The ring's bytes: per stage the weight tile [rows][kStep] and the x tile [8 nt][kStep], 16-byte chunks.
+constexpr int skinny_shared_bytes(SkinnyShape s) { return s.stages * (s.rows + 8 * s.nt) * (kStep / 8) * 16; }
+// The first built shape with this token tile and block rows (stages == 0 asks for it), or {0, 0, 0}.
+constexpr SkinnyShape find_skinny_shape(int nt, int rows, int stages) {
+  for (int i = 0; i < kNumSkinnyShapes; ++i) {
+    const SkinnyShape s = kSkinnyShapes[i];
+    if (s.nt == nt && s.rows == rows && (stages == 0 || s.stages == stages)) return s;
+  }
+  return SkinnyShape{0, 0, 0};
+}
+
 constexpr int kMaxSplits = 64;
 constexpr int kReduceThreads = 256;
 constexpr int kPrepareThreads = 256;
@@ -65,9 +92,9 @@ inline int64_t align_up(int64_t bytes) { return ceil_div(bytes, kWorkspaceAlign)
 // The skinny launch for one problem: token tile, grid and splits (draft_fc.cu's header comment;
 // planned by draft_fc_op.cpp's skinny_plan).
 struct SkinnyPlan {
-  int nt;            // token groups of 8 per tile: 1, 2, 4 or 8
-  int token_tiles;   // grid.x
-  int weight_tiles;  // grid.y
+  SkinnyShape shape;  // shape.nt: token groups of 8 per tile, 1, 2, 4 or 8 (from M)
+  int token_tiles;    // grid.x
+  int weight_tiles;   // grid.y: blocks of shape.rows weight rows
   int splits_per_chunk, split_len, S;  // grid.z = S = NC * splits_per_chunk
   int pieces_per_chunk;  // the norm pre-pass's grid.y = NC * pieces_per_chunk
 };
@@ -92,8 +119,9 @@ cudaError_t run_skinny(FcArgs args, const SkinnyPlan& plan, const SkinnyRegions&
 template <typename T>
 cudaError_t launch_prepare(const FcArgs& args, void* prep, int64_t prep_stride, cudaStream_t stream);
 
-// Resident blocks per SM of fc_skinny_kernel<T, nt> (nt in {1, 2, 4, 8}) on the current device.
+// Resident blocks per SM of fc_skinny_kernel<T, shape> (one of kSkinnyShapes) on the current device;
+// 0 where its ring does not fit the device's shared memory per block.
 template <typename T>
-cudaError_t skinny_occupancy_blocks(int nt, int* blocks);
+cudaError_t skinny_occupancy_blocks(SkinnyShape shape, int* blocks);
 
 }  // namespace eagle3

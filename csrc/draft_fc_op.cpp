@@ -10,6 +10,7 @@
 
 #include <algorithm>
 #include <climits>
+#include <string>
 #include <type_traits>
 
 #include "common.h"
@@ -19,14 +20,31 @@
 namespace eagle3 {
 namespace {
 
-SkinnyPlan skinny_plan(int64_t M, int64_t N, int CH, int NC, int64_t splits) {
+std::string built_shapes(int nt) {
+  std::string out;
+  for (const SkinnyShape& s : kSkinnyShapes) {
+    if (s.nt != nt) continue;
+    out += std::string(out.empty() ? "" : ", ") + "(" + std::to_string(s.rows) + " rows, " +
+           std::to_string(s.stages) + " stages)";
+  }
+  return out;
+}
+
+// block_rows, stages: the block shape (one of kSkinnyShapes for M's token tile; stages 0: the first
+// built with these rows).
+SkinnyPlan skinny_plan(int64_t M, int64_t N, int CH, int NC, int64_t splits, int64_t block_rows, int64_t stages) {
   TORCH_CHECK(CH > 0 && NC > 0, "eagle3_cuda::draft_fc: the skinny path needs K*H > 0");
   TORCH_CHECK(splits >= 1, "eagle3_cuda::draft_fc: the skinny path needs splits >= 1, got ", splits);
   SkinnyPlan p{};
   const int groups = static_cast<int>(ceil_div(std::min<int64_t>(M, 8 * kMaxTokenGroups), 8));
-  p.nt = groups <= 1 ? 1 : groups <= 2 ? 2 : groups <= 4 ? 4 : 8;
-  p.token_tiles = static_cast<int>(ceil_div(M, 8 * p.nt));
-  p.weight_tiles = static_cast<int>(ceil_div(N, kRowsPerBlock));
+  const int nt = groups <= 1 ? 1 : groups <= 2 ? 2 : groups <= 4 ? 4 : 8;
+  const bool small = block_rows > 0 && block_rows <= INT_MAX && stages >= 0 && stages <= INT_MAX;
+  p.shape = small ? find_skinny_shape(nt, static_cast<int>(block_rows), static_cast<int>(stages))
+                  : SkinnyShape{0, 0, 0};
+  TORCH_CHECK(p.shape.nt != 0, "eagle3_cuda::draft_fc: no skinny kernel with block_rows=", block_rows, ", stages=",
+              stages, " for M=", M, " (a token tile of ", 8 * nt, "); built: ", built_shapes(nt));
+  p.token_tiles = static_cast<int>(ceil_div(M, 8 * nt));
+  p.weight_tiles = static_cast<int>(ceil_div(N, p.shape.rows));
   // Each split a whole number of kStep steps inside one chunk, at least kMinSplitSteps of them
   // (unless the chunk is narrower), at most kMaxSplits splits in all.
   const int asked = static_cast<int>(std::min<int64_t>(splits, INT_MAX));
@@ -72,7 +90,8 @@ int64_t workspace_bytes(int64_t M, int64_t N, int64_t KH, int64_t K, bool chunk_
   if (path == kPathSkinny) {
     TORCH_CHECK(dtype != at::kFloat, "eagle3_cuda::draft_fc: the skinny path takes bf16/fp16 only");
     const auto [CH, NC] = chunks(KH, K, chunk_norm);
-    const SkinnyPlan p = skinny_plan(M, N, static_cast<int>(CH), static_cast<int>(NC), splits);
+    // the workspace does not depend on the block shape: the default one
+    const SkinnyPlan p = skinny_plan(M, N, static_cast<int>(CH), static_cast<int>(NC), splits, kDefaultSkinnyRows, 0);
     return skinny_regions(p, M, N, KH, chunk_norm || input_norm, norm_folded, elem).total();
   }
   TORCH_CHECK(path == kPathCublas, "eagle3_cuda::draft_fc: path must be 0 (skinny) or 2 (cublas), got ", path,
@@ -98,7 +117,7 @@ void draft_fc_typed(const at::Tensor& x, const at::Tensor& weight, const std::op
                     const std::optional<at::Tensor>& rows, const std::optional<at::Tensor>& chunk_norm_weight,
                     const std::optional<at::Tensor>& input_norm_weight, double eps, at::Tensor& out,
                     const std::optional<at::Tensor>& workspace, int64_t path, int64_t splits,
-                    bool norm_folded) {
+                    bool norm_folded, int64_t block_rows, int64_t stages) {
   FcArgs a{};
   a.folded = norm_folded;
   a.x = x.data_ptr();
@@ -129,7 +148,16 @@ void draft_fc_typed(const at::Tensor& x, const at::Tensor& weight, const std::op
                       is_aligned16(a.w) && aligned16(chunk_norm_weight) && aligned16(input_norm_weight),
                   "eagle3_cuda::draft_fc: the skinny path needs K*H > 0, a chunk width and row strides that are ",
                   "multiples of 8 and 16-byte aligned x, weight and norm weights; use the cublas path");
-      const SkinnyPlan p = skinny_plan(a.M, a.N, a.CH, a.NC, splits);
+      const SkinnyPlan p = skinny_plan(a.M, a.N, a.CH, a.NC, splits, block_rows, stages);
+      const int ring = skinny_shared_bytes(p.shape);
+      if (ring > kStaticSharedLimit) {  // checked before anything launches (the pre-pass would run first)
+        int device = 0, per_block = 0;
+        C10_CUDA_CHECK(cudaGetDevice(&device));
+        C10_CUDA_CHECK(cudaDeviceGetAttribute(&per_block, cudaDevAttrMaxSharedMemoryPerBlockOptin, device));
+        TORCH_CHECK(ring <= per_block, "eagle3_cuda::draft_fc: the skinny block of ", p.shape.rows, " rows and ",
+                    p.shape.stages, " stages needs ", ring, " bytes of shared memory per block; this device allows ",
+                    per_block, " (eagle3_cuda::skinny_occupancy answers 0 for it: use another block shape)");
+      }
       const bool norm = a.in_w != nullptr || a.chunk_w != nullptr;
       const SkinnyRegions regions = skinny_regions(p, a.M, a.N, a.KH, norm, a.folded, sizeof(T));
       uint8_t* ws = workspace.has_value() ? static_cast<uint8_t*>(workspace->data_ptr()) : nullptr;
@@ -156,13 +184,19 @@ bool unit_stride(const std::optional<at::Tensor>& t) {
 
 }  // namespace
 
-int64_t skinny_occupancy(int64_t nt, at::ScalarType dtype) {
+int64_t skinny_occupancy(int64_t nt, at::ScalarType dtype, int64_t block_rows, int64_t stages) {
   TORCH_CHECK(nt == 1 || nt == 2 || nt == 4 || nt == 8, "eagle3_cuda::skinny_occupancy: nt must be 1, 2, 4 or 8, got ",
               nt);
+  const bool small = block_rows > 0 && block_rows <= INT_MAX && stages >= 0 && stages <= INT_MAX;
+  const SkinnyShape shape =
+      small ? find_skinny_shape(static_cast<int>(nt), static_cast<int>(block_rows), static_cast<int>(stages))
+            : SkinnyShape{0, 0, 0};
+  TORCH_CHECK(shape.nt != 0, "eagle3_cuda::skinny_occupancy: no skinny kernel with nt=", nt, ", block_rows=",
+              block_rows, ", stages=", stages, "; built: ", built_shapes(static_cast<int>(nt)));
   int blocks = 0;
   switch (dtype) {
-    case at::kBFloat16: C10_CUDA_CHECK(skinny_occupancy_blocks<c10::BFloat16>(static_cast<int>(nt), &blocks)); break;
-    case at::kHalf: C10_CUDA_CHECK(skinny_occupancy_blocks<c10::Half>(static_cast<int>(nt), &blocks)); break;
+    case at::kBFloat16: C10_CUDA_CHECK(skinny_occupancy_blocks<c10::BFloat16>(shape, &blocks)); break;
+    case at::kHalf: C10_CUDA_CHECK(skinny_occupancy_blocks<c10::Half>(shape, &blocks)); break;
     default: TORCH_CHECK(false, "eagle3_cuda::skinny_occupancy: the skinny kernel takes bf16/fp16 only, got ", dtype);
   }
   return blocks;
@@ -176,7 +210,8 @@ int64_t draft_fc_workspace_bytes(int64_t M, int64_t N, int64_t KH, int64_t K, bo
 void draft_fc(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
               const std::optional<at::Tensor>& rows, const std::optional<at::Tensor>& chunk_norm_weight,
               const std::optional<at::Tensor>& input_norm_weight, double eps, at::Tensor& out,
-              const std::optional<at::Tensor>& workspace, int64_t path, int64_t splits, bool norm_folded) {
+              const std::optional<at::Tensor>& workspace, int64_t path, int64_t splits, bool norm_folded,
+              int64_t block_rows, int64_t stages) {
   const char* op = "eagle3_cuda::draft_fc: ";
   // eagle3_ops/validation.py checks all of this with clear messages first; these guard direct
   // callers of the op against out-of-bounds accesses.
@@ -236,15 +271,15 @@ void draft_fc(const at::Tensor& x, const at::Tensor& weight, const std::optional
   switch (x.scalar_type()) {
     case at::kBFloat16:
       draft_fc_typed<c10::BFloat16>(x, weight, bias, rows, chunk_norm_weight, input_norm_weight, eps, out, workspace,
-                                    path, splits, norm_folded);
+                                    path, splits, norm_folded, block_rows, stages);
       break;
     case at::kHalf:
       draft_fc_typed<c10::Half>(x, weight, bias, rows, chunk_norm_weight, input_norm_weight, eps, out, workspace, path,
-                                splits, norm_folded);
+                                splits, norm_folded, block_rows, stages);
       break;
     case at::kFloat:
       draft_fc_typed<float>(x, weight, bias, rows, chunk_norm_weight, input_norm_weight, eps, out, workspace, path,
-                            splits, norm_folded);
+                            splits, norm_folded, block_rows, stages);
       break;
     default:
       TORCH_CHECK(false, op, "unsupported dtype ", x.scalar_type());

@@ -28,11 +28,14 @@ void fused_add_rmsnorm_capture(at::Tensor& input, at::Tensor& residual, const at
 // (uint8, 16-byte aligned, at least draft_fc_workspace_bytes(...) bytes; none needed when that is 0).
 // rows, bias and input_norm_weight must have stride 1. norm_folded: the weight already carries the
 // norm weights (W[n, k] * input_norm_weight[k] * chunk_norm_weight.flat[k]); they are not applied
-// again, only their RMS scales (eagle3_ops.fold_norm_weights).
+// again, only their RMS scales (eagle3_ops.fold_norm_weights). block_rows, stages: the skinny block
+// shape (draft_fc_launch.h kSkinnyShapes, for M's token tile; stages 0: the first built with these
+// rows); the bits do not depend on it.
 void draft_fc(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
               const std::optional<at::Tensor>& rows, const std::optional<at::Tensor>& chunk_norm_weight,
               const std::optional<at::Tensor>& input_norm_weight, double eps, at::Tensor& out,
-              const std::optional<at::Tensor>& workspace, int64_t path, int64_t splits, bool norm_folded);
+              const std::optional<at::Tensor>& workspace, int64_t path, int64_t splits, bool norm_folded,
+              int64_t block_rows, int64_t stages);
 
 // Bytes of workspace draft_fc needs for M output rows, N features, KH = K*H inputs (K chunks with
 // chunk_norm, else ignored), the given norms, path and splits, in dtype, with or without folded norm
@@ -41,10 +44,11 @@ void draft_fc(const at::Tensor& x, const at::Tensor& weight, const std::optional
 int64_t draft_fc_workspace_bytes(int64_t M, int64_t N, int64_t KH, int64_t K, bool chunk_norm, bool input_norm,
                                  int64_t path, int64_t splits, at::ScalarType dtype, bool norm_folded);
 
-// Resident blocks per SM of the skinny kernel (token groups nt in {1, 2, 4, 8}; bf16/fp16; one kernel
-// serves every norm variant) on the current device: cudaOccupancyMaxActiveBlocksPerMultiprocessor for
-// its 128-thread launch (its ring is static shared memory). Needs a GPU whose arch the extension
-// carries; eagle3_ops/cuda_backend.py plans split-K from it (docs/kernels.md §7.5).
-int64_t skinny_occupancy(int64_t nt, at::ScalarType dtype);
+// Resident blocks per SM of the skinny kernel of this block shape (token groups nt in {1, 2, 4, 8},
+// block_rows and stages as draft_fc's; bf16/fp16; one kernel serves every norm variant) on the current
+// device: cudaOccupancyMaxActiveBlocksPerMultiprocessor for its launch (2 * block_rows threads, its
+// ring), 0 where the ring exceeds the device's shared memory per block. Needs a GPU whose arch the
+// extension carries; eagle3_ops/cuda_backend.py plans from it (docs/kernels.md §7.5).
+int64_t skinny_occupancy(int64_t nt, at::ScalarType dtype, int64_t block_rows, int64_t stages);
 
 }  // namespace eagle3

@@ -13,15 +13,21 @@ the output is non-empty): :func:`capture`, :func:`fused_add_rmsnorm_capture`, :f
   most 64 chunks, a chunk width and x / weight row strides that are multiples of 8, 16-byte aligned
   x, weight, chunk_norm_weight and input_norm_weight with stride 1 (after the unit-stride copy).
   Anything else, and a forced ``tiled`` (the CUDA backend has no tiled kernel), takes ``cublas``;
-* the split-K splits per chunk (:func:`skinny_splits`): the count with the least modelled time in
-  ``eagle3_ops.skinny_model`` (one model for planner and static model: waves of the blocks that can
-  really be resident, the weight bytes each keeps in flight in its ring against the device's
-  bandwidth-latency product, fill latency, L2, issue and tensor rates, split-K partials), over every
-  split count the op can launch (no cap of its own). Resident blocks per SM
-  (:func:`skinny_blocks_per_sm`): on the GPU the kernel's ``cudaOccupancyMaxActiveBlocksPerMultiprocessor``
-  through ``eagle3_cuda::skinny_occupancy``, asked once per (device, NT, dtype); without a GPU the
-  built cubins' registers and shared memory (:data:`SKINNY_REGISTERS`, ``skinny_model.shared_bytes``);
-  the op clamps the count to its launch contract exactly as ``skinny_model.split_shape`` does;
+* the skinny block shape and split-K splits per chunk (:func:`skinny_choice`): over the block
+  shapes built for M's token tile (``skinny_model.SKINNY_SHAPES``: 64-row blocks, and at 33-64
+  tokens also 128-row ones) and every split count the op can launch (no cap of its own), the one
+  with the least modelled time in ``eagle3_ops.skinny_model`` (one model for planner and static
+  model: waves of the blocks that can really be resident, the weight bytes each keeps in flight in
+  its ring against the device's bandwidth-latency product, fill latency, L2, issue and tensor rates,
+  split-K partials). Resident blocks per SM (:func:`skinny_blocks_per_sm`): on the GPU the kernel's
+  ``cudaOccupancyMaxActiveBlocksPerMultiprocessor`` through ``eagle3_cuda::skinny_occupancy``, asked
+  once per (device, block shape, dtype), 0 for a ring larger than the device's shared memory per
+  block (never chosen); without a GPU the built cubins' registers and shared memory
+  (:data:`SKINNY_REGISTERS`, ``skinny_model.shared_bytes``); the op clamps the count to its launch
+  contract exactly as ``skinny_model.split_shape`` does. At one split count every shape gives the
+  same bits (each split is summed in the same order, the splits by the reducer in a fixed order);
+  the shape chosen can change the split count chosen, and so the bits, as M or the device can;
+  where no shape can be resident (the runtime answers 0 for all), cuBLAS serves;
 * the workspace: strided 1-D arguments are copied into its first regions
   (``fc_rules.unit_stride_copies``), the rest goes to the op, which carves its split-K partials,
   norm pre-pass sums and x*g, or its prepared input from it (``eagle3_cuda::draft_fc_workspace_bytes`` says how
@@ -46,14 +52,13 @@ OPS = ("capture", "fused_add_rmsnorm_capture", "draft_fc", "draft_fc_workspace_b
 # The op's path argument: the index in plans.PATHS (skinny 0, tiled 1, cublas 2; CUDA has no tiled).
 PATH_INDEX = {name: i for i, name in enumerate(plans.PATHS)}
 
-# The skinny kernel's launch shape, mirrored from csrc/draft_fc.cu in skinny_model (kThreads,
-# kRowsPerBlock, kMaxTokenGroups, kMaxSplits, kStep, kMinSplitSteps, kStages, kPiece).
-SKINNY_THREADS = skinny_model.THREADS
-ROWS_PER_BLOCK = skinny_model.ROWS_PER_BLOCK
+# The skinny kernel's launch shapes, mirrored from csrc/draft_fc_launch.h in skinny_model
+# (kSkinnyShapes, kMaxTokenGroups, kMaxSplits, kStep, kMinSplitSteps, kPiece).
+SKINNY_SHAPES = skinny_model.SKINNY_SHAPES
 MAX_TOKEN_GROUPS = skinny_model.MAX_TOKEN_GROUPS
 MAX_SPLITS = skinny_model.MAX_SPLITS
 
-# What a skinny launch does around the one fc_skinny_kernel<T, NT> (the same hot loop for all):
+# What a skinny launch does around the one fc_skinny_kernel<T, NT, rows, stages> (the same hot loop for all):
 # no norm; a norm pre-pass writing the statistics and x*g; a pre-pass writing only the statistics
 # (the weight carries the norm weights, eagle3_ops.fold_norm_weights).
 SKINNY_VARIANTS = ("plain", "norm", "folded")
@@ -65,22 +70,30 @@ def skinny_variant(chunk_norm_weight, input_norm_weight, norm_folded: bool) -> s
     return "folded" if norm_folded else "norm"
 
 
-# Registers per thread of every fc_skinny_kernel<T, NT>, (dtype, NT) -> REG, as ptxas allocated them
-# in the built cubins (`cuobjdump -res-usage eagle3_ops/_C*.so`; none has a stack frame or local
-# memory), and the hot loop's instructions per 64-wide k step and warp (the SASS, NOPs excluded).
-# tests/test_build.py checks both tables against the built extension, so a kernel change that moves
-# a number fails CI until the table is regenerated (the failure prints it).
+# Registers per thread of every fc_skinny_kernel<T, NT, rows, stages>, (dtype, NT, rows, stages) ->
+# REG, as ptxas allocated them in the built cubins (`cuobjdump -res-usage eagle3_ops/_C*.so`; none has
+# a stack frame or local memory), and the hot loop's instructions per 64-wide k step and warp (the
+# SASS, NOPs excluded). tests/test_build.py checks both tables against the built extension, so a
+# kernel change that moves a number fails CI until the table is regenerated (the failure prints it).
 SKINNY_REGISTERS = {
-    "sm_90a": {("bfloat16", 1): 59, ("bfloat16", 2): 67, ("bfloat16", 4): 98, ("bfloat16", 8): 124,
-               ("float16", 1): 59, ("float16", 2): 67, ("float16", 4): 98, ("float16", 8): 124},
-    "sm_120a": {("bfloat16", 1): 71, ("bfloat16", 2): 83, ("bfloat16", 4): 101, ("bfloat16", 8): 134,
-                ("float16", 1): 71, ("float16", 2): 83, ("float16", 4): 101, ("float16", 8): 134},
+    "sm_90a": {("bfloat16", 1, 64, 4): 59, ("bfloat16", 2, 64, 4): 67, ("bfloat16", 4, 64, 4): 98,
+               ("bfloat16", 8, 64, 3): 124, ("bfloat16", 8, 128, 4): 110, ("bfloat16", 8, 128, 6): 80,
+               ("float16", 1, 64, 4): 59, ("float16", 2, 64, 4): 67, ("float16", 4, 64, 4): 98,
+               ("float16", 8, 64, 3): 124, ("float16", 8, 128, 4): 110, ("float16", 8, 128, 6): 80},
+    "sm_120a": {("bfloat16", 1, 64, 4): 71, ("bfloat16", 2, 64, 4): 83, ("bfloat16", 4, 64, 4): 101,
+                ("bfloat16", 8, 64, 3): 134, ("bfloat16", 8, 128, 4): 80, ("bfloat16", 8, 128, 6): 80,
+                ("float16", 1, 64, 4): 71, ("float16", 2, 64, 4): 83, ("float16", 4, 64, 4): 101,
+                ("float16", 8, 64, 3): 134, ("float16", 8, 128, 4): 80, ("float16", 8, 128, 6): 80},
 }
 SKINNY_STEP_INSTRUCTIONS = {
-    "sm_90a": {("bfloat16", 1): 75.5, ("bfloat16", 2): 77.0, ("bfloat16", 4): 97.0, ("bfloat16", 8): 151.0,
-               ("float16", 1): 75.5, ("float16", 2): 77.0, ("float16", 4): 97.0, ("float16", 8): 151.0},
-    "sm_120a": {("bfloat16", 1): 76.5, ("bfloat16", 2): 75.0, ("bfloat16", 4): 95.5, ("bfloat16", 8): 147.0,
-                ("float16", 1): 76.5, ("float16", 2): 75.0, ("float16", 4): 95.5, ("float16", 8): 147.0},
+    "sm_90a": {("bfloat16", 1, 64, 4): 75.5, ("bfloat16", 2, 64, 4): 77.0, ("bfloat16", 4, 64, 4): 97.0,
+               ("bfloat16", 8, 64, 3): 151.0, ("bfloat16", 8, 128, 4): 123.0, ("bfloat16", 8, 128, 6): 128.0,
+               ("float16", 1, 64, 4): 75.5, ("float16", 2, 64, 4): 77.0, ("float16", 4, 64, 4): 97.0,
+               ("float16", 8, 64, 3): 151.0, ("float16", 8, 128, 4): 123.0, ("float16", 8, 128, 6): 128.0},
+    "sm_120a": {("bfloat16", 1, 64, 4): 76.5, ("bfloat16", 2, 64, 4): 75.0, ("bfloat16", 4, 64, 4): 95.5,
+                ("bfloat16", 8, 64, 3): 147.0, ("bfloat16", 8, 128, 4): 122.0, ("bfloat16", 8, 128, 6): 139.0,
+                ("float16", 1, 64, 4): 76.5, ("float16", 2, 64, 4): 75.0, ("float16", 4, 64, 4): 95.5,
+                ("float16", 8, 64, 3): 147.0, ("float16", 8, 128, 4): 122.0, ("float16", 8, 128, 6): 139.0},
 }
 SmLimits = skinny_model.SmLimits
 SM_LIMITS = skinny_model.SM_LIMITS
@@ -90,13 +103,15 @@ def _dtype_name(dtype) -> str:
     return str(dtype).replace("torch.", "")
 
 
-def kernel_model(arch: str, nt: int, dtype) -> skinny_model.Kernel:
-    """skinny_model's view of fc_skinny_kernel<dtype, nt> on ``arch`` (sm_90 / sm_120, with or
-    without the ``a``), from the tables of the built cubins."""
-    key = (_dtype_name(dtype), nt)
+def kernel_model(arch: str, shape, dtype) -> skinny_model.Kernel:
+    """skinny_model's view of fc_skinny_kernel<dtype, NT, rows, stages> on ``arch`` (sm_90 / sm_120,
+    with or without the ``a``), from the tables of the built cubins. ``shape``: (NT, rows, stages),
+    or an NT alone for its 64-row block."""
+    nt, rows, stages = (shape, skinny_model.DEFAULT_ROWS, skinny_model.STAGES[shape]) if isinstance(shape, int) else shape
+    key = (_dtype_name(dtype), nt, rows, stages)
     arch = arch.rstrip("a") + "a"
-    return skinny_model.Kernel(nt, SKINNY_REGISTERS[arch][key], skinny_model.shared_bytes(nt), skinny_model.STAGES[nt],
-                               SKINNY_STEP_INSTRUCTIONS[arch][key], 2)
+    return skinny_model.Kernel(nt, SKINNY_REGISTERS[arch][key], skinny_model.shared_bytes(nt, rows, stages), stages,
+                               SKINNY_STEP_INSTRUCTIONS[arch][key], 2, rows)
 
 
 def blocks_per_sm_from_registers(regs_per_thread: int, threads_per_block: int, limits: SmLimits,
@@ -112,14 +127,22 @@ skinny_split_shape = skinny_model.split_shape
 @functools.lru_cache(maxsize=4096)
 def skinny_prediction(M: int, N: int, CH: int, NC: int, device: skinny_model.Device, kernel: skinny_model.Kernel,
                       blocks_per_sm: int, norm: bool = False, folded: bool = False) -> tuple:
-    """(splits per chunk to ask for, skinny_model.Prediction): the least modelled time."""
+    """(splits per chunk to ask for, skinny_model.Prediction) for one kernel: the least modelled time."""
     return skinny_model.best_splits(M, N, CH, NC, device, kernel, norm, folded, blocks_per_sm)
 
 
 def skinny_splits(M: int, N: int, CH: int, NC: int, device: skinny_model.Device, kernel: skinny_model.Kernel,
                   blocks_per_sm: int, norm: bool = False, folded: bool = False) -> int:
-    """Split-K splits per chunk to ask the skinny kernel for (see :func:`skinny_prediction`)."""
+    """Split-K splits per chunk to ask one skinny kernel for (see :func:`skinny_prediction`)."""
     return skinny_prediction(M, N, CH, NC, device, kernel, blocks_per_sm, norm, folded)[0]
+
+
+@functools.lru_cache(maxsize=4096)
+def skinny_choice(M: int, N: int, CH: int, NC: int, device: skinny_model.Device, kernels: tuple, blocks_per_sm: tuple,
+                  norm: bool = False, folded: bool = False) -> tuple:
+    """(kernel, splits per chunk, skinny_model.Prediction): over ``kernels`` (the block shapes of M's
+    token tile) with their resident blocks per SM, the least modelled time (skinny_model.best_plan)."""
+    return skinny_model.best_plan(M, N, CH, NC, device, kernels, norm, folded, blocks_per_sm)
 
 
 # ---- the extension -------------------------------------------------------------------------------
@@ -206,31 +229,34 @@ def sm_count(device: torch.device) -> int:
 
 
 @functools.lru_cache(maxsize=None)
-def _measured_occupancy(device_index: int, nt: int, dtype: torch.dtype) -> int:
+def _measured_occupancy(device_index: int, shape: tuple, dtype: torch.dtype) -> int:
+    nt, rows, stages = shape
     with torch.cuda.device(device_index):
-        blocks = int(_ops().skinny_occupancy(nt, dtype))
-    log.debug("eagle3_ops: skinny kernel (%s, NT=%d) on cuda:%d: %d resident blocks per SM", dtype, nt, device_index,
-              blocks)
+        blocks = int(_ops().skinny_occupancy(nt, dtype, rows, stages))
+    log.debug("eagle3_ops: skinny kernel (%s, NT=%d, %d rows, %d stages) on cuda:%d: %d resident blocks per SM", dtype,
+              nt, rows, stages, device_index, blocks)
     return blocks
 
 
-def table_blocks_per_sm(arch: str, nt: int, dtype: torch.dtype) -> int:
+def _shape(shape) -> tuple:
+    """(NT, rows, stages) from a shape or an NT alone (its 64-row block)."""
+    return (shape, skinny_model.DEFAULT_ROWS, skinny_model.STAGES[shape]) if isinstance(shape, int) else tuple(shape)
+
+
+def table_blocks_per_sm(arch: str, shape, dtype: torch.dtype) -> int:
     """Resident skinny blocks per SM predicted from the built cubins' registers and shared memory
-    (arch ``sm_90`` or ``sm_120``, with or without the ``a``)."""
-    k = kernel_model(arch, nt, dtype)
-    return skinny_model.blocks_per_sm(k.regs, k.shared, SKINNY_THREADS, SM_LIMITS[arch.rstrip("a")])
+    (arch ``sm_90`` or ``sm_120``, with or without the ``a``; ``shape`` (NT, rows, stages) or an NT
+    for its 64-row block); 0 where the ring exceeds the arch's shared memory per block."""
+    k = kernel_model(arch, _shape(shape), dtype)
+    return skinny_model.blocks_per_sm(k.regs, k.shared, k.threads, SM_LIMITS[arch.rstrip("a")])
 
 
-def skinny_blocks_per_sm(device: torch.device, nt: int, dtype: torch.dtype) -> int:
-    """Resident blocks per SM of fc_skinny_kernel<dtype, nt> on a GPU this backend serves: the CUDA
-    runtime's answer (``eagle3_cuda::skinny_occupancy``), asked at first use and cached per
-    (device, NT, dtype). Should the runtime answer 0 (it cannot, for a kernel that launches), the
-    cubin tables'."""
+def skinny_blocks_per_sm(device: torch.device, shape, dtype: torch.dtype) -> int:
+    """Resident blocks per SM of fc_skinny_kernel<dtype, shape> on a GPU this backend serves: the CUDA
+    runtime's answer (``eagle3_cuda::skinny_occupancy``; 0 where the ring does not fit the device),
+    asked at first use and cached per (device, shape, dtype)."""
     index = device.index if device.index is not None else torch.cuda.current_device()
-    blocks = _measured_occupancy(index, nt, dtype)
-    if blocks <= 0:
-        return table_blocks_per_sm(device_arch(torch.device("cuda", index)), nt, dtype)
-    return blocks
+    return _measured_occupancy(index, _shape(shape), dtype)
 
 
 @functools.lru_cache(maxsize=None)
@@ -278,6 +304,8 @@ class Plan:
     splits: int      # split-K splits per chunk asked for (skinny), else 0
     copy_bytes: int  # unit-stride copies of strided 1-D arguments (first in the workspace)
     op_bytes: int    # what eagle3_cuda::draft_fc carves (after the copies)
+    block_rows: int = skinny_model.DEFAULT_ROWS  # the skinny block shape (rows, stages; 0: the op's default)
+    stages: int = 0
 
     @property
     def nbytes(self) -> int:
@@ -310,6 +338,12 @@ def plan(x, weight, bias, rows, chunk_norm_weight, input_norm_weight, norm_folde
     return p
 
 
+@functools.lru_cache(maxsize=None)
+def _note_unlaunchable(device, shapes, dtype) -> None:
+    log.warning("eagle3_ops: the CUDA runtime reports 0 resident blocks on %s for every skinny kernel %s (%s); "
+                "draft_fc takes the cublas path there", device, shapes, dtype)
+
+
 def _plan(x, weight, bias, rows, chunk_norm_weight, input_norm_weight, norm_folded: bool = False) -> Plan:
     M, N, KH = fc_rules.num_rows(x, rows), int(weight.shape[0]), int(x.shape[1])
     copy_bytes = fc_rules.unit_stride_copy_bytes(bias, rows, input_norm_weight)
@@ -321,19 +355,25 @@ def _plan(x, weight, bias, rows, chunk_norm_weight, input_norm_weight, norm_fold
     if path != "skinny" or not skinny_launchable(x, weight, chunk_norm_weight, input_norm_weight, norm_folded):
         path = "cublas"
     NC, CH = fc_rules.chunks(x, chunk_norm_weight)
-    splits = 0
+    splits, block_rows, stages = 0, skinny_model.DEFAULT_ROWS, 0
     if path == "skinny":
         norm = fc_rules.has_norm(chunk_norm_weight, input_norm_weight)
-        nt = token_groups(M)
+        shapes = skinny_model.shapes_for(token_groups(M))
         model = device_model(device)
-        splits = skinny_splits(M, N, CH, NC, model, kernel_model(model.arch, nt, x.dtype),
-                               skinny_blocks_per_sm(device, nt, x.dtype), norm, bool(norm_folded) and norm)
+        kernels = tuple(kernel_model(model.arch, shape, x.dtype) for shape in shapes)
+        bpsm = tuple(skinny_blocks_per_sm(device, shape, x.dtype) for shape in shapes)
+        if not any(b > 0 for b in bpsm):  # the runtime says none can be resident here: cuBLAS serves
+            _note_unlaunchable(device, shapes, x.dtype)
+            path = "cublas"
+        else:
+            kernel, splits, _ = skinny_choice(M, N, CH, NC, model, kernels, bpsm, norm, bool(norm_folded) and norm)
+            block_rows, stages = kernel.rows, kernel.stages
     if path == "cublas" and not fc_rules.prepares_input(rows, chunk_norm_weight, input_norm_weight):
         op_bytes = 0  # x goes straight to cuBLAS
     else:
         op_bytes = _op_bytes(M, N, KH, NC, chunk_norm_weight is not None, input_norm_weight is not None,
                              PATH_INDEX[path], splits, x.dtype, bool(norm_folded) and path == "skinny")
-    return Plan(path, splits, copy_bytes, op_bytes)
+    return Plan(path, splits, copy_bytes, op_bytes, block_rows, stages)
 
 
 def draft_fc_workspace_bytes(x, weight, bias, rows, chunk_norm_weight, input_norm_weight,
@@ -351,12 +391,12 @@ def draft_fc(x, weight, bias, rows, chunk_norm_weight, input_norm_weight, eps, o
     bias, rows, input_norm_weight = fc_rules.unit_stride_copies(carver, bias, rows, input_norm_weight)
     op_ws = carver.take(p.op_bytes, torch.uint8) if p.op_bytes > 0 else None
     _ops().draft_fc.default(x, weight, bias, rows, chunk_norm_weight, input_norm_weight, float(eps), out, op_ws,
-                            PATH_INDEX[p.path], p.splits, bool(norm_folded))
+                            PATH_INDEX[p.path], p.splits, bool(norm_folded), p.block_rows, p.stages)
 
 
-__all__ = ["MAX_SPLITS", "OPS", "PATH_INDEX", "Plan", "SKINNY_REGISTERS", "SKINNY_STEP_INSTRUCTIONS", "SKINNY_VARIANTS",
-           "SM_LIMITS", "SmLimits", "blocks_per_sm_from_registers", "capture", "compiled_archs", "cuda_extension",
-           "device_arch", "device_model", "draft_fc", "draft_fc_workspace_bytes", "fused_add_rmsnorm_capture",
-           "kernel_model", "ops_registered", "plan", "serves", "skinny_blocks_per_sm", "skinny_launchable",
-           "skinny_prediction", "skinny_split_shape", "skinny_splits", "skinny_variant", "sm_count",
-           "table_blocks_per_sm", "token_groups"]
+__all__ = ["MAX_SPLITS", "OPS", "PATH_INDEX", "Plan", "SKINNY_REGISTERS", "SKINNY_SHAPES", "SKINNY_STEP_INSTRUCTIONS",
+           "SKINNY_VARIANTS", "SM_LIMITS", "SmLimits", "blocks_per_sm_from_registers", "capture", "compiled_archs",
+           "cuda_extension", "device_arch", "device_model", "draft_fc", "draft_fc_workspace_bytes",
+           "fused_add_rmsnorm_capture", "kernel_model", "ops_registered", "plan", "serves", "skinny_blocks_per_sm",
+           "skinny_choice", "skinny_launchable", "skinny_prediction", "skinny_split_shape", "skinny_splits",
+           "skinny_variant", "sm_count", "table_blocks_per_sm", "token_groups"]

@@ -33,6 +33,8 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
+import hashlib
 import json
 import logging
 import math
@@ -396,12 +398,29 @@ def _device_name(device: torch.device) -> str:
     return torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
 
 
+@functools.lru_cache(maxsize=None)
+def _kernels_fingerprint() -> str:
+    """A digest of the built CUDA extension ("none" without one): a plan qualified with other kernels
+    (a rebuild, same version number) is not reused."""
+    from . import cuda_backend
+
+    ext = cuda_backend.cuda_extension()
+    path = getattr(ext, "__file__", None)
+    if not path:
+        return "none"
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()[:16]
+
+
 def _device_key(device: torch.device) -> str:
     from . import __version__
 
     driver = torch.version.cuda or "none"
     return (f"{_device_name(device)}|cuda {driver}|torch {torch.__version__}|eagle3_ops {__version__}|"
-            f"{dispatch.backends(device)}")
+            f"kernels {_kernels_fingerprint()}|{dispatch.backends(device)}")
 
 
 def _plan_made_for(device, shape: Shape, buckets: Sequence[int], margin: float, stock: Optional[str] = None) -> dict:

@@ -5,32 +5,38 @@ device number below is a datasheet figure or a design estimate (docs/kernels.md 
 qualification in front of every kernel (design.md §14) measures on the device and overrules it.
 
 What it models (csrc/draft_fc.cu, docs/kernels.md §7): the grid runs in waves of the blocks that
-can be resident (registers, shared memory, threads: :func:`blocks_per_sm`). Each block streams
-its split of 64 weight rows through a ring of ``stages`` steps of 64 k, so it keeps
-``(stages - 1)`` steps = ``(stages - 1) * 8 KB`` of weight requests in flight. A wave of ``n``
-blocks then reads DRAM at ``min(bandwidth, n * in_flight / latency)`` (Little's law) after one
-latency to fill; it is also bounded by what the SMs can issue (instructions per step from the
-SASS), by the tensor rate (``mma.sync``), and by L2 -> SM traffic (the weight plus the x tile each
-block copies: at 64 tokens per tile x is as many bytes as the weight). Around the waves: the norm
-pre-pass's bytes (its latency overlaps the skinny kernel's first weight requests by PDL), the
-split-K partials (written back to DRAM, read again from L2 by the reducer) and the reducer's
-dependent L2 round trip (its launch overlaps the skinny grid's tail by PDL).
+can be resident (registers, shared memory, threads: :func:`blocks_per_sm`). Each block (one of
+:data:`SKINNY_SHAPES`: ``rows`` weight rows, ``rows / 16`` warps) streams its split of the weight
+through a ring of ``stages`` steps of 64 k, so it keeps ``(stages - 1)`` steps =
+``(stages - 1) * rows * 128`` bytes of weight requests in flight. A wave of ``n`` blocks then reads
+DRAM at ``min(bandwidth, n * in_flight / latency)`` (Little's law) after one latency to fill; it is
+also bounded by what the SMs can issue (instructions per step from the SASS), by the tensor rate
+(``mma.sync``), and by L2 -> SM traffic (the weight plus the x tile each block copies: at 64 tokens
+per tile x is as many bytes as a 64-row block's weight, half as many as a 128-row block's). Around
+the waves: the norm pre-pass's bytes (its latency overlaps the skinny kernel's first weight
+requests by PDL), the split-K partials (written back to DRAM, read again from L2 by the reducer)
+and the reducer's dependent L2 round trip (its launch overlaps the skinny grid's tail by PDL).
 """
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Dict, Optional, Tuple
+from typing import Dict, Optional, Sequence, Tuple
 
-# ---- the kernel's launch shape (csrc/draft_fc.cu; tests/test_build.py checks what the cubins say) --
-THREADS = 128            # kThreads: 4 warps
-ROWS_PER_BLOCK = 64      # kRowsPerBlock
+# ---- the kernel's launch shape (csrc/draft_fc_launch.h; tests/test_build.py checks the cubins) ------
+# (NT, rows, stages) of every fc_skinny_kernel<T, NT, rows, stages> built (kSkinnyShapes): 64-row
+# blocks for every token tile, and at NT = 8 128-row blocks with a 4-stage ring (fits sm_120) or a
+# 6-stage one (sm_90 only).
+SKINNY_SHAPES = ((1, 64, 4), (2, 64, 4), (4, 64, 4), (8, 64, 3), (8, 128, 4), (8, 128, 6))
+DEFAULT_ROWS = 64        # kDefaultSkinnyRows
 MAX_TOKEN_GROUPS = 8     # kMaxTokenGroups: token tile of 8, 16, 32 or 64 tokens
 MAX_SPLITS = 64          # kMaxSplits
 SPLIT_STEP = 64          # kStep: k per ring step
 MIN_STEPS_PER_SPLIT = 8  # kMinSplitSteps
 PIECE = 1024             # kPiece: elements per norm pre-pass block
-STAGES = {1: 4, 2: 4, 4: 4, 8: 3}  # kStages<NT>
+STATIC_SHARED_LIMIT = 48 * 1024  # kStaticSharedLimit: larger rings are dynamic shared memory
+# The ring depth of the 64-row block of each token tile (what a launch without a block shape gets).
+STAGES = {nt: st for nt, rows, st in SKINNY_SHAPES if rows == DEFAULT_ROWS}
 
 
 def token_groups(M: int) -> int:
@@ -39,15 +45,27 @@ def token_groups(M: int) -> int:
     return 1 if groups <= 1 else 2 if groups <= 2 else 4 if groups <= 4 else 8
 
 
-def shared_bytes(nt: int) -> int:
-    """Static shared memory of fc_skinny_kernel<T, nt> (kSkinnySharedBytes): the ring's weight
-    tiles [64][64] and x tiles [8 nt][64], 16-byte chunks."""
-    return STAGES[nt] * (ROWS_PER_BLOCK * SPLIT_STEP // 8 + 8 * nt * SPLIT_STEP // 8) * 16
+def shapes_for(nt: int) -> Tuple[Tuple[int, int, int], ...]:
+    """The built (NT, rows, stages) block shapes of token tile ``nt``."""
+    return tuple(shape for shape in SKINNY_SHAPES if shape[0] == nt)
 
 
-def in_flight_bytes(nt: int, elem_bytes: int = 2) -> int:
+def threads(rows: int) -> int:
+    """Threads of a block of ``rows`` weight rows: a warp per 16 rows (skinny_threads)."""
+    return 2 * rows
+
+
+def shared_bytes(nt: int, rows: int = DEFAULT_ROWS, stages: Optional[int] = None) -> int:
+    """Shared memory of fc_skinny_kernel<T, nt, rows, stages> (skinny_shared_bytes): the ring's
+    weight tiles [rows][64] and x tiles [8 nt][64], 16-byte chunks."""
+    stages = STAGES[nt] if stages is None else stages
+    return stages * (rows * SPLIT_STEP // 8 + 8 * nt * SPLIT_STEP // 8) * 16
+
+
+def in_flight_bytes(nt: int, elem_bytes: int = 2, rows: int = DEFAULT_ROWS, stages: Optional[int] = None) -> int:
     """Weight bytes one block keeps requested while it multiplies a step: stages - 1 steps."""
-    return (STAGES[nt] - 1) * ROWS_PER_BLOCK * SPLIT_STEP * elem_bytes
+    stages = STAGES[nt] if stages is None else stages
+    return (stages - 1) * rows * SPLIT_STEP * elem_bytes
 
 
 def split_shape(CH: int, NC: int, asked: int) -> Tuple[int, int]:
@@ -73,6 +91,7 @@ class SmLimits:
 
     max_threads: int          # resident threads per SM: 2048 on cc 9.0, 1536 on cc 12.0
     shared_per_sm: int        # bytes: 228 KB on cc 9.0, 100 KB on cc 12.0
+    shared_per_block: int     # the opt-in maximum of one block: 227 KB on cc 9.0, 99 KB on cc 12.0
     max_blocks: int = 32
     registers: int = 65536
     reg_alloc_unit: int = 256
@@ -80,14 +99,17 @@ class SmLimits:
     shared_reserved_per_block: int = 1024
 
 
-SM_LIMITS = {"sm_90": SmLimits(max_threads=2048, shared_per_sm=228 * 1024),
-             "sm_120": SmLimits(max_threads=1536, shared_per_sm=100 * 1024)}
+SM_LIMITS = {"sm_90": SmLimits(max_threads=2048, shared_per_sm=228 * 1024, shared_per_block=227 * 1024),
+             "sm_120": SmLimits(max_threads=1536, shared_per_sm=100 * 1024, shared_per_block=99 * 1024)}
 
 
 def blocks_per_sm(regs_per_thread: int, shared: int, threads_per_block: int, limits: SmLimits) -> int:
     """Resident blocks per SM: the smallest of the register, shared memory, thread and block limits.
     E.g. 124 registers x 128 threads, 48 KB shared on sm_90: 3968 -> 4096 registers per warp -> 4
-    warps per sub-partition -> 4 blocks; 228 KB / 49 KB -> 4 blocks."""
+    warps per sub-partition -> 4 blocks; 228 KB / 49 KB -> 4 blocks. 0 where one block's shared memory
+    exceeds the per-block maximum (the kernel cannot launch there)."""
+    if shared > limits.shared_per_block:
+        return 0
     warps = -(-threads_per_block // 32)
     per_warp = -(-(regs_per_thread * 32) // limits.reg_alloc_unit) * limits.reg_alloc_unit
     warps_by_regs = (limits.registers // limits.sub_partitions // per_warp) * limits.sub_partitions
@@ -100,7 +122,8 @@ class Device:
     """What the model needs of a GPU. Sources: ``read_bw`` as docs/kernels.md §1 (H200: ~90% of the
     4.8 TB/s datasheet, a design estimate; sm_120: the 1792 GB/s datasheet); ``latency`` a design
     estimate of loaded DRAM latency (~1 us, docs/kernels.md §7.5); ``l2_bw`` (L2 -> SM) and
-    ``l2_latency`` design estimates, no datasheet gives them; ``mma_rate`` the dense bf16 rate with fp32 accumulate that
+    ``l2_latency`` and ``sm_l2_bytes_per_clock`` (one SM's L2 port) design estimates, no datasheet
+    gives them; ``mma_rate`` the dense bf16 rate with fp32 accumulate that
     mma.sync is assumed to reach (sm_90: ~2/3 of the 989 TFLOP/s datasheet, wgmma being the rest;
     sm_120: docs/kernels.md §1); ``clock`` the boost clock of the datasheets."""
 
@@ -113,6 +136,9 @@ class Device:
     mma_rate: float  # FLOP/s
     clock: float    # Hz
     l2_latency: float = 0.5e-6  # s, one dependent L2 round trip under load
+    # bytes one SM can take from L2 per clock (its L1 <- L2 port), a design estimate: with fewer
+    # resident blocks than SMs (the 128-row blocks at small N) each SM must stream faster
+    sm_l2_bytes_per_clock: float = 64.0
 
     @property
     def limits(self) -> SmLimits:
@@ -133,7 +159,7 @@ DEVICES = {
 
 @dataclass(frozen=True)
 class Kernel:
-    """What the model needs of one fc_skinny_kernel<T, NT> build: from the cubins
+    """What the model needs of one fc_skinny_kernel<T, NT, rows, stages> build: from the cubins
     (``cuobjdump -res-usage`` and the SASS hot loop) or from cuda_backend's tables of them."""
 
     nt: int
@@ -142,15 +168,24 @@ class Kernel:
     stages: int
     instructions_per_step: float  # per warp and 64-wide k step, the hot loop's issue count
     elem_bytes: int = 2
+    rows: int = DEFAULT_ROWS      # weight rows per block
+
+    @property
+    def shape(self) -> Tuple[int, int, int]:
+        return (self.nt, self.rows, self.stages)
+
+    @property
+    def threads(self) -> int:
+        return threads(self.rows)
 
     @property
     def in_flight(self) -> int:
-        return (self.stages - 1) * ROWS_PER_BLOCK * SPLIT_STEP * self.elem_bytes
+        return (self.stages - 1) * self.rows * SPLIT_STEP * self.elem_bytes
 
 
 @dataclass
 class Prediction:
-    time: float                 # s, the whole call (pre-pass, skinny, reducer)
+    time: float                 # s, the whole call (pre-pass, skinny, reducer); inf: cannot launch
     floor: float                # s, the weight read at read_bw
     limiter: str                # the largest loss (see LOSSES)
     losses: Dict[str, float] = field(default_factory=dict)  # s above the floor, by cause
@@ -181,20 +216,23 @@ def predict(M: int, N: int, CH: int, NC: int, asked: int, device: Device, kernel
     S = NC * per_chunk
     KH = NC * CH
     tiles_m = -(-M // (8 * kernel.nt))
-    tiles_n = -(-N // ROWS_PER_BLOCK)
+    tiles_n = -(-N // kernel.rows)
     blocks = tiles_m * tiles_n * S
+    in_flight = kernel.in_flight * N / (tiles_n * kernel.rows)  # rows past N are zero-filled, not requested
     if bpsm is None:
-        bpsm = blocks_per_sm(kernel.regs, kernel.shared, THREADS, device.limits)
-    bpsm = max(1, bpsm)
-    slots = bpsm * device.sms
+        bpsm = blocks_per_sm(kernel.regs, kernel.shared, kernel.threads, device.limits)
     weight = N * KH * e
     floor = weight / device.read_bw
+    if bpsm <= 0:  # the ring does not fit this device: never planned
+        return Prediction(math.inf, floor, "shared memory", {}, per_chunk, split_len, S, blocks, 0)
+    slots = bpsm * device.sms
     # per block (averages over the grid): DRAM weight bytes (token tiles of one weight tile share it
     # through L2: blockIdx.x is the fastest axis), L2 -> SM bytes (weight + x tile), steps, FLOPs
     dram_blk = weight / (tiles_n * S)
     l2_blk = dram_blk + 8 * kernel.nt * (KH / S) * e
     steps_blk = KH / S / SPLIT_STEP
-    flops_blk = 2 * 8 * kernel.nt * ROWS_PER_BLOCK * (KH / S)
+    flops_blk = 2 * 8 * kernel.nt * kernel.rows * (KH / S)
+    warps_per_scheduler = kernel.threads / 32 / 4  # 4 schedulers per SM
     losses = {k: 0.0 for k in LOSSES}
     total = 0.0
     full, rest = divmod(blocks, slots)
@@ -203,11 +241,11 @@ def predict(M: int, N: int, CH: int, NC: int, asked: int, device: Device, kernel
         if not count_:
             continue
         dram = n * dram_blk / tiles_m
-        rate = min(device.read_bw, n * kernel.in_flight / device.latency)
+        rate = min(device.read_bw, n * in_flight / device.latency)
         t_mem = device.latency + dram / rate
         per_sm = -(-n // device.sms)
-        t_l2 = n * l2_blk / device.l2_bw
-        t_issue = per_sm * steps_blk * kernel.instructions_per_step / device.clock  # 4 warps on 4 schedulers
+        t_l2 = max(n * l2_blk / device.l2_bw, per_sm * l2_blk / (device.sm_l2_bytes_per_clock * device.clock))
+        t_issue = per_sm * warps_per_scheduler * steps_blk * kernel.instructions_per_step / device.clock
         t_mma = per_sm * flops_blk / (device.mma_rate / device.sms)
         t_wave = max(t_mem, t_l2, t_issue, t_mma)
         ideal = dram / device.read_bw
@@ -229,13 +267,13 @@ def predict(M: int, N: int, CH: int, NC: int, asked: int, device: Device, kernel
     if time - floor < 0.05 * time:
         limiter = "DRAM bandwidth"
     return Prediction(time, floor, limiter, losses, per_chunk, split_len, S, blocks, bpsm, blocks / slots,
-                      first_wave * kernel.in_flight)
+                      first_wave * in_flight)
 
 
 def best_splits(M: int, N: int, CH: int, NC: int, device: Device, kernel: Kernel, norm: bool = False,
                 folded: bool = False, bpsm: Optional[int] = None) -> Tuple[int, Prediction]:
-    """(splits per chunk to ask for, its prediction): the least modelled time over every split
-    shape the op's clamp can launch (no other cap), fewest splits on a tie."""
+    """(splits per chunk to ask for, its prediction) for one kernel: the least modelled time over
+    every split shape the op's clamp can launch (no other cap), fewest splits on a tie."""
     best = None
     seen = set()
     for asked in range(1, max_splits_per_chunk(CH, NC) + 1):
@@ -249,7 +287,24 @@ def best_splits(M: int, N: int, CH: int, NC: int, device: Device, kernel: Kernel
     return best
 
 
-__all__ = ["DEVICES", "Device", "Kernel", "LOSSES", "MAX_SPLITS", "MAX_TOKEN_GROUPS",
-           "MIN_STEPS_PER_SPLIT", "PIECE", "Prediction", "ROWS_PER_BLOCK", "SM_LIMITS", "SPLIT_STEP", "STAGES",
-           "SmLimits", "THREADS", "best_splits", "blocks_per_sm", "in_flight_bytes", "max_splits_per_chunk",
-           "predict", "shared_bytes", "split_shape", "token_groups"]
+def best_plan(M: int, N: int, CH: int, NC: int, device: Device, kernels: Sequence[Kernel], norm: bool = False,
+              folded: bool = False, bpsm: Optional[Sequence[Optional[int]]] = None) -> Tuple[Kernel, int, Prediction]:
+    """(kernel, splits per chunk, prediction): the least modelled time over the block shapes of M's
+    token tile (``kernels``, each with its resident blocks per SM in ``bpsm`` or from the model) and,
+    for each, every split count; the first kernel listed on a tie (the 64-row one). A kernel that
+    cannot launch on the device (0 blocks per SM) is never chosen."""
+    best = None
+    for i, k in enumerate(kernels):
+        asked, p = best_splits(M, N, CH, NC, device, k, norm, folded, None if bpsm is None else bpsm[i])
+        if best is None or p.time < best[2].time * (1 - 1e-9):
+            best = (k, asked, p)
+    if best is None or math.isinf(best[2].time):
+        raise ValueError(f"skinny_model.best_plan: no kernel of {[k.shape for k in kernels]} launches on {device.name}")
+    return best
+
+
+__all__ = ["DEFAULT_ROWS", "DEVICES", "Device", "Kernel", "LOSSES", "MAX_SPLITS", "MAX_TOKEN_GROUPS",
+           "MIN_STEPS_PER_SPLIT", "PIECE", "Prediction", "SKINNY_SHAPES", "SM_LIMITS", "SPLIT_STEP",
+           "STAGES", "STATIC_SHARED_LIMIT", "SmLimits", "best_plan", "best_splits", "blocks_per_sm",
+           "in_flight_bytes", "max_splits_per_chunk", "predict", "shapes_for", "shared_bytes", "split_shape", "threads",
+           "token_groups"]

@@ -111,44 +111,55 @@ def test_no_kernel_uses_local_memory():
                 ("capture_aligned_kernel", "capture_any_kernel", "fused_row_kernel", "fused_two_pass_kernel",
                  "fc_skinny_kernel", "fc_norm_prepass_kernel", "fc_reduce_kernel", "fc_prepare_kernel")}
     assert all(families.values()), families  # the parse found every family
-    assert families["fc_skinny_kernel"] == 2 * 8  # {bf16, fp16} x NT {1,2,4,8}, per arch: one hot loop for every variant
+    # {bf16, fp16} x every block shape, per arch: one hot loop for every variant
+    assert families["fc_skinny_kernel"] == 2 * 2 * len(skinny_model.SKINNY_SHAPES)
     spilling = {k: v for k, v in usage.items() if v["STACK"] or v["LOCAL"]}
     assert not spilling, spilling
 
 
-_SKINNY = re.compile(r"fc_skinny_kernelIN3c10(\d+)(BFloat16|Half)ELi(\d)E(.*)")
+_SKINNY = re.compile(r"fc_skinny_kernelIN3c10(\d+)(BFloat16|Half)ELi(\d+)ELi(\d+)ELi(\d+)E(.*)")
 
 
 def _skinny_key(fn: str):
-    """(dtype, NT, the rest of the symbol: further template arguments, if any) of a skinny kernel."""
+    """(dtype, NT, rows, stages, the rest of the symbol: further template arguments, if any) of a
+    skinny kernel."""
     m = _SKINNY.search(fn)
-    return ("bfloat16" if m.group(2) == "BFloat16" else "float16", int(m.group(3)), m.group(4)) if m else None
+    if not m:
+        return None
+    return ("bfloat16" if m.group(2) == "BFloat16" else "float16", int(m.group(3)), int(m.group(4)), int(m.group(5)),
+            m.group(6))
 
 
 def _skinny_table(usage: dict, field: str) -> dict:
     table = {}
     for (arch, fn), v in usage.items():
         if key := _skinny_key(fn):
-            table.setdefault(arch, {})[key[:2]] = v[field]
+            table.setdefault(arch, {})[key[:4]] = v[field]
     return table
 
 
 @needs_extension
 def test_skinny_resource_tables_match_the_built_cubins():
     """cuda_backend.SKINNY_REGISTERS (what split-K planning assumes without a GPU) is exactly what
-    ptxas allocated in the built extension, and the static shared memory (the ring) is what
-    skinny_model.shared_bytes says: the two numbers that decide the resident blocks. On a mismatch,
-    paste the printed table."""
+    ptxas allocated in the built extension, the kernels built are skinny_model.SKINNY_SHAPES, and
+    the ring is what skinny_model.shared_bytes says: static shared memory up to 48 KB, beyond it
+    none static (the launch passes it as dynamic shared memory): the numbers that decide the
+    resident blocks. On a mismatch, paste the printed table."""
     ext, tool = _built()
     usage = _resource_usage(tool, ext.__file__)
     built = _skinny_table(usage, "REG")
     assert built == cuda_backend.SKINNY_REGISTERS, f"regenerate cuda_backend.SKINNY_REGISTERS: {built!r}"
     shared = _skinny_table(usage, "SHARED")
     for arch, table in shared.items():
+        assert {key[1:] for key in table} == set(skinny_model.SKINNY_SHAPES), (arch, sorted(table))
         reserved = cuda_backend.SM_LIMITS[arch.rstrip("a")].shared_reserved_per_block  # cuobjdump counts it in
-        for (dtype, nt), nbytes in table.items():
-            assert nbytes - reserved == skinny_model.shared_bytes(nt), (arch, dtype, nt, nbytes)
-            assert nbytes - reserved <= 48 * 1024  # static shared memory: no opt-in attribute at launch
+        for (dtype, nt, rows, stages), nbytes in table.items():
+            ring = skinny_model.shared_bytes(nt, rows, stages)
+            static = ring if ring <= skinny_model.STATIC_SHARED_LIMIT else 0
+            assert nbytes - reserved == static, (arch, dtype, nt, rows, stages, nbytes)
+    # the dynamic rings are launched with their size and the opt-in attribute
+    src = (ROOT / "csrc" / "draft_fc.cu").read_text()
+    assert "cudaFuncAttributeMaxDynamicSharedMemorySize" in src and "extern __shared__" in src
     # and the planning limits cover both archs the build carries
     assert {a.rstrip("a") for a in built} <= set(cuda_backend.SM_LIMITS)
 
@@ -168,7 +179,8 @@ def built_sass():
 
 def _skinny_sass(built_sass) -> dict:
     sk = {k: v for k, v in built_sass.items() if "fc_skinny_kernel" in k[1]}
-    assert len(sk) == 2 * 8 and {a for a, _ in sk} == {"sm_90a", "sm_120a"}  # 8 kernels per arch
+    # {bf16, fp16} x every block shape, per arch
+    assert len(sk) == 2 * 2 * len(skinny_model.SKINNY_SHAPES) and {a for a, _ in sk} == {"sm_90a", "sm_120a"}
     return sk
 
 
@@ -201,38 +213,39 @@ def test_skinny_weight_stream_is_evict_first(built_sass):
 def test_skinny_weight_pipeline_survives_ptxas(built_sass):
     """Issue 21 item 1, read from the SASS per kernel and arch: the hot loop (the one with the MMAs)
     refills the shared-memory ring with LDGSTS weight copies and, when it jumps back, still has
-    kStages - 1 >= 2 steps of weight copies in flight (cp.async.wait_group kStages - 2 + the step it
-    just committed: `DEPBAR.LE SB0, n` + the LDGDEPBAR after it). A compiler or code change that
-    waits for the copies in the iteration that issues them measures 0 here and fails."""
+    stages - 1 >= 2 steps of weight copies in flight (cp.async.wait_group stages - 2 + the step it
+    just committed: `DEPBAR.LE SB0, n` + the LDGDEPBAR after it), for every block shape. A compiler
+    or code change that waits for the copies in the iteration that issues them measures 0 here and
+    fails."""
     for (arch, fn), ins in _skinny_sass(built_sass).items():
-        _, nt, _ = _skinny_key(fn)
+        _, nt, rows, stages, _ = _skinny_key(fn)
         lp = sass.hot_loop(ins)
         assert lp is not None, (arch, fn, "no loop with MMAs")
         p = sass.pipeline(ins, lp, sass.WEIGHT_LOAD)
         assert p.kind == "ring" and p.loads >= 4, (arch, fn, p)
         assert p.stages_in_flight >= sass.PIPELINE_MIN_STAGES, (arch, fn, p)
-        assert p.stages_in_flight == skinny_model.STAGES[nt] - 1, (arch, fn, p)  # the model plans with this
+        assert p.stages_in_flight == stages - 1, (arch, fn, p)  # the model plans with this
 
 
 @needs_extension
 def test_norm_variants_run_the_plain_hot_loop(built_sass):
     """Issue 21 item 2: the norm statistics and x*g are computed by the pre-pass
     (fc_norm_prepass_kernel: no MMA, no weight load), so every skinny launch — plain, norm, folded —
-    runs one fc_skinny_kernel<T, NT> per (dtype, NT): every skinny instantiation of a (dtype, NT)
-    has a hot loop within 1.25x of the plain one's instructions per step (today there is exactly one,
+    runs one fc_skinny_kernel<T, NT, rows, stages> per (dtype, block shape): every skinny
+    instantiation of a (dtype, block shape) has a hot loop within 1.25x of the plain one's instructions per step (today there is exactly one,
     so the ratio is 1; a variant that brings work back into the loop fails here), and the hot loop's
     instruction counts are the ones the planner uses (cuda_backend.SKINNY_STEP_INSTRUCTIONS)."""
     sk = _skinny_sass(built_sass)
     by_shape = {}
     for (arch, fn), ins in sk.items():
-        dtype, nt, rest = _skinny_key(fn)
-        by_shape.setdefault((arch, dtype, nt), []).append((rest, ins))
+        *key, rest = _skinny_key(fn)
+        by_shape.setdefault((arch, *key), []).append((rest, ins))
     counts = {}
-    for (arch, dtype, nt), kernels in by_shape.items():
+    for (arch, *key), kernels in by_shape.items():
         plain = kernels[0][1]
         for _, ins in kernels:
-            assert sass.hot_loop_ratio(ins, plain) <= sass.NORM_LOOP_MAX_RATIO, (arch, dtype, nt)
-        counts.setdefault(arch, {})[(dtype, nt)] = sass.hot_loop_instructions_per_step(plain, sass.hot_loop(plain))
+            assert sass.hot_loop_ratio(ins, plain) <= sass.NORM_LOOP_MAX_RATIO, (arch, *key)
+        counts.setdefault(arch, {})[tuple(key)] = sass.hot_loop_instructions_per_step(plain, sass.hot_loop(plain))
     assert counts == cuda_backend.SKINNY_STEP_INSTRUCTIONS, f"regenerate SKINNY_STEP_INSTRUCTIONS: {counts!r}"
     prepass = {k: v for k, v in built_sass.items() if "fc_norm_prepass_kernel" in k[1]}
     assert len(prepass) == 2 * 4  # {bf16, fp16} x {writes x*g, statistics only}, per arch

@@ -7,6 +7,7 @@ tracing) while the workspace size query is a catch-all op (so it runs here, on t
 Needs the extension: skipped where no nvcc was found at install time (as tests/test_build.py)."""
 import math
 import os
+import re
 import shutil
 
 import pytest
@@ -31,11 +32,11 @@ SCHEMAS = {
     "draft_fc": (
         "eagle3_cuda::draft_fc(Tensor x, Tensor weight, Tensor? bias, Tensor? rows, Tensor? chunk_norm_weight, "
         "Tensor? input_norm_weight, float eps, Tensor(a!) out, Tensor(b!)? workspace, int path, int splits, "
-        "bool norm_folded=False) -> ()"),
+        "bool norm_folded=False, int block_rows=64, int stages=0) -> ()"),
     "draft_fc_workspace_bytes": (
         "eagle3_cuda::draft_fc_workspace_bytes(int M, int N, int KH, int K, bool chunk_norm, bool input_norm, "
         "int path, int splits, ScalarType dtype, bool norm_folded=False) -> int"),
-    "skinny_occupancy": "eagle3_cuda::skinny_occupancy(int nt, ScalarType dtype) -> int",
+    "skinny_occupancy": "eagle3_cuda::skinny_occupancy(int nt, ScalarType dtype, int block_rows=64, int stages=0) -> int",
 }
 SKINNY, TILED, CUBLAS = (plans.PATHS.index(p) for p in ("skinny", "tiled", "cublas"))
 
@@ -171,7 +172,7 @@ def h200_sms(monkeypatch):
     occupancy; here (CPU tensors) they are an H200's: 132 SMs, occupancy from the sm_90a tables."""
     monkeypatch.setattr(cuda_backend, "device_model", lambda device: H200)
     monkeypatch.setattr(cuda_backend, "skinny_blocks_per_sm",
-                        lambda device, nt, dtype: cuda_backend.table_blocks_per_sm("sm_90", nt, dtype))
+                        lambda device, shape, dtype: cuda_backend.table_blocks_per_sm("sm_90", shape, dtype))
 
 
 def test_skinny_occupancy_needs_a_gpu(ops):
@@ -182,6 +183,15 @@ def test_skinny_occupancy_needs_a_gpu(ops):
         return
     with pytest.raises(RuntimeError):
         ops.skinny_occupancy(8, torch.bfloat16)
+
+
+@pytest.mark.parametrize("nt,rows,stages", [(8, 96, 0), (1, 128, 0), (8, 128, 5), (8, 64, 4), (8, -64, 0)])
+def test_skinny_occupancy_names_the_block_shapes_built(ops, nt, rows, stages):
+    """A block shape that was not built is refused before any CUDA call (so also without a GPU),
+    and the message lists the ones that were for that token tile."""
+    built = ", ".join(f"({r} rows, {st} stages)" for n, r, st in skinny_model.SKINNY_SHAPES if n == nt)
+    with pytest.raises(RuntimeError, match=re.escape(f"block_rows={rows}, stages={stages}; built: {built}")):
+        ops.skinny_occupancy(nt, torch.bfloat16, rows, stages)
 
 
 def fc_args(M, H, K, N, dtype, bias=False, rows=False, chunk=False, inorm=False, device="cpu"):
@@ -196,12 +206,15 @@ def fc_args(M, H, K, N, dtype, bias=False, rows=False, chunk=False, inorm=False,
     return x, w, b, r, cn, inw
 
 
-def expected_splits(M, N, KH, NC, norm, dtype, folded=False):
-    """The planner's answer for this launch (tests/ops/test_kernel_plans.py tests the planner)."""
+def expected_plan(M, N, KH, NC, norm, dtype, folded=False):
+    """(splits, block rows, stages): the planner's answer for this launch on an H200
+    (tests/ops/test_kernel_plans.py tests the planner)."""
     nt = {1: 1, 2: 2, 3: 4, 4: 4}.get(math.ceil(min(M, 64) / 8), 8)
-    bpsm = cuda_backend.table_blocks_per_sm("sm_90", nt, dtype)
-    return cuda_backend.skinny_splits(M, N, KH // NC, NC, H200, cuda_backend.kernel_model("sm_90", nt, dtype), bpsm,
-                                      norm, folded)
+    shapes = skinny_model.shapes_for(nt)
+    kernels = tuple(cuda_backend.kernel_model("sm_90", shape, dtype) for shape in shapes)
+    bpsm = tuple(cuda_backend.table_blocks_per_sm("sm_90", shape, dtype) for shape in shapes)
+    k, splits, _ = cuda_backend.skinny_choice(M, N, KH // NC, NC, H200, kernels, bpsm, norm, folded)
+    return splits, k.rows, k.stages
 
 
 VARIANTS = {"plain": {}, "rows": dict(rows=True), "norms": dict(chunk=True, inorm=True),
@@ -227,7 +240,8 @@ def test_backend_plan_agrees_with_the_size_query(ops, h200_sms, variant, forced,
     assert p.path == ("skinny" if want_skinny else "cublas")
     NC = 3 if cn is not None else 1
     norm = cn is not None or inw is not None
-    assert p.splits == (expected_splits(M, 200, 768, NC, norm, dtype) if want_skinny else 0)
+    want_plan = expected_plan(M, 200, 768, NC, norm, dtype) if want_skinny else (0, 64, 0)
+    assert (p.splits, p.block_rows, p.stages) == want_plan
     assert p.copy_bytes == 0
     prepares = p.path == "skinny" or rows is not None or cn is not None or inw is not None
     path = cuda_backend.PATH_INDEX[p.path]
@@ -267,6 +281,22 @@ def test_backend_plan_on_meta_tensors_matches_real_ones(ops, h200_sms):
         for forced in ("skinny", "cublas"):
             with plans.forced_path(forced):
                 assert cuda_backend.plan(*meta) == cuda_backend.plan(*args)
+
+
+def test_backend_plan_takes_cublas_where_no_skinny_block_can_be_resident(ops, h200_sms, monkeypatch, caplog):
+    """Should the runtime answer 0 resident blocks for every block shape of a token tile, the plan is
+    cuBLAS, with one warning, never an error in the call."""
+    import logging
+
+    monkeypatch.setattr(cuda_backend, "skinny_blocks_per_sm", lambda device, shape, dtype: 0)
+    cuda_backend._note_unlaunchable.cache_clear()
+    x, w, b, rows, cn, inw = fc_args(64, 256, 3, 200, torch.bfloat16)
+    with plans.forced_path("skinny"), caplog.at_level(logging.WARNING, logger="eagle3_ops"):
+        p = cuda_backend.plan(x, w, b, rows, cn, inw)
+        assert cuda_backend.plan(x, w, b, rows, cn, inw) == p
+    assert p.path == "cublas" and p.splits == 0
+    warned = [r.getMessage() for r in caplog.records if "0 resident blocks" in r.getMessage()]
+    assert len(warned) == 1 and "cublas" in warned[0], warned
 
 
 def test_backend_plan_decides_on_weights_device(ops, h200_sms, monkeypatch):
@@ -357,10 +387,12 @@ def test_gpu_skinny_occupancy_matches_the_register_table(ops, dtype):
     the device."""
     dev = _gpu_device()
     arch = cuda_backend.device_arch(dev)
-    for nt in (1, 2, 4, 8):
-        got = ops.skinny_occupancy(nt, dtype)
-        assert got == cuda_backend.table_blocks_per_sm(arch, nt, dtype), (nt, got)
-        assert cuda_backend.skinny_blocks_per_sm(dev, nt, dtype) == got
+    for shape in skinny_model.SKINNY_SHAPES:  # incl. 0 for a ring beyond the device's shared memory per block
+        nt, rows, stages = shape
+        got = ops.skinny_occupancy(nt, dtype, rows, stages)
+        assert got == cuda_backend.table_blocks_per_sm(arch, shape, dtype), (shape, got)
+        assert cuda_backend.skinny_blocks_per_sm(dev, shape, dtype) == got
+    assert ops.skinny_occupancy(8, dtype) == ops.skinny_occupancy(8, dtype, 64, 3)  # the defaults: the 64-row block
 
 
 @pytest.mark.gpu
@@ -383,12 +415,71 @@ def test_gpu_draft_fc_op_checks_memory_safety(ops):
         ops.draft_fc(xs, w, b, rows, cn, inw, 1e-6, out, ws[:need], SKINNY, 4)
     with pytest.raises(RuntimeError, match="stride 1"):
         ops.draft_fc(x, w, torch.stack([b, b], 1).reshape(-1)[::2], rows, cn, inw, 1e-6, out, ws[:need], SKINNY, 4)
+    # 7 tokens: a tile of 8, which has only the 64-row block
+    with pytest.raises(RuntimeError, match="no skinny kernel with block_rows=128, stages=0 for M=7"):
+        ops.draft_fc(x, w, b, rows, cn, inw, 1e-6, out, ws[:need], SKINNY, 4, False, 128, 0)
+
+
+@pytest.mark.gpu
+def test_gpu_a_ring_larger_than_the_device_allows_is_refused_before_any_launch(ops):
+    """The 128-row, 6-stage ring (144 KB) fits sm_90's 227 KB per block, not sm_120's 99 KB: there the
+    op refuses it with the sizes, before the norm pre-pass runs; here it runs."""
+    dev = _gpu_device()
+    x, w, b, rows, cn, inw = fc_args(64, 1024, 3, 256, torch.bfloat16, device=dev, rows=True, chunk=True, inorm=True)
+    need = ops.draft_fc_workspace_bytes(64, 256, 3 * 1024, 3, True, True, SKINNY, 2, torch.bfloat16)
+    ws = torch.empty(need, dtype=torch.uint8, device=dev)
+    out = torch.full((64, 256), float("nan"), dtype=torch.bfloat16, device=dev)
+    ring = skinny_model.shared_bytes(8, 128, 6)
+    if torch.cuda.get_device_properties(dev).shared_memory_per_block_optin < ring:
+        with pytest.raises(RuntimeError, match=f"needs {ring} bytes of shared memory per block; this device allows"):
+            ops.draft_fc(x, w, b, rows, cn, inw, 1e-6, out, ws, SKINNY, 2, False, 128, 6)
+        torch.cuda.synchronize()
+        assert torch.isnan(out).all()  # nothing ran
+    else:
+        ops.draft_fc(x, w, b, rows, cn, inw, 1e-6, out, ws, SKINNY, 2, False, 128, 6)
+        want = reference.draft_fc_ref(x, w, b, rows, cn, inw, 1e-6, acc_dtype=torch.float64)
+        assert ((out.double() - want).abs().max() / want.abs().max()).item() <= 1e-2
+
+
+@pytest.mark.gpu
+def test_gpu_every_block_shape_replays_in_a_cuda_graph(ops):
+    """Each skinny block shape of 64 tokens this device can hold — the dynamic-shared-memory rings
+    included (their launch sets the kernel's shared-memory attribute, also while capturing) —
+    captured in a CUDA graph and replayed on new x equals the float64 answer for the new x."""
+    dev = _gpu_device()
+    arch = cuda_backend.device_arch(dev)
+    x, w, b, rows, cn, inw = fc_args(64, 1024, 3, 896, torch.bfloat16, device=dev, bias=True, rows=True, chunk=True,
+                                     inorm=True)
+    need = ops.draft_fc_workspace_bytes(64, 896, 3 * 1024, 3, True, True, SKINNY, 3, torch.bfloat16)
+    ws = torch.empty(need, dtype=torch.uint8, device=dev)
+    for nt, rows_per_block, stages in skinny_model.shapes_for(8):
+        if cuda_backend.table_blocks_per_sm(arch, (nt, rows_per_block, stages), torch.bfloat16) == 0:
+            continue
+        out = torch.full((64, 896), float("nan"), dtype=torch.bfloat16, device=dev)
+        run = lambda: ops.draft_fc(x, w, b, rows, cn, inw, 1e-6, out, ws, SKINNY, 3, False,  # noqa: E731
+                                   rows_per_block, stages)
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            run()  # warm-up off the capture
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            run()
+        x.copy_(torch.randn_like(x, dtype=torch.float32).to(torch.bfloat16))
+        out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        want = reference.draft_fc_ref(x, w, b, rows, cn, inw, 1e-6, acc_dtype=torch.float64)
+        err = ((out.double() - want).abs().max() / want.abs().max()).item()
+        assert err <= 1e-2, (rows_per_block, stages, err)
 
 
 SPLIT_SWEEP = [  # (M, H, K, N): every token tile (NT 1, 2, 4, 8 and two tiles of 8), N with a weight-row
     # tail and the sharded Kimi-K2.5 width, chunk widths with a partial last 64-wide step (1000)
     (1, 4096, 3, 896), (8, 1000, 3, 1000), (16, 4096, 3, 1001), (24, 1000, 3, 896), (64, 4096, 3, 1000),
-    (100, 1000, 3, 1000)]
+    (100, 1000, 3, 1000),
+    (48, 7168, 3, 896)]  # the sharded Kimi-K2.5 fc (TP = 8) at a partial tile of 64: 64- and 128-row blocks
 
 
 @pytest.mark.gpu
@@ -396,9 +487,12 @@ SPLIT_SWEEP = [  # (M, H, K, N): every token tile (NT 1, 2, 4, 8 and two tiles o
 @pytest.mark.parametrize("M,H,K,N", SPLIT_SWEEP)
 def test_gpu_skinny_ring_and_prepass_match_fp64_at_every_split_count(ops, M, H, K, N, variant):
     """The skinny path (norm pre-pass -> ring-pipelined skinny kernel -> reducer, chained by PDL)
-    straight through the op at split counts from 1 to past the op's clamp: against the float64
-    answer, into a NaN-poisoned out with canary rows around it, twice with the same bits. Folded:
-    the weight prepared by fold_norm_weights, the truth is the unfolded problem's."""
+    straight through the op at split counts from 1 to past the op's clamp and with every block
+    shape built for M's token tile that launches on this device (64 rows; at 33+ tokens also 128
+    rows with 4 and, on sm_90, 6 stages): against the float64 answer, into a NaN-poisoned out with
+    canary rows around it, twice with the same bits, and the same bits for every block shape at
+    one split count. Folded: the weight prepared by fold_norm_weights, the truth is the unfolded
+    problem's."""
     import eagle3_ops
 
     dev = _gpu_device()
@@ -409,19 +503,28 @@ def test_gpu_skinny_ring_and_prepass_match_fp64_at_every_split_count(ops, M, H, 
     folded = variant == "folded"
     weight = eagle3_ops.fold_norm_weights(w, cn, inw) if folded else w
     NC, CH = (K, H) if cn is not None else (1, K * H)
+    arch = cuda_backend.device_arch(dev)
+    shapes = [s for s in skinny_model.shapes_for(skinny_model.token_groups(M))
+              if cuda_backend.table_blocks_per_sm(arch, s, torch.bfloat16) > 0]
     for splits in sorted({1, 2, 3, 7, skinny_model.max_splits_per_chunk(CH, NC), 1000}):
         need = ops.draft_fc_workspace_bytes(M, N, K * H, K, cn is not None, inw is not None, SKINNY, splits,
                                             torch.bfloat16, folded)
         ws = torch.empty(max(need, 1), dtype=torch.uint8, device=dev)
-        got = []
-        for _ in range(2):
-            base = torch.full((M + 4, N), float("nan"), dtype=torch.bfloat16, device=dev)
-            base[:2], base[-2:] = 7.0, -7.0
-            out = base[2:-2]
-            ops.draft_fc(x, weight, b, rows, cn, inw, 1e-6, out, ws if need else None, SKINNY, splits, folded)
-            torch.cuda.synchronize()
-            assert torch.all(base[:2] == 7.0) and torch.all(base[-2:] == -7.0), (splits, "canary rows written")
-            got.append(out.clone())
-        err = ((got[0].double() - want).abs().max() / want.abs().max()).item()
-        assert err <= 1e-2, (splits, err)
-        assert torch.equal(got[0].view(torch.int16), got[1].view(torch.int16)), (splits, "not deterministic")
+        first = None
+        for _, rows_per_block, stages in shapes:
+            where = (splits, rows_per_block, stages)
+            got = []
+            for _ in range(2):
+                base = torch.full((M + 4, N), float("nan"), dtype=torch.bfloat16, device=dev)
+                base[:2], base[-2:] = 7.0, -7.0
+                out = base[2:-2]
+                ops.draft_fc(x, weight, b, rows, cn, inw, 1e-6, out, ws if need else None, SKINNY, splits, folded,
+                             rows_per_block, stages)
+                torch.cuda.synchronize()
+                assert torch.all(base[:2] == 7.0) and torch.all(base[-2:] == -7.0), (where, "canary rows written")
+                got.append(out.clone())
+            err = ((got[0].double() - want).abs().max() / want.abs().max()).item()
+            assert err <= 1e-2, (where, err)
+            assert torch.equal(got[0].view(torch.int16), got[1].view(torch.int16)), (where, "not deterministic")
+            first = got[0] if first is None else first
+            assert torch.equal(got[0].view(torch.int16), first.view(torch.int16)), (where, "bits depend on the block")

@@ -11,6 +11,7 @@ import logging
 import multiprocessing
 import os
 import threading
+from pathlib import Path
 
 import pytest
 import torch
@@ -200,6 +201,29 @@ def test_an_entry_made_for_other_rules_or_versions_is_not_used(field, value):
     data[qualify_cache.key(mine)] = data.pop(qualify_cache.key({**mine, field: value}))
     qualify.cache_path().write_text(json.dumps(data))
     assert load() is None
+
+
+def test_a_plan_qualified_with_other_kernels_is_measured_again(monkeypatch, fast_qualify):
+    """The device key carries a digest of the built extension: after a rebuild (new kernels, the
+    same version number) the cached plan is not served; the new kernels are measured."""
+    monkeypatch.setattr(qualify, "_kernels_fingerprint", lambda: "kernels-before")
+    assert not qualify.qualify(NORM, CPU, BUCKETS).cached and qualify.qualify(NORM, CPU, BUCKETS).cached
+    monkeypatch.setattr(qualify, "_kernels_fingerprint", lambda: "kernels-after")
+    assert "kernels kernels-after|" in qualify._device_key(CPU)
+    assert not qualify.qualify(NORM, CPU, BUCKETS).cached
+
+
+def test_the_kernels_fingerprint_is_a_digest_of_the_built_extension():
+    from eagle3_ops import cuda_backend
+
+    ext = cuda_backend.cuda_extension()
+    got = qualify._kernels_fingerprint()
+    if ext is None:
+        assert got == "none"
+    else:
+        import hashlib
+
+        assert got == hashlib.sha256(Path(ext.__file__).read_bytes()).hexdigest()[:16]
 
 
 # ---- broken files -------------------------------------------------------------------------------------------

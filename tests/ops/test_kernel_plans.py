@@ -9,7 +9,6 @@ SKINNY_STEP_INSTRUCTIONS; tests/test_build.py checks them against the extension)
 planner asks the CUDA runtime for the occupancy instead (eagle3_cuda::skinny_occupancy, checked
 against the table in tests/test_cuda_ops_registration.py on the device)."""
 import dataclasses
-import itertools
 import json
 import math
 import os
@@ -63,12 +62,31 @@ def test_blocks_per_sm_is_monotone_and_bounded():
 def test_kernel_tables_cover_every_kernel():
     for table in (cb.SKINNY_REGISTERS, cb.SKINNY_STEP_INSTRUCTIONS):
         for arch in ("sm_90a", "sm_120a"):
-            assert set(table[arch]) == set(itertools.product(("bfloat16", "float16"), (1, 2, 4, 8)))
+            assert set(table[arch]) == {(d, *shape) for d in ("bfloat16", "float16") for shape in sm.SKINNY_SHAPES}
     assert all(0 < r <= 255 for t in cb.SKINNY_REGISTERS.values() for r in t.values())
-    for nt in (1, 2, 4, 8):  # the ring fits static shared memory; kStages - 1 >= 2 steps in flight
-        assert sm.shared_bytes(nt) <= 48 * 1024 and sm.STAGES[nt] >= 3
-        k = cb.kernel_model("sm_90", nt, torch.bfloat16)
-        assert k.in_flight == (sm.STAGES[nt] - 1) * 64 * 64 * 2 == sm.in_flight_bytes(nt)
+    for nt in (1, 2, 4, 8):  # every token tile has a 64-row block whose ring fits static shared memory
+        assert sm.shapes_for(nt)[0] == (nt, 64, sm.STAGES[nt]) and sm.shared_bytes(nt) <= 48 * 1024
+    for nt, rows, stages in sm.SKINNY_SHAPES:  # stages - 1 >= 2 steps in flight, a warp per 16 rows
+        assert stages >= 3 and rows % 16 == 0
+        k = cb.kernel_model("sm_90", (nt, rows, stages), torch.bfloat16)
+        assert k.in_flight == (stages - 1) * rows * 64 * 2 == sm.in_flight_bytes(nt, 2, rows, stages)
+        assert k.shape == (nt, rows, stages) and k.threads == 2 * rows
+    assert cb.kernel_model("sm_90", 8, torch.bfloat16).shape == (8, 64, 3)  # an NT alone: its 64-row block
+
+
+def test_which_block_shapes_fit_which_arch():
+    """The 128-row, 6-stage ring (144 KB) exceeds sm_120's 99 KB per block: 0 resident blocks there,
+    so the planner never chooses it; every other shape launches on both archs."""
+    for arch in ("sm_90", "sm_120"):
+        for shape in sm.SKINNY_SHAPES:
+            blocks = cb.table_blocks_per_sm(arch, shape, torch.bfloat16)
+            assert (blocks == 0) == (arch == "sm_120" and shape == (8, 128, 6)), (arch, shape, blocks)
+    assert sm.blocks_per_sm(80, 147456, 256, SM120) == 0 and sm.blocks_per_sm(80, 147456, 256, SM90) == 1
+    k = cb.kernel_model("sm_120", (8, 128, 6), torch.bfloat16)
+    assert math.isinf(sm.predict(64, 896, 21504, 1, 8, PRO6000, k).time)
+    chosen, _, _ = sm.best_plan(64, 896, 21504, 1, PRO6000, [cb.kernel_model("sm_120", s, torch.bfloat16)
+                                                            for s in sm.shapes_for(8)])
+    assert chosen.shape != (8, 128, 6)
 
 
 # ---- the op's clamp, mirrored --------------------------------------------------------------------------
@@ -143,14 +161,18 @@ ISSUE_SHAPES = [(7168, 21504), (896, 21504), (4096, 12288)]  # Kimi-K2.5 replica
 @pytest.mark.parametrize("NC,norm,folded", [(1, False, False), (3, True, False), (3, True, True)],
                          ids=["plain", "norm", "folded"])
 def test_the_plan_minimizes_the_model_and_fills_littles_law(device, N, KH, M, NC, norm, folded):
-    """The planner's choice is the least modelled time over every split shape the op can launch
-    (fewest splits on a tie), and — no cap of its own — it is never limited by bytes in flight
-    when a launchable split count would fill the bandwidth-latency product (issue 21 item 3: N = 896
-    was capped at 224 blocks, ~2.5 MB against ~4.3 MB on H200). (When L2 traffic binds, M = 64 on
-    H200, fewer blocks are as fast and the planner takes them.)"""
+    """The planner's choice is the least modelled time over the block shapes of M's token tile and
+    every split shape the op can launch (fewest splits on a tie), and — no cap of its own — it is
+    never limited by bytes in flight when a launchable split count would fill the
+    bandwidth-latency product (issue 21 item 3: N = 896 was capped at 224 blocks, ~2.5 MB against
+    ~4.3 MB on H200)."""
     CH = KH // NC
-    k = kernel(sm.token_groups(M), device.arch)
-    asked, best = sm.best_splits(M, N, CH, NC, device, k, norm, folded)
+    kernels = [kernel(shape, device.arch) for shape in sm.shapes_for(sm.token_groups(M))]
+    k, asked, best = sm.best_plan(M, N, CH, NC, device, kernels, norm, folded)
+    assert all(sm.best_splits(M, N, CH, NC, device, other, norm, folded)[1].time > best.time * (1 - 1e-9)
+               for other in kernels)
+    bpsm = tuple(cb.table_blocks_per_sm(device.arch, other.shape, torch.bfloat16) for other in kernels)
+    assert cb.skinny_choice(M, N, CH, NC, device, tuple(kernels), bpsm, norm, folded)[:2] == (k, asked)
     shapes = {sm.split_shape(CH, NC, a): a for a in range(sm.max_splits_per_chunk(CH, NC), 0, -1)}
     times = {shape: sm.predict(M, N, CH, NC, a, device, k, norm, folded).time for shape, a in shapes.items()}
     assert best.time == pytest.approx(min(times.values()))
@@ -177,9 +199,9 @@ def test_plan_uses_the_device_model_the_occupancy_and_the_kernel_of_its_launch(m
     and the variant (norm, folded) to the model, on weight's device (x may be a meta tensor)."""
     asked = []
 
-    def fake_bpsm(device, nt, dtype):
-        asked.append((device.type, nt, dtype))
-        return 4
+    def fake_bpsm(device, shape, dtype):
+        asked.append((device.type, shape, dtype))
+        return 4 if shape[1] == 64 else 2
 
     monkeypatch.setattr(cb, "skinny_blocks_per_sm", fake_bpsm)
     monkeypatch.setattr(cb, "device_model", lambda device: H200)
@@ -193,11 +215,14 @@ def test_plan_uses_the_device_model_the_occupancy_and_the_kernel_of_its_launch(m
         p = cb.plan(x, w, None, None, None, None)
         pn = cb.plan(x, w, None, None, cn, None)
         pf = cb.plan(x, w, None, None, cn, None, norm_folded=True)
-    assert asked == [("meta", 8, torch.bfloat16)] * 3
-    k = cb.kernel_model("sm_90", 8, torch.bfloat16)
-    assert p.path == "skinny" and p.splits == cb.skinny_splits(64, 7168, 21504, 1, H200, k, 4)
-    assert pn.splits == cb.skinny_splits(64, 7168, 7168, 3, H200, k, 4, True)
-    assert pf.path == "skinny" and pf.splits == cb.skinny_splits(64, 7168, 7168, 3, H200, k, 4, True, True)
+    shapes = sm.shapes_for(8)
+    assert asked == [("meta", shape, torch.bfloat16) for shape in shapes] * 3
+    ks = tuple(cb.kernel_model("sm_90", shape, torch.bfloat16) for shape in shapes)
+    bpsm = (4, 2, 2)
+    for got, CH, NC, norm, folded in ((p, 21504, 1, False, False), (pn, 7168, 3, True, False),
+                                      (pf, 7168, 3, True, True)):
+        k, splits, _ = cb.skinny_choice(64, 7168, CH, NC, H200, ks, bpsm, norm, folded)
+        assert got.path == "skinny" and (got.splits, got.block_rows, got.stages) == (splits, k.rows, k.stages)
 
 
 def test_device_model_of_a_gpu_takes_its_sm_count_and_the_nearest_modelled_device():
