@@ -103,11 +103,16 @@ def _dtype_name(dtype) -> str:
     return str(dtype).replace("torch.", "")
 
 
+def _shape(shape) -> tuple:
+    """(NT, rows, stages) from a shape or an NT alone (its 64-row block)."""
+    return (shape, skinny_model.DEFAULT_ROWS, skinny_model.STAGES[shape]) if isinstance(shape, int) else tuple(shape)
+
+
 def kernel_model(arch: str, shape, dtype) -> skinny_model.Kernel:
     """skinny_model's view of fc_skinny_kernel<dtype, NT, rows, stages> on ``arch`` (sm_90 / sm_120,
     with or without the ``a``), from the tables of the built cubins. ``shape``: (NT, rows, stages),
     or an NT alone for its 64-row block."""
-    nt, rows, stages = (shape, skinny_model.DEFAULT_ROWS, skinny_model.STAGES[shape]) if isinstance(shape, int) else shape
+    nt, rows, stages = _shape(shape)
     key = (_dtype_name(dtype), nt, rows, stages)
     arch = arch.rstrip("a") + "a"
     return skinny_model.Kernel(nt, SKINNY_REGISTERS[arch][key], skinny_model.shared_bytes(nt, rows, stages), stages,
@@ -238,16 +243,11 @@ def _measured_occupancy(device_index: int, shape: tuple, dtype: torch.dtype) -> 
     return blocks
 
 
-def _shape(shape) -> tuple:
-    """(NT, rows, stages) from a shape or an NT alone (its 64-row block)."""
-    return (shape, skinny_model.DEFAULT_ROWS, skinny_model.STAGES[shape]) if isinstance(shape, int) else tuple(shape)
-
-
 def table_blocks_per_sm(arch: str, shape, dtype: torch.dtype) -> int:
     """Resident skinny blocks per SM predicted from the built cubins' registers and shared memory
     (arch ``sm_90`` or ``sm_120``, with or without the ``a``; ``shape`` (NT, rows, stages) or an NT
     for its 64-row block); 0 where the ring exceeds the arch's shared memory per block."""
-    k = kernel_model(arch, _shape(shape), dtype)
+    k = kernel_model(arch, shape, dtype)
     return skinny_model.blocks_per_sm(k.regs, k.shared, k.threads, SM_LIMITS[arch.rstrip("a")])
 
 
