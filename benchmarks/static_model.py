@@ -148,7 +148,7 @@ def _planner_agrees(M, N, KH, NC, dev, k, norm, folded, asked) -> bool:
     except ImportError:
         return True  # no torch here: the planner cannot be asked (the tables are checked in CI)
     tables = tuple(cuda_backend.kernel_model(dev.arch, s, torch.bfloat16) for s in skinny_model.shapes_for(k.nt))
-    bpsm = tuple(skinny_model.blocks_per_sm(t.regs, t.shared, t.threads, dev.limits) for t in tables)
+    bpsm = tuple(cuda_backend.table_blocks_per_sm(dev.arch, t.shape, torch.bfloat16) for t in tables)
     chosen, splits, _ = cuda_backend.skinny_choice(M, N, KH // NC, NC, dev, tables, bpsm, norm, folded)
     return chosen.shape == k.shape and splits == asked
 

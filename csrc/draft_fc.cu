@@ -732,14 +732,19 @@ cudaError_t launch_prepare(const FcArgs& a, void* prep, int64_t prep_stride, cud
   return cudaGetLastError();
 }
 
+cudaError_t max_shared_per_block(int* bytes) {
+  int device = 0;
+  const cudaError_t err = cudaGetDevice(&device);
+  return err != cudaSuccess ? err : cudaDeviceGetAttribute(bytes, cudaDevAttrMaxSharedMemoryPerBlockOptin, device);
+}
+
 template <typename T>
 cudaError_t skinny_occupancy_blocks(SkinnyShape shape, int* blocks) {
   *blocks = 0;
   const SkinnyKernel kernel = skinny_kernel_for<T>(shape);
   if (kernel == nullptr) return cudaErrorInvalidValue;
-  int device = 0, per_block = 0;
-  cudaError_t err = cudaGetDevice(&device);
-  if (err == cudaSuccess) err = cudaDeviceGetAttribute(&per_block, cudaDevAttrMaxSharedMemoryPerBlockOptin, device);
+  int per_block = 0;
+  cudaError_t err = max_shared_per_block(&per_block);
   if (err != cudaSuccess) return err;
   const int bytes = skinny_shared_bytes(shape);
   if (bytes > per_block) return cudaSuccess;  // this device cannot hold the ring: 0 blocks

@@ -119,6 +119,9 @@ cudaError_t run_skinny(FcArgs args, const SkinnyPlan& plan, const SkinnyRegions&
 template <typename T>
 cudaError_t launch_prepare(const FcArgs& args, void* prep, int64_t prep_stride, cudaStream_t stream);
 
+// The current device's largest shared memory one block may opt in to (a ring beyond it cannot launch).
+cudaError_t max_shared_per_block(int* bytes);
+
 // Resident blocks per SM of fc_skinny_kernel<T, shape> (one of kSkinnyShapes) on the current device;
 // 0 where its ring does not fit the device's shared memory per block.
 template <typename T>

@@ -30,19 +30,28 @@ std::string built_shapes(int nt) {
   return out;
 }
 
-// block_rows, stages: the block shape (one of kSkinnyShapes for M's token tile; stages 0: the first
-// built with these rows).
+// The built shape (kSkinnyShapes) of token tile nt with these block rows and stages (0: the first
+// built with these rows), or an error naming `op`, the request (`lead` and `tail` around it) and the
+// shapes that were built.
+SkinnyShape built_shape(const char* op, int nt, int64_t block_rows, int64_t stages, const std::string& lead,
+                        const std::string& tail) {
+  const bool small = block_rows > 0 && block_rows <= INT_MAX && stages >= 0 && stages <= INT_MAX;
+  const SkinnyShape shape =
+      small ? find_skinny_shape(nt, static_cast<int>(block_rows), static_cast<int>(stages)) : SkinnyShape{0, 0, 0};
+  TORCH_CHECK(shape.nt != 0, op, ": no skinny kernel with ", lead, "block_rows=", block_rows, ", stages=", stages, tail,
+              "; built: ", built_shapes(nt));
+  return shape;
+}
+
+// block_rows, stages: the block shape (built_shape, for M's token tile).
 SkinnyPlan skinny_plan(int64_t M, int64_t N, int CH, int NC, int64_t splits, int64_t block_rows, int64_t stages) {
   TORCH_CHECK(CH > 0 && NC > 0, "eagle3_cuda::draft_fc: the skinny path needs K*H > 0");
   TORCH_CHECK(splits >= 1, "eagle3_cuda::draft_fc: the skinny path needs splits >= 1, got ", splits);
   SkinnyPlan p{};
   const int groups = static_cast<int>(ceil_div(std::min<int64_t>(M, 8 * kMaxTokenGroups), 8));
   const int nt = groups <= 1 ? 1 : groups <= 2 ? 2 : groups <= 4 ? 4 : 8;
-  const bool small = block_rows > 0 && block_rows <= INT_MAX && stages >= 0 && stages <= INT_MAX;
-  p.shape = small ? find_skinny_shape(nt, static_cast<int>(block_rows), static_cast<int>(stages))
-                  : SkinnyShape{0, 0, 0};
-  TORCH_CHECK(p.shape.nt != 0, "eagle3_cuda::draft_fc: no skinny kernel with block_rows=", block_rows, ", stages=",
-              stages, " for M=", M, " (a token tile of ", 8 * nt, "); built: ", built_shapes(nt));
+  p.shape = built_shape("eagle3_cuda::draft_fc", nt, block_rows, stages, "",
+                        " for M=" + std::to_string(M) + " (a token tile of " + std::to_string(8 * nt) + ")");
   p.token_tiles = static_cast<int>(ceil_div(M, 8 * nt));
   p.weight_tiles = static_cast<int>(ceil_div(N, p.shape.rows));
   // Each split a whole number of kStep steps inside one chunk, at least kMinSplitSteps of them
@@ -151,9 +160,8 @@ void draft_fc_typed(const at::Tensor& x, const at::Tensor& weight, const std::op
       const SkinnyPlan p = skinny_plan(a.M, a.N, a.CH, a.NC, splits, block_rows, stages);
       const int ring = skinny_shared_bytes(p.shape);
       if (ring > kStaticSharedLimit) {  // checked before anything launches (the pre-pass would run first)
-        int device = 0, per_block = 0;
-        C10_CUDA_CHECK(cudaGetDevice(&device));
-        C10_CUDA_CHECK(cudaDeviceGetAttribute(&per_block, cudaDevAttrMaxSharedMemoryPerBlockOptin, device));
+        int per_block = 0;
+        C10_CUDA_CHECK(max_shared_per_block(&per_block));
         TORCH_CHECK(ring <= per_block, "eagle3_cuda::draft_fc: the skinny block of ", p.shape.rows, " rows and ",
                     p.shape.stages, " stages needs ", ring, " bytes of shared memory per block; this device allows ",
                     per_block, " (eagle3_cuda::skinny_occupancy answers 0 for it: use another block shape)");
@@ -187,12 +195,8 @@ bool unit_stride(const std::optional<at::Tensor>& t) {
 int64_t skinny_occupancy(int64_t nt, at::ScalarType dtype, int64_t block_rows, int64_t stages) {
   TORCH_CHECK(nt == 1 || nt == 2 || nt == 4 || nt == 8, "eagle3_cuda::skinny_occupancy: nt must be 1, 2, 4 or 8, got ",
               nt);
-  const bool small = block_rows > 0 && block_rows <= INT_MAX && stages >= 0 && stages <= INT_MAX;
-  const SkinnyShape shape =
-      small ? find_skinny_shape(static_cast<int>(nt), static_cast<int>(block_rows), static_cast<int>(stages))
-            : SkinnyShape{0, 0, 0};
-  TORCH_CHECK(shape.nt != 0, "eagle3_cuda::skinny_occupancy: no skinny kernel with nt=", nt, ", block_rows=",
-              block_rows, ", stages=", stages, "; built: ", built_shapes(static_cast<int>(nt)));
+  const SkinnyShape shape = built_shape("eagle3_cuda::skinny_occupancy", static_cast<int>(nt), block_rows, stages,
+                                        "nt=" + std::to_string(nt) + ", ", "");
   int blocks = 0;
   switch (dtype) {
     case at::kBFloat16: C10_CUDA_CHECK(skinny_occupancy_blocks<c10::BFloat16>(shape, &blocks)); break;

@@ -130,19 +130,6 @@ skinny_split_shape = skinny_model.split_shape
 
 
 @functools.lru_cache(maxsize=4096)
-def skinny_prediction(M: int, N: int, CH: int, NC: int, device: skinny_model.Device, kernel: skinny_model.Kernel,
-                      blocks_per_sm: int, norm: bool = False, folded: bool = False) -> tuple:
-    """(splits per chunk to ask for, skinny_model.Prediction) for one kernel: the least modelled time."""
-    return skinny_model.best_splits(M, N, CH, NC, device, kernel, norm, folded, blocks_per_sm)
-
-
-def skinny_splits(M: int, N: int, CH: int, NC: int, device: skinny_model.Device, kernel: skinny_model.Kernel,
-                  blocks_per_sm: int, norm: bool = False, folded: bool = False) -> int:
-    """Split-K splits per chunk to ask one skinny kernel for (see :func:`skinny_prediction`)."""
-    return skinny_prediction(M, N, CH, NC, device, kernel, blocks_per_sm, norm, folded)[0]
-
-
-@functools.lru_cache(maxsize=4096)
 def skinny_choice(M: int, N: int, CH: int, NC: int, device: skinny_model.Device, kernels: tuple, blocks_per_sm: tuple,
                   norm: bool = False, folded: bool = False) -> tuple:
     """(kernel, splits per chunk, skinny_model.Prediction): over ``kernels`` (the block shapes of M's
@@ -398,5 +385,5 @@ __all__ = ["MAX_SPLITS", "OPS", "PATH_INDEX", "Plan", "SKINNY_REGISTERS", "SKINN
            "SKINNY_VARIANTS", "SM_LIMITS", "SmLimits", "blocks_per_sm_from_registers", "capture", "compiled_archs",
            "cuda_extension", "device_arch", "device_model", "draft_fc", "draft_fc_workspace_bytes",
            "fused_add_rmsnorm_capture", "kernel_model", "ops_registered", "plan", "serves", "skinny_blocks_per_sm",
-           "skinny_choice", "skinny_launchable", "skinny_prediction", "skinny_split_shape", "skinny_splits",
+           "skinny_choice", "skinny_launchable", "skinny_split_shape",
            "skinny_variant", "sm_count", "table_blocks_per_sm", "token_groups"]

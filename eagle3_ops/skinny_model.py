@@ -1,5 +1,5 @@
 """The CUDA skinny draft fc's performance model: ONE model, used by the split planner
-(``cuda_backend.skinny_splits``) and printed by the static model (``benchmarks/static_model.py``,
+(``cuda_backend.skinny_choice``) and printed by the static model (``benchmarks/static_model.py``,
 which fills it from the built cubins). Pure Python, no torch. **A model, not a measurement**: every
 device number below is a datasheet figure or a design estimate (docs/kernels.md §1, §7.5); the
 qualification in front of every kernel (design.md §14) measures on the device and overrules it.
