@@ -24,6 +24,11 @@ rounds, more than the overhead it is compared with).
 
 The target of issue 21 (<= 5 µs above the backend function on a loaded 2-core CPU) is printed
 next to each row; nothing fails on wall-clock numbers (a busy machine would make that flaky).
+
+Last, one internal the CPU can time for the GPU: the CUDA backend's ``draft_fc`` plan key
+(``cuda_backend.plan_key``), which a GPU call builds twice (the face's workspace query, then the
+launch) before a dict lookup. It reads only metadata, so CPU tensors time it; the compiled key against
+the Python tuple it replaced (``python_plan_fields``, the key before the extension built it).
 """
 from __future__ import annotations
 
@@ -157,6 +162,32 @@ def table(results) -> str:
     return "\n".join(lines)
 
 
+def plan_key_cases(device):
+    """(name, fn) of the CUDA backend's plan key on draft_fc_out's arguments above (see the module doc)."""
+    from eagle3_ops import cuda_backend
+
+    p = testing.fc_problem(2, 16, 2, torch.bfloat16, device, N=16, rows=True, chunk=True, key=("host-path",))
+    return [("cuda plan key (compiled)", lambda: cuda_backend.plan_key(*p.args, False)),
+            ("cuda plan key (Python fields)", lambda: (cuda_backend.python_plan_fields(*p.args), False,
+                                                       eagle3_ops.plans.forced()))]
+
+
+def time_alone(fn, calls=CALLS, rounds=ROUNDS):
+    """Median per-call µs of ``fn`` over ``rounds`` rounds of ``calls`` calls (and the range)."""
+    for _ in range(20):
+        fn()
+    per = [_per_call_us(fn, calls, lambda: None) for _ in range(rounds)]
+    return statistics.median(per), (min(per), max(per))
+
+
+def plan_key_table(device) -> str:
+    lines = []
+    for name, fn in plan_key_cases(device):
+        med, (lo, hi) = time_alone(fn)
+        lines.append(f"{name:34s} {med:7.2f} us ({lo:.1f}-{hi:.1f})")
+    return "\n".join(lines)
+
+
 def run_all():
     device = _device()
     results = []
@@ -177,6 +208,12 @@ if pytest is not None:
     def host_cases():
         return {name: (face, backend, served_by, op) for name, face, backend, served_by, op in cases(_device())}
 
+    @pytest.mark.parametrize("case", ["cuda plan key (compiled)", "cuda plan key (Python fields)"])
+    def test_cuda_plan_key(case, benchmark):
+        fn = dict(plan_key_cases(torch.device("cpu")))[case]
+        benchmark.extra_info.update(what="the CUDA backend's draft_fc plan key on CPU tensors (metadata only)")
+        benchmark(fn)
+
     @pytest.mark.parametrize("op", ["capture", "fused_add_rmsnorm_capture", "draft_fc_out", "draft_fc_out (no rows)"])
     def test_host_path(op, host_cases, benchmark):
         face, backend, served_by, dispatch_op = host_cases[op]
@@ -192,4 +229,5 @@ if pytest is not None:
 
 if __name__ == "__main__":
     print(table(run_all()))
+    print(plan_key_table(torch.device("cpu")))
     sys.exit(0)

@@ -11,7 +11,9 @@
 #   3. qualification, if `python -m eagle3_ops qualify --help` works here: Kimi-K2.5 (H=7168 K=3
 #      N=7168, replicated and --tp 8 = N/8 rows per rank) and Llama-3.1-8B (H=4096 K=3), --json
 #   4. the benchmarks (pytest benchmarks/bench_draft_fc.py benchmarks/bench_capture.py; rows written
-#      after each one, so a stage cut short by its timeout keeps what it measured)
+#      after each one, so a stage cut short by its timeout keeps what it measured); then the host
+#      path (benchmarks/bench_host_path.py: each eager face against its backend function), appended
+#      to bench.log
 #   5. the report: qualification tables and a short benchmark table printed LAST (the complete
 #      tables in summary.txt)
 # Everything goes to ONE results folder (8 files, what the device tool brings back):
@@ -302,6 +304,20 @@ else
     fi
     grep -E "passed|failed|error" "$RES/bench.log" | tail -3
     [ "$BENCH_RC" = 124 ] && say "benchmarks TIMED OUT after ${T}s (bench.json holds the rows measured)"
+  fi
+  # The host path (issue 21 item 5): each eager face against the backend function it runs, on the
+  # backend this GPU serves (host work only; ~10 s). Appended to bench.log and printed; it never
+  # changes the exit status. In a dry run it times the CPU's reference backend.
+  HT="$(budget 60 "$RESERVE_REPORT")"
+  if [ "$HT" -lt "$MIN_STAGE" ]; then
+    say "4b. host path: SKIPPED, out of time budget"
+  else
+    say "4b. host path (timeout ${HT}s)"
+    { echo; echo "== host path (benchmarks/bench_host_path.py)"; } >> "$RES/bench.log"
+    EAGLE3_HOST_BENCH_ROUNDS=7 timeout -s INT -k 5 "$HT" "$PY" benchmarks/bench_host_path.py > "$WORK/host.txt" 2>&1
+    say "host path rc=$?"
+    cat "$WORK/host.txt" >> "$RES/bench.log"
+    grep -vE "^\s*$" "$WORK/host.txt" | tail -12
   fi
 fi
 

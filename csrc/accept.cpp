@@ -5,6 +5,13 @@
 // not sure of returns "not accepted" and the face runs the full check, which raises with its message
 // or passes. tests/ops/test_accept.py holds both twins to that over generated arguments.
 //
+// Each also answers "not accepted" while a Python dispatch mode (FakeTensorMode, make_fx's proxy mode,
+// ...), a torch-function mode or a torch.func transform is active: "accepted" means the face may run
+// the op's implementation itself. Only torch.compile's tracing is left to the face, which asks
+// torch.compiler.is_compiling() first (dynamo folds that call; it never reaches these functions).
+// They are plain METH_FASTCALL functions, not pybind11 ones: pybind11's argument dispatch cost more
+// than the checks themselves (~2 000 instructions a call for draft_fc's ten arguments).
+//
 // Accepted tensors: torch.Tensor, nn.Parameter and its plain subclasses (plain_object), strided, dense CPU or CUDA (no Python, functionalization,
 // functorch, sparse, mkldnn, meta or quantized key), not requiring grad, non-empty, with storage.
 // Two views are apart when their byte ranges [address, address + extent) are disjoint. Shapes and
@@ -14,13 +21,17 @@
 #include <Python.h>
 
 // Not torch/extension.h (the whole C++ frontend): it tripled this file's compile time.
+#include <ATen/PythonTorchFunctionTLS.h>
+#include <c10/core/impl/LocalDispatchKeySet.h>
+#include <c10/core/impl/TorchDispatchModeTLS.h>
 #include <pybind11/pybind11.h>
 #include <torch/csrc/autograd/python_variable.h>
 
 #include <cmath>
 #include <cstdint>
 #include <optional>
-#include <vector>
+#include <initializer_list>
+#include <utility>
 
 namespace eagle3 {
 namespace {
@@ -129,8 +140,23 @@ std::optional<Flat> flat(PyObject* obj, const c10::Device& device, std::initiali
 
 bool overlap(const Span& a, const Span& b) { return a.first < b.second && b.first < a.second; }
 
+// A few byte ranges, without a heap allocation (a call has at most 6 read and 2 written ones).
+struct Spans {
+  Span v[8];
+  size_t n = 0;
+  Spans() = default;
+  Spans(std::initializer_list<Span> spans) {
+    for (const Span& s : spans) push_back(s);
+  }
+  void push_back(const Span& s) { v[n++] = s; }
+  size_t size() const { return n; }
+  const Span& operator[](size_t i) const { return v[i]; }
+  const Span* begin() const { return v; }
+  const Span* end() const { return v + n; }
+};
+
 // Every written range disjoint from every read range and from the other written ones.
-bool apart(const std::vector<Span>& writes, const std::vector<Span>& reads) {
+bool apart(const Spans& writes, const Spans& reads) {
   for (size_t i = 0; i < writes.size(); ++i) {
     for (const auto& r : reads)
       if (overlap(writes[i], r)) return false;
@@ -225,8 +251,7 @@ int64_t draft_fc_accepted(py::handle x_obj, py::handle weight, py::handle bias, 
   const auto w = matrix(weight.ptr(), device, dtype);
   if (!m || !w || w->cols != m->cols) return -1;
   const int64_t R = m->rows, KH = m->cols, N = w->rows, es = m->es;
-  std::vector<Span> reads{{m->p, m->end()}, {w->p, w->end()}};
-  reads.reserve(7);
+  Spans reads{{m->p, m->end()}, {w->p, w->end()}};
   if (!bias.is_none()) {
     const auto b = flat(bias.ptr(), device, {dtype});
     if (!b || b->n != N) return -1;
@@ -254,7 +279,7 @@ int64_t draft_fc_accepted(py::handle x_obj, py::handle weight, py::handle bias, 
                                                               : in_range(f->t->data_ptr<int64_t>(), M, R)))
       return -1;
   }
-  std::vector<Span> writes;
+  Spans writes;
   if (!out.is_none()) {
     const auto o = matrix(out.ptr(), device, dtype);
     if (!o || o->rows != M || o->cols != N || (M > 1 && o->stride < N)) return -1;
@@ -268,27 +293,135 @@ int64_t draft_fc_accepted(py::handle x_obj, py::handle weight, py::handle bias, 
   return apart(writes, reads) ? M : -1;
 }
 
-}  // namespace
-
-// Not sure = not accepted: an exception from a tensor accessor (a layout without strides, ...) means
-// the full path decides, never an error raised from here.
-template <auto F, auto No, typename... A>
-auto no_throw(A... a) -> decltype(F(a...)) {
-  try {
-    return F(a...);
-  } catch (...) {
-    return No;
-  }
+// The eager state in which the face may run the implementation itself, read as torch reads it for
+// torch._C._len_torch_dispatch_stack, _is_torch_function_mode_enabled and
+// _are_functorch_transforms_active.
+bool plain_eager_mode() {
+  if (c10::impl::TorchDispatchModeTLS::stack_len() > 0 || at::impl::torch_function_mode_enabled()) return false;
+  const c10::DispatchKeySet included = c10::impl::tls_local_dispatch_key_set().included_;
+  return !included.has(c10::DispatchKey::FuncTorchDynamicLayerFrontMode) &&
+         !included.has(c10::DispatchKey::FuncTorchDynamicLayerBackMode);
 }
 
+PyObject* to_python(bool v) { return PyBool_FromLong(v); }
+PyObject* to_python(int64_t v) { return PyLong_FromLongLong(v); }
+
+// The Python entry of F (arguments positional, exactly N of them): F's answer in plain eager mode,
+// else No. Not sure = not accepted: an exception from a tensor accessor (a layout without strides,
+// ...) or a Python error met on the way means the full path decides, never an error raised from here.
+template <typename R, R No, size_t... I, typename F>
+PyObject* answer(F f, PyObject* const* args, std::index_sequence<I...>) {
+  R r = No;
+  try {
+    if (plain_eager_mode()) r = f(py::handle(args[I])...);
+  } catch (...) {
+    r = No;
+  }
+  if (PyErr_Occurred() != nullptr) PyErr_Clear();
+  return to_python(r);
+}
+
+template <auto F, typename R, R No, size_t N, const char* Name>
+PyObject* fastcall(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
+  if (nargs != static_cast<Py_ssize_t>(N)) {
+    PyErr_Format(PyExc_TypeError, "eagle3_ops._C.%s takes %zu positional arguments (%zd given)", Name, N, nargs);
+    return nullptr;
+  }
+  return answer<R, No>(F, args, std::make_index_sequence<N>());
+}
+
+template <auto F, typename R, R No, size_t N, const char* Name>
+PyMethodDef method(const char* doc) {
+  return {Name, reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(&fastcall<F, R, No, N, Name>)),
+          METH_FASTCALL, doc};
+}
+
+constexpr char kAcceptCapture[] = "accept_capture";
+constexpr char kAcceptFused[] = "accept_fused_add_rmsnorm_capture";
+constexpr char kAcceptDraftFc[] = "accept_draft_fc";
+
+// ---- the CUDA backend's draft_fc plan key (eagle3_ops/cuda_backend.py plan) -------------------------
+// A plan is a pure function of what it reads of its six tensor arguments: per argument its presence,
+// sizes, strides, dtype and 16-byte alignment, and weight's device. This packs exactly that into bytes
+// (~0.1 us; the same tuple built in Python cost ~5 us per argument), or answers None where an argument
+// is not a dense tensor this can read without Python (a fake or functional tensor, a layout without
+// strides): the Python key then serves. Meta tensors (workspace sizing for a larger M) are read, their
+// alignment decided by the storage offset as fc_rules.aligned16 decides it.
+constexpr int kPlanKeyMaxDim = 4;
+
+const c10::DispatchKeySet& readable_keys() {
+  static const c10::DispatchKeySet keys =
+      plain_keys() | c10::DispatchKeySet({c10::DispatchKey::Meta, c10::DispatchKey::AutogradMeta});
+  return keys;
+}
+
+// Appends one argument's fields; false where it cannot be read here.
+bool append_plan_fields(PyObject* obj, int64_t*& out) {
+  if (obj == Py_None) {
+    *out++ = -1;
+    return true;
+  }
+  if (!THPVariable_Check(obj)) return false;
+  const at::Tensor& t = THPVariable_Unpack(obj);
+  if (!t.defined() || t.layout() != at::kStrided || !readable_keys().isSupersetOf(t.key_set())) return false;
+  const int64_t dim = t.dim();
+  if (dim > kPlanKeyMaxDim) return false;
+  const bool aligned = t.is_meta() ? (t.storage_offset() * static_cast<int64_t>(t.element_size())) % 16 == 0
+                                   : reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0;
+  *out++ = dim;
+  for (int64_t d = 0; d < dim; ++d) *out++ = t.size(d);
+  for (int64_t d = 0; d < dim; ++d) *out++ = t.stride(d);
+  *out++ = static_cast<int64_t>(t.scalar_type());
+  *out++ = aligned;
+  return true;
+}
+
+PyObject* draft_fc_plan_key(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
+  if (nargs != 6) {
+    PyErr_Format(PyExc_TypeError,
+                 "eagle3_ops._C.draft_fc_plan_key takes 6 positional arguments (x, weight, bias, rows, "
+                 "chunk_norm_weight, input_norm_weight), %zd given",
+                 nargs);
+    return nullptr;
+  }
+  if (args[1] == Py_None) Py_RETURN_NONE;  // no weight: not a call a plan is made for
+  int64_t fields[6 * (3 + 2 * kPlanKeyMaxDim) + 2];
+  int64_t* out = fields;
+  try {
+    for (Py_ssize_t i = 0; i < 6; ++i)
+      if (!append_plan_fields(args[i], out)) Py_RETURN_NONE;
+    const c10::Device device = THPVariable_Unpack(args[1]).device();  // weight: a tensor (read above)
+    *out++ = static_cast<int64_t>(device.type());
+    *out++ = device.index();
+  } catch (...) {
+    if (PyErr_Occurred() != nullptr) PyErr_Clear();
+    Py_RETURN_NONE;
+  }
+  return PyBytes_FromStringAndSize(reinterpret_cast<const char*>(fields),
+                                   static_cast<Py_ssize_t>((out - fields) * sizeof(int64_t)));
+}
+
+}  // namespace
+
 void bind_accept(py::module_& m) {
-  using H = py::handle;
-  m.def("accept_capture", &no_throw<capture_accepted, false, H, H, H, H>,
-        "eagle3_ops.accept.capture_accepted in C++");
-  m.def("accept_fused_add_rmsnorm_capture", &no_throw<fused_add_rmsnorm_capture_accepted, false, H, H, H, H, H, H>,
-        "eagle3_ops.accept.fused_add_rmsnorm_capture_accepted in C++");
-  m.def("accept_draft_fc", &no_throw<draft_fc_accepted, int64_t{-1}, H, H, H, H, H, H, H, H, H, H>,
-        "eagle3_ops.accept.draft_fc_accepted in C++ (host rows range-checked)");
+  static PyMethodDef methods[] = {
+      method<capture_accepted, bool, false, 4, kAcceptCapture>(
+          "eagle3_ops.accept.capture_accepted in C++ (hidden, residual, buffer, slot)"),
+      method<fused_add_rmsnorm_capture_accepted, bool, false, 6, kAcceptFused>(
+          "eagle3_ops.accept.fused_add_rmsnorm_capture_accepted in C++ (input, residual, weight, eps, buffer, slot)"),
+      method<draft_fc_accepted, int64_t, int64_t{-1}, 10, kAcceptDraftFc>(
+          "eagle3_ops.accept.draft_fc_accepted in C++ (x, weight, bias, rows, chunk_norm_weight, input_norm_weight, "
+          "eps, out, workspace, norm_folded; host rows range-checked)"),
+      {"draft_fc_plan_key", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(&draft_fc_plan_key)),
+       METH_FASTCALL,
+       "The CUDA backend's draft_fc plan key (x, weight, bias, rows, chunk_norm_weight, input_norm_weight): "
+       "bytes, or None where the Python key must serve"},
+      {nullptr, nullptr, 0, nullptr}};
+  if (PyModule_AddFunctions(m.ptr(), methods) != 0) throw py::error_already_set();
+  // What these functions answer for (eagle3_ops.accept.ACCEPT_VERSION): 2 = the eager state too (the
+  // faces no longer ask accept.plain_eager() themselves), so a module built from an older accept.cpp
+  // is not used.
+  m.attr("accept_version") = 2;
 }
 
 }  // namespace eagle3

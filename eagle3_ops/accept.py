@@ -1,8 +1,9 @@
 """Fast acceptance: the eager face's common case decided in about a microsecond.
 
 Each ``*_accepted`` function here is a *sufficient* condition of the op's contract in
-``validation.py``: when it returns True (or M >= 0 for draft_fc), the full check would pass with
-the same arguments, so the face may skip it. When it returns False / -1, nothing is decided: the
+``validation.py`` in plain eager mode (:func:`plain_eager`): when it returns True (or M >= 0 for
+draft_fc), no tracing or mode is active and the full check would pass with the same arguments, so
+the face may skip it and run the backend itself. When it returns False / -1, nothing is decided: the
 face runs the full check, which raises with its message or passes (the fast test is conservative:
 empty inputs, zero-stride or unusual layouts, a subclass that overrides torch's dispatch (nn.Parameter
 and its plain subclasses are accepted), meta, fake, functional, sparse or mkldnn tensors, torch.func
@@ -135,7 +136,7 @@ def _host_rows_in_range(rows, M, R) -> bool:
 
 
 def capture_accepted(hidden, residual, buffer, slot) -> bool:
-    if type(slot) is not int or not _served(hidden):
+    if not plain_eager() or type(slot) is not int or not _served(hidden):
         return False
     dtype, device = hidden.dtype, hidden.device
     m, b = _matrix(hidden, dtype, device), _matrix(buffer, dtype, device)
@@ -160,7 +161,8 @@ def capture_accepted(hidden, residual, buffer, slot) -> bool:
 
 
 def fused_add_rmsnorm_capture_accepted(input, residual, weight, eps, buffer, slot) -> bool:
-    if type(slot) is not int or type(eps) is not float or not 0.0 < eps < _INF or not _served(input):
+    if not plain_eager() or type(slot) is not int or type(eps) is not float or not 0.0 < eps < _INF \
+            or not _served(input):
         return False
     dtype, device = input.dtype, input.device
     m, r, b = _matrix(input, dtype, device), _matrix(residual, dtype, device), _matrix(buffer, dtype, device)
@@ -187,7 +189,7 @@ def draft_fc_accepted(x, weight, bias, rows, chunk_norm_weight, input_norm_weigh
     """M (the output rows, > 0) when the arguments are accepted, else -1. ``out`` None: the functional
     op (the face allocates it). Host-side (CPU) rows are range-checked too: accepted means the face
     needs no other check before the backend runs."""
-    if type(eps) is not float or not 0.0 < eps < _INF or type(norm_folded) is not bool:
+    if not plain_eager() or type(eps) is not float or not 0.0 < eps < _INF or type(norm_folded) is not bool:
         return -1
     if not _served(x):
         return -1
@@ -252,14 +254,20 @@ python_fused_add_rmsnorm_capture_accepted = fused_add_rmsnorm_capture_accepted
 python_draft_fc_accepted = draft_fc_accepted
 
 
+# What the compiled twins must answer for: version 2 also refuses every call while a mode or a
+# torch.func transform is active (the faces rely on it and no longer call plain_eager themselves).
+ACCEPT_VERSION = 2
+
+
 def compiled_twins():
     """(capture, fused_add_rmsnorm_capture, draft_fc) acceptance from eagle3_ops._C, or None when the
-    extension is not built (or was built before it had them)."""
+    extension is not built (or was built from an older accept.cpp: ``accept_version`` below
+    :data:`ACCEPT_VERSION`; such a module's twins would not see the modes)."""
     from .cuda_backend import cuda_extension
 
     ext = cuda_extension()
     names = ("accept_capture", "accept_fused_add_rmsnorm_capture", "accept_draft_fc")
-    if ext is None or not all(hasattr(ext, n) for n in names):
+    if ext is None or getattr(ext, "accept_version", 0) != ACCEPT_VERSION or not all(hasattr(ext, n) for n in names):
         return None
     return tuple(getattr(ext, n) for n in names)
 

@@ -91,7 +91,7 @@ def aligned16(t: Optional[torch.Tensor]) -> bool:
     boundary of at least 256 bytes)."""
     if t is None:
         return True
-    if t.device.type == "meta" or _is_fake(t):
+    if t.is_meta or _is_fake(t):  # (not t.device.type: building that string cost ~1 us a call)
         return t.storage_offset() * t.element_size() % 16 == 0
     return t.data_ptr() % 16 == 0
 

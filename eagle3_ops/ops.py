@@ -12,9 +12,10 @@ Every backend function has the signature of the op (draft_fc: into ``out``, with
 receives validated arguments and a non-empty output, and allocates nothing (docs/design.md §4, §7.2).
 Model code calls the Python functions at the bottom, never ``torch.ops.eagle3`` directly. In plain
 eager mode those run the op's implementation themselves, sparing two dispatcher round trips per
-call: straight to the backend when :mod:`accept` finds the call certainly within the contract (the
-usual call, ~1 µs per tensor), else through the full checks and forward-only guard (:func:`_call`);
-under torch.compile, fake tensors or any Python mode they call ``torch.ops.eagle3``.
+call: straight to the backend when :mod:`accept` finds the call certainly within the contract and
+no mode or transform active (the usual call: the whole face ~0.6-1.3 µs above the backend function,
+docs/design.md §5.1), else through the full checks and forward-only guard (:func:`_call`); under
+torch.compile, fake tensors or any Python mode they call ``torch.ops.eagle3``.
 """
 from __future__ import annotations
 
@@ -134,17 +135,29 @@ def _fused_impl(input, residual, weight, eps, buffer, slot):
 
 
 # ---- draft_fc / draft_fc_out ---------------------------------------------------------------------
+class _WorkspaceBytes(dict):
+    """backend -> its ``draft_fc_workspace_bytes``, resolved at first use (one dict lookup a call)."""
+
+    def __missing__(self, backend):
+        fn = self[backend] = dispatch.function(backend, "draft_fc_workspace_bytes")
+        return fn
+
+
+_workspace_bytes = _WorkspaceBytes()
+
+
 def _run_draft_fc(x, weight, bias, rows, chunk_norm_weight, input_norm_weight, eps, out, workspace, op,
-                  norm_folded=False, rows_checked=False):
-    """After validation: range-check host rows (unless the fast acceptance did: ``rows_checked``),
-    size the workspace, run the selected backend, debug-check device rows."""
-    if not rows_checked:
+                  norm_folded=False, accepted=False):
+    """After validation: range-check host rows, skip an empty output (both already settled when the
+    fast acceptance took the call: ``accepted``), size the workspace, run the selected backend,
+    debug-check device rows."""
+    if not accepted:
         validation.check_host_rows_in_range(x, rows, op=op)
-    if out.numel() == 0:
-        return
+        if out.numel() == 0:
+            return
     backend, fn = dispatch.select("draft_fc", x.device, x.dtype)
     args = (x, weight, bias, rows, chunk_norm_weight, input_norm_weight)
-    need = dispatch.function(backend, "draft_fc_workspace_bytes")(*args, norm_folded)
+    need = _workspace_bytes[backend](*args, norm_folded)
     if workspace is None:
         workspace = _workspace.scratch(x.device, need) if need else None
     elif workspace.numel() < need:
@@ -152,7 +165,7 @@ def _run_draft_fc(x, weight, bias, rows, chunk_norm_weight, input_norm_weight, e
             f"eagle3::{op}: workspace has {workspace.numel()} bytes, this call needs {need} "
             f"(eagle3_ops.draft_fc_workspace_bytes gives the size)")
     fn(*args, eps, out, workspace, norm_folded)
-    if _debug() and rows is not None and rows.device.type != "cpu":
+    if rows is not None and not rows.is_cpu and _debug():
         # Device-side indices give NaN rows when out of range; debug mode makes that an error:
         # an async device assert inside CUDA-graph capture (no sync allowed), else a host check.
         bad = (rows < 0) | (rows >= x.shape[0])
@@ -224,6 +237,12 @@ for _name, (_impl, _fake) in IMPLS.items():
 
 
 # ---- the Python face -----------------------------------------------------------------------------
+# Each face first asks whether torch.compile is tracing it (dynamo folds this call to True: the traced
+# face takes torch.ops.eagle3), then the fast acceptance (``accept``: plain eager mode and arguments
+# certainly within the contract) whether it may run the backend itself; otherwise the full path.
+_compiling = torch.compiler.is_compiling
+
+
 def _runs_directly(args) -> bool:
     """Whether a face call may run the op's implementation itself instead of going through
     ``torch.ops.eagle3`` (the same checks and backend, without two dispatcher round trips: ~tens of
@@ -254,7 +273,7 @@ def _call(name: str, *args):
 
 def capture(hidden: torch.Tensor, residual: Optional[torch.Tensor], buffer: torch.Tensor, slot: int) -> None:
     """``buffer[:T, slot*H:(slot+1)*H] = hidden + residual`` (or ``hidden``); nothing else changes."""
-    if accept.plain_eager() and accept.capture_accepted(hidden, residual, buffer, slot):
+    if not _compiling() and accept.capture_accepted(hidden, residual, buffer, slot):
         dispatch.select("capture", hidden.device, hidden.dtype)[1](hidden, residual, buffer, slot)
         return
     validation.check_int("capture", "slot", slot)
@@ -265,7 +284,7 @@ def fused_add_rmsnorm_capture(input: torch.Tensor, residual: torch.Tensor, weigh
                               buffer: torch.Tensor, slot: int) -> None:
     """SGLang ``fused_add_rmsnorm(input, residual, weight, eps)`` that also writes the new residual
     into ``buffer`` slot ``slot``."""
-    if accept.plain_eager() and accept.fused_add_rmsnorm_capture_accepted(input, residual, weight, eps, buffer, slot):
+    if not _compiling() and accept.fused_add_rmsnorm_capture_accepted(input, residual, weight, eps, buffer, slot):
         dispatch.select("fused_add_rmsnorm_capture", input.device, input.dtype)[1](
             input, residual, weight, eps, buffer, slot)
         return
@@ -282,8 +301,8 @@ def draft_fc(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]
     scratch (uint8, at least :func:`draft_fc_workspace_bytes`); default: the face's per-stream one.
     ``norm_folded``: ``weight`` is :func:`fold_norm_weights` of the fc weight with these norm
     weights (the kernels then apply only the RMS scales: the plain hot loop)."""
-    M = accept.draft_fc_accepted(x, weight, bias, rows, chunk_norm_weight, input_norm_weight, eps, None, workspace,
-                                 norm_folded) if accept.plain_eager() else -1
+    M = -1 if _compiling() else accept.draft_fc_accepted(x, weight, bias, rows, chunk_norm_weight, input_norm_weight,
+                                                          eps, None, workspace, norm_folded)
     if M >= 0:
         out = torch.empty((M, weight.shape[0]), dtype=x.dtype, device=x.device)
         _run_draft_fc(x, weight, bias, rows, chunk_norm_weight, input_norm_weight, eps, out, workspace,
@@ -306,8 +325,8 @@ def draft_fc_out(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Ten
                  input_norm_weight: Optional[torch.Tensor], eps: float, out: torch.Tensor,
                  workspace: Optional[torch.Tensor] = None, *, norm_folded: bool = False) -> None:
     """``draft_fc`` into a preallocated ``out`` [M, N] (no allocation: CUDA-graph friendly)."""
-    if accept.plain_eager() and accept.draft_fc_accepted(x, weight, bias, rows, chunk_norm_weight, input_norm_weight,
-                                                         eps, out, workspace, norm_folded) >= 0:
+    if not _compiling() and accept.draft_fc_accepted(x, weight, bias, rows, chunk_norm_weight, input_norm_weight,
+                                                     eps, out, workspace, norm_folded) >= 0:
         _run_draft_fc(x, weight, bias, rows, chunk_norm_weight, input_norm_weight, eps, out, workspace,
                       "draft_fc_out", norm_folded, True)
         return

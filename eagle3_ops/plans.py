@@ -80,7 +80,12 @@ CROSSOVER = {
         basis="a guess, not measured: short skinny range, cuBLAS above"),
 }
 
-_forced = threading.local()
+
+class _Forced(threading.local):
+    path: Optional[str] = None  # read by a thread that never entered forced_path (no AttributeError per call)
+
+
+_forced = _Forced()
 
 
 @functools.lru_cache(maxsize=None)
@@ -106,7 +111,7 @@ def crossover_for(backend: str, device: torch.device) -> Crossover:
 
 
 def forced() -> Optional[str]:
-    return getattr(_forced, "path", None)
+    return _forced.path
 
 
 @contextlib.contextmanager

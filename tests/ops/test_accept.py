@@ -44,6 +44,21 @@ def test_the_faces_use_the_compiled_twin_where_it_is_built():
                 accept.draft_fc_accepted) == _COMPILED
 
 
+def test_a_module_built_from_an_older_accept_cpp_is_not_used(monkeypatch):
+    """Twins that do not answer for the modes (before accept_version 2) would let a traced or moded call
+    skip the op: such a module's twins are not used (the Python ones serve)."""
+    import types
+
+    from eagle3_ops import cuda_backend
+
+    twins = {n: (lambda *a: True) for n in ("accept_capture", "accept_fused_add_rmsnorm_capture", "accept_draft_fc")}
+    for version in (None, 1, accept.ACCEPT_VERSION):
+        module = types.SimpleNamespace(**twins, **({} if version is None else {"accept_version": version}))
+        monkeypatch.setattr(cuda_backend, "cuda_extension", lambda module=module: module)
+        found = accept.compiled_twins()
+        assert (found is not None) == (version == accept.ACCEPT_VERSION), version
+
+
 def _full_passes(fn, *args, **kwargs) -> bool:
     try:
         fn(*args, **kwargs)
@@ -293,14 +308,33 @@ def test_parameters_are_plain_and_wrappers_are_not(twin):
     assert seen == [False]
 
 
-def test_tracing_and_modes_take_the_full_path():
+def test_tracing_and_modes_take_the_full_path(twin):
+    """Under a Python dispatch mode (FakeTensorMode, a plain TorchDispatchMode), a torch-function mode or
+    a torch.func transform, each twin refuses calls it accepts in plain eager mode (the face then takes
+    the op, which the mode sees)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    x, r, buffer = torch.randn(3, 8, dtype=DT), torch.randn(3, 8, dtype=DT), torch.zeros(3, 16, dtype=DT)
+    weight = torch.ones(8, dtype=DT)
+    fc_x, fc_w, fc_out = torch.randn(3, 16, dtype=DT), torch.randn(5, 16, dtype=DT), torch.empty(3, 5, dtype=DT)
+
+    def answers():
+        return (twin.capture(x, r, buffer, 1), twin.fused(x, r, weight, 1e-6, buffer, 0),
+                twin.draft_fc(fc_x, fc_w, None, None, None, None, 1e-6, fc_out, None, False))
 
     assert accept.plain_eager()
-    with FakeTensorMode():
-        assert not accept.plain_eager()
-    with torch.overrides.TorchFunctionMode():
-        assert not accept.plain_eager()
+    assert answers() == (True, True, 3)
+    modes = {"FakeTensorMode": FakeTensorMode, "TorchDispatchMode": TorchDispatchMode,
+             "TorchFunctionMode": torch.overrides.TorchFunctionMode}
+    for name, mode in modes.items():
+        with mode():
+            assert not accept.plain_eager(), name
+            assert answers() == (False, False, -1), name
+    seen = []
+    torch.func.vmap(lambda a: seen.append(answers()) or a)(torch.ones(2))
+    assert seen == [(False, False, -1)]
+    assert answers() == (True, True, 3)  # and back once they are gone
 
 
 # ---- the face: fast path and full path give the same outcome ---------------------------------------
@@ -322,7 +356,7 @@ def _same(a, b):
 
 def test_the_face_gives_what_the_full_path_gives(monkeypatch):
     """Every face call, once with the fast test and once forced through the full checks
-    (``accept.plain_eager`` off): the same outputs bit for bit, or the same error and message.
+    (every acceptance answering "not accepted"): the same outputs bit for bit, or the same error and message.
     Including layouts without strides or storage (sparse, mkldnn), torch.func transforms, grad."""
     import eagle3_ops
 
@@ -373,8 +407,44 @@ def test_the_face_gives_what_the_full_path_gives(monkeypatch):
         fast = _outcome(make())
         gen.manual_seed(1000 + i)
         with monkeypatch.context() as m:
-            m.setattr(accept, "plain_eager", lambda: False)
+            for name, no in (("capture_accepted", False), ("fused_add_rmsnorm_capture_accepted", False),
+                             ("draft_fc_accepted", -1)):
+                m.setattr(accept, name, lambda *args, no=no: no)
             full = _outcome(make())
         if fast[0] == "ok" and isinstance(fast[1], tuple) and fast[1] and isinstance(fast[1][0], tuple):
             fast, full = ("ok", fast[1][0]), ("ok", full[1][0])  # jvp: (primal, tangent)
         assert _same(fast, full), (i, fast[0], full[0], fast[1] if fast[0] != "ok" else "", full[1] if full[0] != "ok" else "")
+
+
+def test_the_faces_skip_the_full_checks_only_for_accepted_calls(monkeypatch):
+    """Accepted calls never reach validation (the fast path exists); a call under a mode, or one the
+    acceptance refuses, does."""
+    import eagle3_ops
+
+    reached = []
+    for name in ("check_capture", "check_fused_add_rmsnorm_capture", "check_draft_fc"):
+        real = getattr(validation, name)
+        monkeypatch.setattr(validation, name, lambda *a, name=name, real=real, **k: reached.append(name) or real(*a, **k))
+    x, r, buffer = torch.randn(3, 8, dtype=DT), torch.randn(3, 8, dtype=DT), torch.zeros(3, 16, dtype=DT)
+    fc_x, fc_w, fc_out = torch.randn(3, 16, dtype=DT), torch.randn(5, 16, dtype=DT), torch.empty(2, 5, dtype=DT)
+    rows = torch.tensor([2, 0], dtype=torch.int32)
+
+    def calls():
+        eagle3_ops.capture(x, r, buffer, 1)
+        eagle3_ops.fused_add_rmsnorm_capture(x, r, torch.ones(8, dtype=DT), 1e-6, buffer, 0)
+        eagle3_ops.draft_fc_out(fc_x, fc_w, None, rows, None, None, 1e-6, fc_out)
+        eagle3_ops.draft_fc(fc_x, fc_w, None, rows)
+
+    class PassThrough(torch.overrides.TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            return func(*args, **(kwargs or {}))
+
+    calls()
+    assert reached == []
+    with PassThrough():
+        calls()
+    assert reached == ["check_capture", "check_fused_add_rmsnorm_capture", "check_draft_fc", "check_draft_fc"]
+    reached.clear()
+    with pytest.raises(validation.Eagle3ArgumentError):
+        eagle3_ops.capture(x, r, buffer, 2)  # slot out of range: refused, then the full check says why
+    assert reached == ["check_capture"]

@@ -727,3 +727,59 @@ def test_backend_first_used_in_graph_capture_that_later_fails_raises(fresh_verif
     monkeypatch.setitem(ops.OPS, "capture", failing)
     with pytest.raises(dispatch.BackendUnavailableError, match="after CUDA graphs were captured"):
         dispatch._passes_verification("capture", "cuda", gpu, _broken_capture)
+
+
+# ---- the CUDA backend's plan key -------------------------------------------------------------------------
+def _plan_key_variants():
+    """draft_fc argument sets that differ in one thing a plan reads at a time (shape, stride, dtype,
+    16-byte alignment, presence, meta x) and some that differ in nothing it reads (another storage of
+    the same layout): on CPU and meta tensors, which the key reads as it reads CUDA ones."""
+    g = torch.Generator().manual_seed(7)
+
+    def t(*shape, dtype=BF16, offset=0):
+        flat = torch.randn(offset + math.prod(shape), generator=g).to(dtype)
+        return flat[offset:].view(*shape)
+
+    x, w, cnw = t(4, 32), t(8, 32), t(2, 16)
+    rows, inw, bias = torch.tensor([3, 0], dtype=torch.int32), t(32), t(8)
+    base = dict(x=x, weight=w, bias=None, rows=None, chunk_norm_weight=None, input_norm_weight=None)
+    out = [base,
+           {**base, "x": t(4, 32)},                                  # another storage, same layout: same key
+           {**base, "x": t(5, 32)}, {**base, "x": t(4, 32, offset=8)},  # 16 bytes on: still aligned, same key
+           {**base, "x": t(4, 32, offset=1)},                          # 2 bytes on: not aligned
+           {**base, "x": t(4, 64)[:, :32]}, {**base, "x": t(4, 32, dtype=torch.float16)},
+           {**base, "x": torch.empty(4, 32, dtype=BF16, device="meta")},
+           {**base, "x": torch.empty(9, 32, dtype=BF16, device="meta")[1:]},
+           {**base, "weight": t(16, 32)[::2]},
+           {**base, "bias": bias}, {**base, "bias": t(16)[::2]}, {**base, "rows": rows},
+           {**base, "rows": rows.long()}, {**base, "rows": torch.tensor([1, 2, 3], dtype=torch.int32)},
+           {**base, "chunk_norm_weight": cnw}, {**base, "chunk_norm_weight": t(4, 8)},
+           {**base, "input_norm_weight": inw}, {**base, "input_norm_weight": t(64)[::2]},
+           {**base, "chunk_norm_weight": cnw, "input_norm_weight": inw, "rows": rows, "bias": bias}]
+    return out
+
+
+def test_compiled_plan_key_tells_apart_exactly_what_the_python_key_does():
+    from eagle3_ops import cuda_backend
+
+    compiled = cuda_backend._compiled_plan_fields()
+    if compiled is None:
+        pytest.skip("eagle3_ops._C is not built here (no nvcc): plan keys are the Python ones")
+    variants = _plan_key_variants()
+    keys = [compiled(*v.values()) for v in variants]
+    assert all(isinstance(k, bytes) for k in keys)
+    python = [cuda_backend.python_plan_fields(*v.values()) for v in variants]
+    for i in range(len(variants)):
+        for j in range(len(variants)):
+            assert (keys[i] == keys[j]) == (python[i] == python[j]), (i, j)
+    assert keys[0] == keys[1] == keys[3] and keys[0] != keys[4]  # the variants do what they say
+    # what the compiled key cannot read without Python is left to the Python key
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    fake = FakeTensorMode().from_tensor(variants[0]["x"])
+    assert compiled(fake, *list(variants[0].values())[1:]) is None
+    assert compiled(variants[0]["x"].to_sparse(), *list(variants[0].values())[1:]) is None
+    key = cuda_backend.plan_key(fake, *list(variants[0].values())[1:], norm_folded=True)
+    assert key == (cuda_backend.python_plan_fields(fake, *list(variants[0].values())[1:]), True, None)
+    with plans.forced_path("cublas"):
+        assert cuda_backend.plan_key(*variants[0].values())[2] == "cublas"
