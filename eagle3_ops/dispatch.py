@@ -90,12 +90,20 @@ def _backend_functions(backend: str) -> Optional[Dict[str, Callable]]:
     return resolve(backend)
 
 
+# (backend, name) -> function: what function() found (one dict lookup a call; the face's draft_fc
+# workspace query runs through it on every call).
+_functions: Dict[tuple, Callable] = {}
+
+
 def function(backend: str, name: str) -> Callable:
     """The function ``name`` (an op, or ``<op>_workspace_bytes``) of ``backend``."""
-    fns = _backend_functions(backend)
-    if fns is None:
-        raise BackendUnavailableError(f"backend {backend} is not installed")
-    return fns[name]
+    fn = _functions.get((backend, name))
+    if fn is None:
+        fns = _backend_functions(backend)
+        if fns is None:
+            raise BackendUnavailableError(f"backend {backend} is not installed")
+        fn = _functions[(backend, name)] = fns[name]
+    return fn
 
 
 def _compiled_archs() -> tuple:

@@ -135,17 +135,6 @@ def _fused_impl(input, residual, weight, eps, buffer, slot):
 
 
 # ---- draft_fc / draft_fc_out ---------------------------------------------------------------------
-class _WorkspaceBytes(dict):
-    """backend -> its ``draft_fc_workspace_bytes``, resolved at first use (one dict lookup a call)."""
-
-    def __missing__(self, backend):
-        fn = self[backend] = dispatch.function(backend, "draft_fc_workspace_bytes")
-        return fn
-
-
-_workspace_bytes = _WorkspaceBytes()
-
-
 def _run_draft_fc(x, weight, bias, rows, chunk_norm_weight, input_norm_weight, eps, out, workspace, op,
                   norm_folded=False, accepted=False):
     """After validation: range-check host rows, skip an empty output (both already settled when the
@@ -157,7 +146,7 @@ def _run_draft_fc(x, weight, bias, rows, chunk_norm_weight, input_norm_weight, e
             return
     backend, fn = dispatch.select("draft_fc", x.device, x.dtype)
     args = (x, weight, bias, rows, chunk_norm_weight, input_norm_weight)
-    need = _workspace_bytes[backend](*args, norm_folded)
+    need = dispatch.function(backend, "draft_fc_workspace_bytes")(*args, norm_folded)
     if workspace is None:
         workspace = _workspace.scratch(x.device, need) if need else None
     elif workspace.numel() < need:
