@@ -167,12 +167,13 @@ def tiny_states(tiny_pair):
     return out
 
 
-def copy_draft_with_ids(tiny_pair, dest, *, nested=None, top=None) -> Path:
-    """The tiny draft with its config's ids edited (weights unchanged)."""
+def copy_draft_with_ids(source, dest, *, nested=None, top=None) -> Path:
+    """A draft (``source``: a folder, or a pair with ``draft_dir``) with its config's ids edited (weights
+    unchanged)."""
     dest = Path(dest)
     if dest.exists():
         shutil.rmtree(dest)
-    shutil.copytree(tiny_pair.draft_dir, dest)
+    shutil.copytree(getattr(source, "draft_dir", source), dest)
     cfg = json.loads((dest / "config.json").read_text())
     if nested is not None:
         cfg["eagle_config"]["eagle_aux_hidden_state_layer_ids"] = nested

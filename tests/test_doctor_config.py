@@ -117,6 +117,31 @@ def test_speculators_format_is_not_an_sglang_draft(tmp_path, llama):
     assert "Eagle3Speculator" in msg and "LlamaForCausalLMEagle3" in msg
 
 
+def test_draft_class_advice_names_the_head_that_loads_the_layer(tmp_path, llama):
+    """A llama-layout draft (q/k/v/o_proj, a dense gate/up/down MLP) under a name that is no head: SGLang's advice
+    is LlamaForCausalLMEagle3, the head whose load_weights (as the table records it) loads that layer, and vLLM's
+    Eagle3LlamaForCausalLM; the MLA head is named as the one that does not fit, never advised."""
+    d = write_draft(tmp_path / "d", ids=[1, 15, 28], extra={"architectures": ["MyDraftForCausalLM"]})
+    for engine, head in (("sglang", "LlamaForCausalLMEagle3"), ("vllm", "Eagle3LlamaForCausalLM")):
+        rc, rep = doctor(d, llama, "--engine", engine)[:2]
+        msg = finding(rep, "E_DRAFT_CLASS")["message"]
+        assert rc == 1 and f"Set \"architectures\" in the draft's config.json to {head}:" in msg, msg
+        assert "Eagle3DeepseekV2ForCausalLM does not load self_attn.k_proj.weight" in msg and "e.g." not in msg
+
+
+def test_draft_class_names_no_head_without_layer_tensors(tmp_path, llama):
+    """A checkpoint without decoder-layer tensors gives nothing to match: the heads are listed, none is picked."""
+    from eagle3_ops.doctor.checks import Options, run_checks
+    from eagle3_ops.doctor.configs import read_weight_headers
+
+    d = write_draft(tmp_path / "d", ids=[1, 15, 28], extra={"architectures": ["MyDraftForCausalLM"]})
+    weights = {n: w for n, w in read_weight_headers(d).items() if not n.startswith("layers.")}
+    rep = run_checks(parse_target(llama), parse_draft(d), weights, Options(engine="sglang"))
+    msg = next(f.message for f in rep.findings if f.code == "E_DRAFT_CLASS")
+    assert "the doctor cannot name it: the checkpoint holds no decoder-layer tensors" in msg, msg
+    assert "(Eagle3DeepseekV2ForCausalLM, LlamaForCausalLMEagle3)" in msg and "e.g." not in msg
+
+
 def test_nested_text_config_target(tmp_path):
     """Kimi-K2.5 style target: language model under text_config; SGLang serves it with
     KimiK25ForConditionalGeneration, which hands the ids to its DeepseekV3ForCausalLM language model."""

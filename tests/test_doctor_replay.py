@@ -156,3 +156,18 @@ def test_replay_reads_only_the_embedding_rows_it_needs(tmp_path):
         assert "not loaded" in str(e)
     else:
         raise AssertionError("a token whose row was not loaded must not embed silently")
+
+
+def test_the_draft_runs_on_sglangs_own_class_only_with_the_pinned_sglang(monkeypatch):
+    """``--replay-draft auto``: SGLang's class where SGLang serves the draft and the pinned SGLang is installed
+    (its CPU runtime is what the runner drives); the plain twin for vLLM, another SGLang, none, or a GPU."""
+    from eagle3_ops.doctor import sglang_code
+    from eagle3_ops.doctor.replay import draft_implementation
+
+    assert draft_implementation("sglang") == "sglang"
+    assert draft_implementation("vllm") == draft_implementation("trtllm") == "plain"
+    assert draft_implementation("sglang", device="cuda") == "plain"
+    assert draft_implementation("vllm", "sglang") == "sglang"  # asked for
+    for other in ("0.5.24", None):
+        monkeypatch.setattr(sglang_code, "installed_version", lambda v=other: v)
+        assert draft_implementation("sglang") == "plain", other

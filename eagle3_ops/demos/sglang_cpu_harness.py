@@ -1,17 +1,7 @@
-"""A CPU harness that runs SGLang 0.5.23's own model code (no server, no GPU).
+"""A CPU harness that runs SGLang 0.5.23's own model code (no server, no GPU): the runtime pieces (process
+groups, KV pools, batches, one forward) are :mod:`eagle3_ops.doctor.sglang_cpu`'s, re-exported here; this module
+adds the plugin's install and configuration calls and the tiny model families of the demo and the tests.
 
-What it takes (established on CPU-only machines):
-* no ``SGLANG_USE_CPU_ENGINE`` (that pulls the CUDA-built sgl_kernel);
-* world-size-1 (or 2) process groups on gloo: ``init_distributed_environment(backend="gloo")``,
-  ``publish_build_topology(...)``, ``initialize_model_parallel(backend="gloo")``, a free TCP port;
-  NCCL kept out with ``SGLANG_NCCL_SO_PATH=/nonexistent`` (else the group coordinator tries to
-  build a NCCL communicator on cpu);
-* ``sglang.srt.layers.rotary_embedding.base._is_cpu = True`` before building models (its
-  constructor otherwise imports vllm);
-* ``TorchNativeAttnBackend`` over a ``ReqToTokenPool`` + ``MHATokenToKVPool`` (or
-  ``MLATokenToKVPool``), called inside ``forward_context(ForwardContext(attn_backend=...))`` after
-  ``init_forward_metadata``; ``ForwardBatch`` built by hand (EXTEND, TARGET_VERIFY with the prefix
-  already in the KV cache, DECODE); only chain verification (topk=1) is faithful under torch_native;
 * dynamo off: SGLang torch.compiles a few helpers (the vocab-parallel embedding at TP>1, MoE top-k)
   and each new shape costs seconds of compile on 2 cores. Worker processes call
   ``disable_dynamo()``; in a shared process scope it with ``torch._dynamo.config.patch(disable=True)``.
@@ -24,17 +14,18 @@ Test scaffolding, not used by the plugin itself.
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
+from typing import Dict, Optional, Sequence
 
-os.environ.setdefault("SGLANG_NCCL_SO_PATH", "/nonexistent")
-os.environ.pop("SGLANG_USE_CPU_ENGINE", None)
+import torch
 
-import socket  # noqa: E402
-from dataclasses import dataclass, field  # noqa: E402
-from typing import Dict, List, Optional, Sequence  # noqa: E402
+from ..doctor.sglang_cpu import _cpu_environment
 
-import torch  # noqa: E402
+_cpu_environment()  # before the demo or a test imports SGLang's distributed code
 
-DEVICE = "cpu"
+from ..doctor.sglang_cpu import (DEVICE, KVCache, Req, _construct, _fill_req_to_token,  # noqa: F401
+                                 _mla_only_backend_name, decode_batch, extend_batch, free_port,
+                                 init_distributed, run)
 
 
 def disable_dynamo() -> None:
@@ -46,35 +37,7 @@ def disable_dynamo() -> None:
     torch._dynamo.config.disable = True
 
 
-# ---- process groups -------------------------------------------------------------------------------
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-_initialized = False
-
-
-def init_distributed(tp_size: int = 1, rank: int = 0, port: Optional[int] = None) -> None:
-    """gloo groups for this process (world size ``tp_size``; all ranks must use the same port)."""
-    global _initialized
-    if _initialized:
-        return
-    from sglang.srt.distributed.parallel_state import init_distributed_environment, initialize_model_parallel
-    from sglang.test.test_utils import publish_build_topology
-
-    port = free_port() if port is None else port
-    init_distributed_environment(world_size=tp_size, rank=rank, local_rank=rank, backend="gloo",
-                                 distributed_init_method=f"tcp://127.0.0.1:{port}")
-    publish_build_topology(world_rank=rank, tp_size=tp_size, ep_size=1, pp_size=1)
-    initialize_model_parallel(backend="gloo")
-    import sglang.srt.layers.rotary_embedding.base as rope_base
-
-    rope_base._is_cpu = True
-    _initialized = True
-
-
+# ---- the plugin ----------------------------------------------------------------------------------
 def plugin_install() -> bool:
     """Register and apply the eagle3_ops SGLang hooks in this process (what load_plugins does)."""
     from eagle3_ops.sglang import install
@@ -210,16 +173,6 @@ FAMILIES: Dict[str, Family] = {
 
 
 
-def _construct(cls, config, dtype: torch.dtype):
-    """``cls(config)`` with ``dtype`` as the default dtype (SGLang creates parameters in it)."""
-    previous = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)
-    try:
-        return cls(config)
-    finally:
-        torch.set_default_dtype(previous)
-
-
 def sglang_model(family: str, config, dtype: torch.dtype, weights=None, seed: int = 0):
     """The SGLang model class, built with ``dtype`` as default dtype; ``weights`` (name, tensor)
     pairs in checkpoint naming go through its ``load_weights``, else parameters are seeded."""
@@ -281,135 +234,5 @@ def eagle3_draft(config, dtype: torch.dtype, seed: int = 1):
     model = _construct(LlamaForCausalLMEagle3, config, dtype)
     fill_random(model, seed)
     return model.eval()
-
-
-# ---- KV cache + attention backend -----------------------------------------------------------------
-class KVCache:
-    """Pools and a TorchNativeAttnBackend for one model; hands out KV slots sequentially."""
-
-    def __init__(self, config, dtype: torch.dtype, tp_size: int = 1, size: int = 2048, max_reqs: int = 16,
-                 max_context: int = 256, num_layers: Optional[int] = None):
-        from sglang.srt.layers.attention.torch_native_backend import TorchNativeAttnBackend
-        from sglang.srt.mem_cache.memory_pool import ReqToTokenPool
-
-        self.device = DEVICE
-        self.req_to_token_pool = ReqToTokenPool(size=max_reqs, max_context_len=max_context, device=DEVICE,
-                                                enable_memory_saver=False)
-        layers = num_layers or config.num_hidden_layers
-        if getattr(config, "kv_lora_rank", None):
-            from sglang.srt.mem_cache.memory_pool import MLATokenToKVPool
-
-            self.token_to_kv_pool = MLATokenToKVPool(
-                size=size, page_size=1, dtype=dtype, kv_lora_rank=config.kv_lora_rank,
-                qk_rope_head_dim=config.qk_rope_head_dim, layer_num=layers, device=DEVICE,
-                enable_memory_saver=False)
-        else:
-            from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
-
-            head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-            self.token_to_kv_pool = MHATokenToKVPool(
-                size=size, page_size=1, dtype=dtype, head_num=max(config.num_key_value_heads // tp_size, 1),
-                head_dim=head_dim, layer_num=layers, device=DEVICE, enable_memory_saver=False)
-        self.backend = TorchNativeAttnBackend(self)
-        if getattr(config, "kv_lora_rank", None):
-            # DeepSeek MLA: torch_native only implements the absorbed (MQA over the latent cache)
-            # form; SGLang's default choice for a fresh prefill is the MHA form, which needs a
-            # flash backend. Name the backend so deepseek_v2 picks MLA for every batch.
-            self.backend.prefill_attention_backend_str = _mla_only_backend_name()
-            self.backend.decode_attention_backend_str = _mla_only_backend_name()
-        self.next_loc = 1  # slot 0 is the pool's padding slot
-        self.next_req = 0
-
-    def alloc(self, n: int) -> torch.Tensor:
-        locs = torch.arange(self.next_loc, self.next_loc + n, dtype=torch.int64)
-        self.next_loc += n
-        return locs
-
-    def new_req(self) -> int:
-        self.next_req += 1
-        return self.next_req - 1
-
-
-def _mla_only_backend_name() -> str:
-    from sglang.srt.models.deepseek_common.attention_backend_handler import AttentionBackendRegistry
-    from sglang.srt.models.deepseek_common.attention_forward_methods.forward_methods import AttnForwardMethod
-
-    name = "eagle3_ops_test_torch_native_mla"
-    AttentionBackendRegistry.register(name, lambda attn, forward_batch: AttnForwardMethod.MLA)
-    return name
-
-
-@dataclass
-class Req:
-    """One request: its slot in req_to_token and the tokens whose KV is in the cache."""
-    pool_index: int
-    tokens: List[int] = field(default_factory=list)
-
-
-def _fill_req_to_token(kv: KVCache, req: Req, start: int, locs: torch.Tensor) -> None:
-    kv.req_to_token_pool.req_to_token[req.pool_index, start:start + locs.numel()] = locs.to(torch.int32)
-
-
-def extend_batch(kv: KVCache, reqs: List[Req], new_tokens: List[List[int]], *, mode: str = "EXTEND",
-                 capture: str = "FULL", spec_info=None):
-    """An EXTEND (or TARGET_VERIFY) batch appending ``new_tokens[i]`` to ``reqs[i]`` (the prefix is
-    what is already in the KV cache). Updates the requests."""
-    from sglang.srt.model_executor.forward_batch_info import CaptureHiddenMode, ForwardBatch, ForwardMode
-
-    prefix = [len(r.tokens) for r in reqs]
-    ext = [len(t) for t in new_tokens]
-    total = [p + e for p, e in zip(prefix, ext)]
-    locs = kv.alloc(sum(ext))
-    pt = 0
-    for r, p, e in zip(reqs, prefix, ext):
-        _fill_req_to_token(kv, r, p, locs[pt:pt + e])
-        pt += e
-    ids = torch.tensor([t for ts in new_tokens for t in ts], dtype=torch.int64)
-    positions = torch.cat([torch.arange(p, p + e) for p, e in zip(prefix, ext)])
-    start_loc = torch.tensor([0] + list(torch.cumsum(torch.tensor(ext), 0)[:-1].tolist()), dtype=torch.int64)
-    fb = ForwardBatch(
-        forward_mode=getattr(ForwardMode, mode), batch_size=len(reqs), input_ids=ids,
-        req_pool_indices=torch.tensor([r.pool_index for r in reqs], dtype=torch.int64),
-        seq_lens=torch.tensor(total, dtype=torch.int64), out_cache_loc=locs, seq_lens_sum=sum(total),
-        seq_lens_cpu=torch.tensor(total, dtype=torch.int64), positions=positions,
-        extend_num_tokens=sum(ext), extend_seq_lens=torch.tensor(ext, dtype=torch.int64),
-        extend_prefix_lens=torch.tensor(prefix, dtype=torch.int64), extend_start_loc=start_loc,
-        extend_prefix_lens_cpu=prefix, extend_seq_lens_cpu=ext, extend_logprob_start_lens_cpu=list(ext),
-        capture_hidden_mode=getattr(CaptureHiddenMode, capture), spec_info=spec_info)
-    for r, ts in zip(reqs, new_tokens):
-        r.tokens.extend(ts)
-    return fb
-
-
-def decode_batch(kv: KVCache, reqs: List[Req], next_tokens: List[int], *, capture: str = "LAST",
-                 spec_info=None):
-    """A DECODE batch: one token per request."""
-    from sglang.srt.model_executor.forward_batch_info import CaptureHiddenMode, ForwardBatch, ForwardMode
-
-    prefix = [len(r.tokens) for r in reqs]
-    locs = kv.alloc(len(reqs))
-    for i, r in enumerate(reqs):
-        _fill_req_to_token(kv, r, prefix[i], locs[i:i + 1])
-        r.tokens.append(next_tokens[i])
-    total = [p + 1 for p in prefix]
-    fb = ForwardBatch(
-        forward_mode=ForwardMode.DECODE, batch_size=len(reqs),
-        input_ids=torch.tensor(next_tokens, dtype=torch.int64),
-        req_pool_indices=torch.tensor([r.pool_index for r in reqs], dtype=torch.int64),
-        seq_lens=torch.tensor(total, dtype=torch.int64), out_cache_loc=locs, seq_lens_sum=sum(total),
-        seq_lens_cpu=torch.tensor(total, dtype=torch.int64), positions=torch.tensor(prefix, dtype=torch.int64),
-        capture_hidden_mode=getattr(CaptureHiddenMode, capture), spec_info=spec_info)
-    return fb
-
-
-def run(model, fb, kv: KVCache):
-    """One SGLang forward of ``model`` on ``fb`` (returns its LogitsProcessorOutput)."""
-    from sglang.srt.model_executor.forward_context import ForwardContext, forward_context
-
-    kv.backend.init_forward_metadata(fb)
-    with torch.no_grad(), forward_context(ForwardContext(attn_backend=kv.backend)):
-        return model(fb.input_ids, fb.positions, fb)
-
-
 
 

@@ -271,7 +271,7 @@ def run_checks(target: TargetInfo, draft: DraftInfo, weights: Dict[str, TensorIn
     rep.add("info", "I_ENGINE_CODE",
             f"{eng} rules from {rules.source}: architectures {target.architectures or '[]'} -> "
             f"{rules.class_name or rules.arch or 'no class'}.")
-    _check_draft_class(rep, draft, opts)
+    _check_draft_class(rep, draft, opts, weights)
     _check_tied(rep, target, draft, weights, opts)
 
     if not draft.use_aux_hidden_state:
@@ -491,27 +491,52 @@ def replay_command(rep: "Report") -> str:
             f"{rep.draft.path} --target {rep.target.path}{engine} --replay states.safetensors`")
 
 
-def _fix_candidates(rules: TargetRules, boundaries: List[int], L: int) -> List[List[int]]:
-    """Id lists that make the engine capture exactly ``boundaries`` in this order."""
+def _fix_candidates(rules: TargetRules, boundaries: List[int], L: int,
+                    like: Optional[List[int]] = None) -> List[List[int]]:
+    """Id lists that make the engine capture exactly ``boundaries`` in this order, found through the engine's own
+    id rule (``map_ids``: SGLang's set_eagle3_layers_to_capture where it is installed) over every list whose ids
+    lie within one of the boundaries, closest to ``like`` (the ids the config holds) first: the same form (each
+    id maps to its boundary with the same offset as the config's ids do, e.g. SGLang's deepseek rule takes
+    [2, 30, 58] as they are and [1, 29, 57] plus one), then the fewest changed ids."""
+    import itertools
+
     from .engines import POST_NORM
 
-    out = []
-    for ids in ([(-1 if b == POST_NORM(L) else b - 1) for b in boundaries], list(boundaries)):
-        if ids not in out and ids_for_boundaries(rules, boundaries, L) is not None \
-                and map_ids(rules, ids, L)[0] == list(boundaries):
+    target = list(boundaries)
+    pool = [[(-1 if b == POST_NORM(L) else b - 1) for b in target], list(target)]
+    if len(target) <= 4:  # 3^K lists, each one run of the engine's rule
+        pool += [[b + d for b, d in zip(target, ds)] for ds in itertools.product((0, -1, 1), repeat=len(target))]
+    out: List[List[int]] = []
+    for ids in pool:
+        if ids in out:
+            continue
+        m = rules.map_ids(ids, L)
+        if m.error is None and m.unknown is None and m.config_order == target:
             out.append(ids)
-    return out
+    if like is None or len(like) != len(target):
+        return out
+    m = rules.map_ids(list(like), L)
+    form = [b - i for i, b in zip(like, m.config_order)] if m.error is None and len(m.config_order) == len(like) \
+        else None
+
+    def distance(ids):
+        same_form = form is not None and [b - i for i, b in zip(ids, target)] == form
+        return (not same_form, sum(i != j for i, j in zip(ids, like)))
+
+    return sorted(out, key=distance)  # stable: the pool's order among equals
 
 
 def verified_fix(rep: "Report", boundaries: List[int], check_readings: bool = True) -> Optional[List[int]]:
     """Ids that make the engine feed ``boundaries`` and that the doctor itself passes: the engine captures
     every slot, in order, the fc width fits, and (``check_readings``: evidence from the config alone) every
     plausible reading of the new ids gives the same boundaries, else the re-run would warn that the config
-    cannot tell. With replay as the evidence the readings need not agree. None when no such ids exist."""
+    cannot tell. With replay as the evidence the readings need not agree: the replay showed what the draft
+    was trained on, and the fix is whatever makes the engine feed it. Among such ids, the one closest to the
+    config's own (:func:`_fix_candidates`). None when no such ids exist (:func:`why_no_fix` says why)."""
     from .engines import resolve_wiring
 
     o, t, d = rep.options, rep.target, rep.draft
-    for ids in _fix_candidates(rep.wiring.rules, boundaries, t.num_layers):
+    for ids in _fix_candidates(rep.wiring.rules, boundaries, t.num_layers, like=rep.wiring.ids):
         if o.engine == "sglang":
             nd, layers = dataclasses.replace(d, nested_ids=ids), o.trtllm_layers
         elif o.engine == "vllm":
@@ -532,9 +557,30 @@ def verified_fix(rep: "Report", boundaries: List[int], check_readings: bool = Tr
     return None
 
 
+def why_no_fix(rep: "Report", boundaries: List[int]) -> str:
+    """Why no id list makes the engine feed ``boundaries`` (when :func:`verified_fix` found none), in words."""
+    from .engines import uncapturable_reason
+
+    eng, L = rep.wiring.name, rep.target.num_layers
+    for b in boundaries:
+        why = uncapturable_reason(rep.wiring.rules, b, L)
+        if why:
+            return f"{eng} never captures {short_boundary(b, L)} (boundary {b}): {why}"
+    stage = rep.wiring.pp_last_stage
+    early = [b for b in boundaries if stage is not None and b < stage[0]]
+    if early:
+        return (f"with --pp {rep.options.pp} only the last pipeline stage captures, and it runs layers "
+                f"{stage[0]}..{stage[1] - 1}: boundary {early[0]} is computed on an earlier stage")
+    if len(set(boundaries)) != len(boundaries):
+        return f"{eng} captures a repeated boundary once, so it cannot feed {boundaries}"
+    if list(boundaries) != sorted(boundaries) and rep.options.engine != "trtllm":
+        return f"{eng} concatenates its captures in layer order, so it cannot feed {boundaries} in this order"
+    return (f"no id list within one of these boundaries makes {eng}'s id rule ('{rep.wiring.rules.rule_text}') "
+            f"capture exactly {boundaries} in this order")
+
+
 def _readings_text(rep: "Report", training: Training, L: int) -> str:
     """Each reading: its boundaries and the ids to set under it for this engine."""
-    eng = rep.wiring.name
     parts = []
     for n, r in enumerate(training.readings):
         tag = chr(ord("A") + n)
@@ -545,9 +591,9 @@ def _readings_text(rep: "Report", training: Training, L: int) -> str:
         if fed:
             todo = "what it feeds now: keep the ids"
         else:
-            cands = _fix_candidates(rep.wiring.rules, r.boundaries, L)
-            todo = (f"set {IDS_LOCATION[rep.options.engine]} to {cands[0]}" if cands else
-                    f"{eng} cannot capture these boundaries in this order")
+            ids = verified_fix(rep, r.boundaries, check_readings=False)
+            todo = (f"set {IDS_LOCATION[rep.options.engine]} to {ids}" if ids is not None else
+                    why_no_fix(rep, r.boundaries))
         parts.append(f"({tag}) {r.label}: trained on {r.boundaries} = "
                      f"{', '.join(short_boundary(b, L) for b in r.boundaries)}; {todo}")
     return "; ".join(parts)
@@ -737,8 +783,72 @@ def _supported_elsewhere(target: TargetInfo, engine: str) -> str:
     return f" ({'; '.join(parts)})" if parts else ""
 
 
-def _check_draft_class(rep: Report, draft: DraftInfo, opts: Options) -> None:
-    """The draft's ``architectures`` must resolve to one of the engine's EAGLE-3 heads."""
+def _layer_tensors(weights: Dict[str, TensorInfo]) -> List[str]:
+    """The checkpoint's decoder-layer tensors, relative to their layer (``layers.N.`` of the canonical names)."""
+    import re
+
+    return sorted({m.group(1) for n in weights if (m := re.match(r"layers\.\d+\.(.+)$", n))})
+
+
+def _head_names(rows: Dict[str, dict]) -> Dict[str, List[str]]:
+    """Head class -> the names an engine registers it under, its own class name first (the one to advise)."""
+    out: Dict[str, List[str]] = {}
+    for name, row in sorted(rows.items()):
+        out.setdefault(row.get("class") or name, []).append(name)
+    for cls, names in out.items():
+        names.sort(key=lambda n: (n != cls.rsplit(".", 1)[-1], n))
+    return out
+
+
+def _layer_fits(rows: Dict[str, dict], tensors: List[str]) -> Optional[Dict[str, dict]]:
+    """Per head class (named by its advised name): how the layer tensors fit it (:func:`.vllm_code.layer_fit`, from
+    the tensors the head's own load_weights loads, as the engine table records them). None when no row records it."""
+    from .vllm_code import layer_fit
+
+    out = {}
+    for cls, names in _head_names(rows).items():
+        fit = layer_fit(rows[names[0]].get("layer"), tensors)
+        if fit is not None:
+            out[names[0]] = dict(fit, names=names)
+    return out or None
+
+
+def _short(names: List[str], n: int = 8) -> str:
+    return ", ".join(names[:n]) + (f" and {len(names) - n} more" if len(names) > n else "")
+
+
+def _other_engines_for_layer(engine: str, tensors: List[str]) -> str:
+    """What the other engines' pinned tables say about a head for this layer (sentence, or "")."""
+    out = []
+    for other in ("sglang", "vllm"):
+        if other == engine:
+            continue
+        t = tables.load(other)
+        eng = ENGINE_NAMES[other]
+        if not t or not t.get("draft_heads"):
+            continue
+        ver = t.get("version", tables.PINNED[other])
+        fits = _layer_fits(t["draft_heads"], tensors)
+        if fits is None:
+            out.append(f"{eng} {ver}'s table does not record which tensors its heads load, so the doctor cannot say "
+                       f"whether {eng} serves this draft")
+            continue
+        good = [n for n, f in fits.items() if f["fits"]]
+        if good:
+            out.append(f"{eng} {ver} serves it: its head {' or '.join(good)} loads every tensor of this layer "
+                       f"(architectures {good[0]} there)")
+        else:
+            none = sorted(set.intersection(*(set(f["unloaded"]) for f in fits.values())))
+            out.append(f"{eng} {ver} has no EAGLE-3 head for it either (none of {', '.join(fits)} loads "
+                       + (f"layers.N.{{{_short(none, 6)}}}" if none else "every tensor of this layer") + ")")
+    return "; ".join(out)
+
+
+def _check_draft_class(rep: Report, draft: DraftInfo, opts: Options,
+                       weights: Optional[Dict[str, TensorInfo]] = None) -> None:
+    """The draft's ``architectures`` must resolve to one of the engine's EAGLE-3 heads; the head to name is the one
+    whose load_weights loads the checkpoint's decoder-layer tensors (the engine tables record, per head, what its
+    own code loads), never a guess."""
     eng = ENGINE_NAMES[opts.engine]
     dc = draft_class(opts.engine, draft, opts.engine_code)
     archs = draft.architectures or []
@@ -746,20 +856,96 @@ def _check_draft_class(rep: Report, draft: DraftInfo, opts: Options) -> None:
         rep.add("info", "I_DRAFT_CLASS", f"Draft class not checked for {eng}: {dc.message}.")
         return
     if dc.head is not None:
+        _check_named_head_fits(rep, dc, archs, eng, weights or {})
         return
-    if opts.engine == "sglang":
+    if dc.message:
+        how = dc.message
+    elif opts.engine == "sglang":
         how = (f"SGLang resolves the draft's architectures {archs} to {dc.arch} (ModelRegistry, as for any model), "
                f"which is not one of its EAGLE-3 heads ({', '.join(dc.heads)}: the classes that read the target's "
                f"captures through an fc sized by num_aux_hidden_states): it would load the checkpoint as a plain "
                f"{dc.arch}, and the draft's fc is never applied")
-    elif dc.message:
-        how = dc.message
     else:
         how = (f"vLLM renames the draft's architectures {archs} to {dc.arch} (EAGLEConfig, method eagle3) and has no "
                f"EAGLE-3 head by that name ({', '.join(dc.heads)})")
+    ver = dc.version
+    tensors = _layer_tensors(weights or {})
+    fits = _layer_fits(dc.rows, tensors) if tensors else None
+    heads = ", ".join(_head_names(dc.rows)[c][0] for c in _head_names(dc.rows)) or "none"
+    if fits is None:  # nothing to match: name the heads, not one of them
+        why = ("the checkpoint holds no decoder-layer tensors (layers.N.*) to match them against" if not tensors else
+               f"the {eng} table does not record which tensors its heads load")
+        rep.add("error", "E_DRAFT_CLASS",
+                f"{how}. Set \"architectures\" in the draft's config.json to the {eng} EAGLE-3 head whose layer "
+                f"matches the checkpoint's ({heads}); the doctor cannot name it: {why}.")
+        return
+    good = [n for n, f in fits.items() if f["fits"]]
+    if good:
+        f = fits[good[0]]
+        why_not = []  # why each other head does not fit: tensors it leaves unloaded, else parameters left unfed
+        for o, fo in fits.items():
+            if o in good:
+                continue
+            why_not.append(f"{o} does not load {_short(fo['unloaded'], 3)}" if fo["unloaded"] else
+                           f"{o} builds {_short(fo['missing'], 3)}, which no tensor of the checkpoint feeds")
+        rep.add("error", "E_DRAFT_CLASS",
+                f"{how}. Set \"architectures\" in the draft's config.json to {' or '.join(good)}: "
+                + ("it is" if len(good) == 1 else "they are")
+                + f" the {eng} {ver} EAGLE-3 head{'s' if len(good) > 1 else ''} whose load_weights loads every "
+                  f"tensor of this draft's decoder layer (layers.N.{{{_short(tensors, 12)}}}) and feeds every "
+                  f"parameter its layer always builds"
+                + (f" ({'; '.join(why_not)})" if why_not else "")
+                + (f"; {eng} also registers that class as {', '.join(f['names'][1:])}" if len(f["names"]) > 1
+                   else "")
+                + ".")
+        return
+    # no head of this engine loads this layer: say which tensors show it and who serves it instead
+    none = sorted(set.intersection(*(set(f["unloaded"]) for f in fits.values())))
+    moe = " (a mixture-of-experts MLP)" if any(".experts." in f".{n}" or n.startswith("mlp.router.")
+                                                for n in none) else ""
+    closest = min(fits, key=lambda n: (len(fits[n]["unloaded"]), len(fits[n]["missing"])))
+    c = fits[closest]
+    if none:
+        detail = f"none of them ({', '.join(fits)}) loads layers.N.{{{_short(none, 8)}}}{moe}"
+    elif c["unloaded"]:
+        detail = (f"none of them ({', '.join(fits)}) loads every tensor of it (the closest, {closest}, leaves "
+                  f"layers.N.{{{_short(c['unloaded'], 6)}}} unloaded)")
+    else:
+        detail = f"{closest} loads every tensor of it, but not all it needs"
+    if c["missing"]:
+        params = dc.rows[closest]["layer"]["params"]
+        need = [f"{p} (from {' or '.join(params[p]['from'])})" for p in c["missing"]]
+        who = f"the closest, {closest}," if none else closest
+        detail += f"; {who} builds {_short(need, 4)}, which no tensor of the checkpoint feeds"
+    others = _other_engines_for_layer(opts.engine, tensors)
     rep.add("error", "E_DRAFT_CLASS",
-            f"{how}. Set \"architectures\" in the draft's config.json to the {eng} head that matches its layers "
-            f"(e.g. {dc.heads[0] if dc.heads else 'an EAGLE-3 head'}).")
+            f"{how}. {eng} {ver} serves no EAGLE-3 head with this draft's decoder layer: {detail}. "
+            + (f"{others}. " if others else "")
+            + f"Renaming \"architectures\" cannot make {eng} load this layer: serve the draft with an engine that has "
+              f"a head for it, or export/retrain it with a layer one of {eng}'s heads loads.")
+
+
+def _check_named_head_fits(rep: Report, dc, archs: List[str], eng: str, weights: Dict[str, TensorInfo]) -> None:
+    """The draft names one of the engine's heads: its layer must be that head's. A head's load_weights skips a
+    tensor it does not know (SGLang's logs a line) and leaves the parameter it builds unset, so a checkpoint of
+    another layer loads 'fine' and drafts garbage."""
+    tensors = _layer_tensors(weights)
+    fits = _layer_fits(dc.rows, tensors) if tensors else None
+    named = next((n for n, f in (fits or {}).items() if dc.arch in f["names"]), None)
+    if named is None or fits[named]["fits"]:
+        return
+    f = fits[named]
+    wrong = (f"its load_weights does not load layers.N.{{{_short(f['unloaded'], 6)}}}" if f["unloaded"] else
+             f"it builds {_short(f['missing'], 4)}, which no tensor of the checkpoint feeds")
+    good = [n for n, fo in fits.items() if fo["fits"]]
+    fix = (f"Set \"architectures\" in the draft's config.json to {' or '.join(good)}, whose load_weights loads every "
+           f"tensor of this layer." if good else
+           f"No {eng} {dc.version} EAGLE-3 head loads this layer; serve the draft with an engine that has a head for "
+           f"it.")
+    rep.add("error", "E_DRAFT_CLASS",
+            f"The draft's architectures {archs} name {eng}'s EAGLE-3 head {dc.arch}, but the checkpoint's decoder "
+            f"layer (layers.N.{{{_short(tensors, 8)}}}) is not that head's: {wrong}. {eng} would load the draft with "
+            f"those parameters unset and serve garbage proposals. {fix}")
 
 
 def _check_tied(rep: Report, target: TargetInfo, draft: DraftInfo, weights: Dict[str, TensorInfo],

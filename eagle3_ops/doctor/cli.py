@@ -95,6 +95,11 @@ def _doctor_parser() -> argparse.ArgumentParser:
                         "trained layer is far from the configured one)")
     p.add_argument("--replay-max-tokens", type=int, default=4096, metavar="N", help="positions scored (default 4096)")
     p.add_argument("--device", default="cpu", help="device for --replay (default cpu)")
+    p.add_argument("--replay-draft", choices=("auto", "sglang", "plain"), default="auto",
+                   help="what runs the draft in --replay: sglang = SGLang's own EAGLE-3 head class (any head SGLang "
+                        "serves; CPU); plain = the plain-PyTorch llama_eagle3 twin (no SGLang needed; "
+                        "LlamaForCausalLMEagle3 drafts only); auto (default) = sglang with --engine sglang where the "
+                        "pinned SGLang is installed and --device is cpu, else plain")
     p.add_argument("--trained-convention", choices=("auto",) + CONVENTIONS, default="auto",
                    help="how the draft's ids were read during training: layer-output = 'output of layer k' "
                         "(SpecForge/SGLang), layer-input = 'entering layer k' (vLLM/speculators); "
@@ -218,7 +223,7 @@ def build_report(args):
         from .replay import run_replay
 
         run_replay(report, weights, args.replay, margin=args.replay_margin, max_tokens=args.replay_max_tokens,
-                   device=args.device, sweep=args.replay_sweep)
+                   device=args.device, sweep=args.replay_sweep, draft_code=args.replay_draft)
     return report
 
 
@@ -295,7 +300,8 @@ def format_report(report) -> str:
     if report.replay is not None:
         r = report.replay
         out.append("")
-        out.append(f"  Replay: {r['tokens']} positions from {r['states']}, top-1 accuracy of the draft's first step")
+        out.append(_wrap(f"Replay: {r['tokens']} positions from {r['states']}, top-1 accuracy of the draft's first "
+                         f"step, run by {r['draft_code']}", "  "))
         rows = []
         for c in r["candidates"][:10]:
             rows.append([c["label"], str(c["boundaries"]), f"{100 * c['accuracy']:.1f}%",

@@ -19,7 +19,7 @@ from typing import Dict, List, Optional, Tuple
 
 import torch
 
-from .checks import Report, verified_fix
+from .checks import Report, verified_fix, why_no_fix
 from .configs import DoctorInputError, TensorInfo, check_file, load_tensors
 from .draft import ACTIVATIONS, DraftSpec, Eagle3Draft, count_draft_layers
 from .engines import ENGINE_NAMES, describe_boundary, default_boundaries
@@ -69,10 +69,44 @@ def load_states(path, target) -> States:
     return States.from_file(f)
 
 
-def unsupported_draft(draft, weights: Dict[str, TensorInfo]) -> Optional[str]:
-    """Why replay cannot run this draft (its architecture), or None. Replay runs a llama_eagle3 draft
-    (SGLang's and vLLM's names): another architecture would be scored by a model it is not, ranking
-    wirings by noise."""
+REPLAY_DRAFT_CHOICES = ("auto", "sglang", "plain")
+PLAIN_SOURCE = ("the plain-PyTorch llama_eagle3 twin (eagle3_ops.doctor.draft, held equal to SGLang's "
+                "LlamaForCausalLMEagle3 by a test)")
+
+
+def draft_implementation(engine: str, requested: str = "auto", device: str = "cpu") -> str:
+    """Which code runs the draft: ``sglang`` (SGLang's own head class, on the CPU) or ``plain`` (the
+    plain-PyTorch llama_eagle3 twin). ``auto``: SGLang's class where SGLang serves the draft (``--engine
+    sglang``), the pinned SGLang is installed and the replay runs on the CPU; else the twin (vLLM users, no
+    SGLang)."""
+    if requested not in REPLAY_DRAFT_CHOICES:
+        raise DoctorInputError(f"replay: the draft implementation must be one of {', '.join(REPLAY_DRAFT_CHOICES)}, "
+                               f"got {requested!r}")
+    if requested != "auto":
+        return requested
+    from . import sglang_code, tables
+
+    # the pinned SGLang only: another version's runtime API (process groups, batches) may differ from what the
+    # CPU runner drives; --replay-draft sglang still tries it
+    pinned = sglang_code.installed_version() == tables.PINNED["sglang"]
+    return "sglang" if engine == "sglang" and device == "cpu" and pinned else "plain"
+
+
+def unsupported_draft(draft, weights: Dict[str, TensorInfo], implementation: str = "plain") -> Optional[str]:
+    """Why the replay cannot run this draft with ``implementation`` (``draft_implementation``), or None.
+    SGLang's code runs every EAGLE-3 head SGLang serves; the twin runs llama_eagle3 drafts (SGLang's and
+    vLLM's names) only: another architecture would be scored by a model it is not, ranking wirings by noise."""
+    if implementation == "sglang":
+        from .sglang_draft import head_class
+
+        cls, why = head_class(draft)
+        if cls is None:
+            return f"replay runs the draft with SGLang's own class, but {why}"
+        if draft.draft_vocab_size is None and not draft.tie_word_embeddings:
+            return (f"SGLang serves this draft with the target's lm_head ({cls.__name__}.load_lm_head_from_target: "
+                    f"its config has no draft_vocab_size), which a STATES file does not hold; the replay cannot score "
+                    f"it")
+        return None
     lc = draft.layer_config
     archs, layer_type = draft.architectures, str(lc.get("model_type", ""))
     if (any(a in ("LlamaForCausalLMEagle3", "Eagle3LlamaForCausalLM") for a in archs)
@@ -83,7 +117,45 @@ def unsupported_draft(draft, weights: Dict[str, TensorInfo]) -> Optional[str]:
                                            "midlayer.* / layers.0.* llama_eagle3 tensors)")
     if draft.dialect == "speculators":
         this += f" with a {layer_type or 'untyped'} transformer_layer_config"
-    return f"replay runs LlamaForCausalLMEagle3 drafts only; this draft is {this}"
+    return (f"without SGLang's own draft classes (the pinned SGLang not installed, another engine, or a device other "
+            f"than the CPU) replay runs LlamaForCausalLMEagle3 drafts only; this draft is {this}")
+
+
+class PlainDraftRunner:
+    """The plain-PyTorch twin behind the same face as :class:`~.sglang_draft.SGLangDraftRunner`."""
+
+    source = PLAIN_SOURCE
+
+    def __init__(self, model: Eagle3Draft):
+        self.model = model
+        self.uses_target_embeddings = model.uses_target_embeddings
+        self.hidden_size = model.spec.hidden_size
+
+    def predict(self, aux: torch.Tensor, ids: torch.Tensor, embeds: Optional[torch.Tensor]) -> torch.Tensor:
+        return self.model.draft_to_target(self.logits(aux, ids, embeds).argmax(-1))
+
+    @torch.no_grad()
+    def logits(self, aux: torch.Tensor, ids: torch.Tensor, embeds: Optional[torch.Tensor]) -> torch.Tensor:
+        return self.model(aux, embeds if self.uses_target_embeddings else self.model.embed(ids))
+
+
+def build_runner(report: Report, weights: Dict[str, TensorInfo], token_ids: Optional[torch.Tensor] = None,
+                 implementation: str = "auto", device: str = "cpu", max_positions: int = 0):
+    """The draft's first step, run by SGLang's own class or by the plain twin (:func:`draft_implementation`)."""
+    impl = draft_implementation(report.options.engine, implementation, device)
+    if impl == "sglang":
+        if device != "cpu":
+            raise DoctorInputError(f"replay: SGLang's draft class runs on the CPU here, not on --device {device} "
+                                   f"(--replay-draft plain runs the plain twin there)")
+        if report.fc_slots is None:
+            raise DoctorInputError("replay: the fc width is not a multiple of the target hidden size; cannot replay")
+        why = unsupported_draft(report.draft, weights, "sglang")
+        if why is not None:
+            raise DoctorInputError(why)
+        from .sglang_draft import SGLangDraftRunner
+
+        return SGLangDraftRunner(report.draft, weights, token_ids, max_positions)
+    return PlainDraftRunner(build_draft(report, weights, token_ids).to(device))
 
 
 def build_draft(report: Report, weights: Dict[str, TensorInfo], token_ids: Optional[torch.Tensor] = None
@@ -167,7 +239,7 @@ def build_draft(report: Report, weights: Dict[str, TensorInfo], token_ids: Optio
 
 
 @torch.no_grad()
-def score(model: Eagle3Draft, states: States, boundaries: List[int], max_tokens: int) -> torch.Tensor:
+def score(runner, states: States, boundaries: List[int], max_tokens: int) -> torch.Tensor:
     """Per-position correctness (bool) of the draft's top-1 under ``boundaries``.
 
     Position t pairs the captures at t with the embedding of token t+1; the label is the target's next
@@ -186,12 +258,8 @@ def score(model: Eagle3Draft, states: States, boundaries: List[int], max_tokens:
         if used >= max_tokens:
             break
         aux = torch.cat([states.boundary(g, b)[:rows, :n] for b in boundaries], dim=-1)
-        if model.uses_target_embeddings:
-            embeds = g["bounds"][0][:rows, 1:n + 1]
-        else:
-            embeds = model.embed(ids[:rows, 1:n + 1])
-        logits = model(aux, embeds)
-        pred = model.draft_to_target(logits.argmax(-1))
+        embeds = g["bounds"][0][:rows, 1:n + 1] if runner.uses_target_embeddings else None
+        pred = runner.predict(aux, ids[:rows, 1:n + 1], embeds)
         out.append((pred == labels[:rows, :n]).reshape(-1))
         used += rows * n
     if not out:
@@ -245,23 +313,26 @@ def candidate_wirings(configured: Optional[List[int]], trained: List[int], L: in
 
 
 def run_replay(report: Report, weights: Dict[str, TensorInfo], states_path, *, margin: float = 0.02,
-               max_tokens: int = 4096, device: str = "cpu", sweep: bool = False) -> None:
+               max_tokens: int = 4096, device: str = "cpu", sweep: bool = False, draft_code: str = "auto") -> None:
+    """Score the candidate wirings on ``states_path``; ``draft_code``: what runs the draft (auto | sglang | plain,
+    :func:`draft_implementation`)."""
     if report.wiring is None or report.training is None:
         why = ("the engine refuses this target or these ids (see the errors above)" if report.draft.use_aux_hidden_state
                else "the draft uses no aux hidden states")
         report.add("info", "I_REPLAY_SKIPPED", f"Replay skipped: {why}.")
         return
     states = load_states(states_path, report.target)
-    model = build_draft(report, weights, token_ids=torch.cat([g["ids"].reshape(-1) for g in states.groups])
-                        if states.groups else None).to(device)
+    runner = build_runner(report, weights, token_ids=torch.cat([g["ids"].reshape(-1) for g in states.groups])
+                          if states.groups else None, implementation=draft_code, device=device,
+                          max_positions=max((g["ids"].shape[1] for g in states.groups), default=0))
     if device != "cpu":
         for g in states.groups:
             for k in ("ids", "next"):
                 if g[k] is not None:
                     g[k] = g[k].to(device)
             g["bounds"] = {b: t.to(device) for b, t in g["bounds"].items()}
-    with _cpu_threads(device, model.spec.hidden_size):
-        _replay(report, model, states, margin=margin, max_tokens=max_tokens, sweep=sweep)
+    with _cpu_threads(device, runner.hidden_size):
+        _replay(report, runner, states, margin=margin, max_tokens=max_tokens, sweep=sweep)
 
 
 @contextlib.contextmanager
@@ -279,8 +350,7 @@ def _cpu_threads(device: str, hidden_size: int):
         torch.set_num_threads(threads)
 
 
-def _replay(report: Report, model: Eagle3Draft, states: States, *, margin: float, max_tokens: int,
-            sweep: bool) -> None:
+def _replay(report: Report, runner, states: States, *, margin: float, max_tokens: int, sweep: bool) -> None:
     target, wiring, opts = report.target, report.wiring, report.options
     L = target.num_layers
     K = report.fc_slots
@@ -293,7 +363,7 @@ def _replay(report: Report, model: Eagle3Draft, states: States, *, margin: float
                 for n, r in enumerate(report.training.readings) if r.plausible]
     cands = candidate_wirings(configured, trained, L, sweep=sweep, readings=readings)
     have = set(states.available)
-    if 0 not in have and getattr(model, "uses_target_embeddings", False):
+    if 0 not in have and runner.uses_target_embeddings:
         raise DoctorInputError(f"replay: {states.path} has no boundary 0 (the token embeddings), which the draft "
                                f"takes as its embedding input; record with the embeddings")
     unscored = [(label, b) for label, b in cands if not set(b) <= have]
@@ -305,7 +375,7 @@ def _replay(report: Report, model: Eagle3Draft, states: States, *, margin: float
 
     results = []
     for label, bnds in cands:
-        correct = score(model, states, bnds, max_tokens)
+        correct = score(runner, states, bnds, max_tokens)
         ids = verified_fix(report, bnds, check_readings=False)
         results.append({"label": label, "boundaries": bnds, "accuracy": float(correct.float().mean()),
                         "ids": ids, "_correct": correct})
@@ -318,7 +388,8 @@ def _replay(report: Report, model: Eagle3Draft, states: States, *, margin: float
     def public(r):
         return {k: v for k, v in r.items() if not k.startswith("_")}
 
-    report.replay = {"states": str(states.path), "source": states.source, "tokens": n, "margin": margin,
+    report.replay = {"states": str(states.path), "source": states.source, "draft_code": runner.source,
+                     "tokens": n, "margin": margin,
                      "boundaries_recorded": states.available,
                      "configured": public(conf_res) if conf_res else None, "best": public(best),
                      "candidates": [public(results[i]) for i in order],
@@ -341,7 +412,8 @@ def _replay(report: Report, model: Eagle3Draft, states: States, *, margin: float
     if conf_res is None:
         report.add("info", "I_REPLAY_BEST",
                    f"Replay on {n} positions: the configured wiring cannot run (see the errors above). Best wiring: "
-                   f"{fmt(best)}" + (f"; for {eng} write ids {best['ids']}." if best["ids"] else "."))
+                   f"{fmt(best)}" + (f"; for {eng} write ids {best['ids']}." if best["ids"] else
+                                     f"; no id list makes {eng} feed it: {why_no_fix(report, best['boundaries'])}."))
         return
     diff = (best["_correct"].float() - conf_res["_correct"].float())
     gain = float(diff.mean())
@@ -349,8 +421,12 @@ def _replay(report: Report, model: Eagle3Draft, states: States, *, margin: float
     report.replay["gain"] = gain
     report.replay["gain_stderr"] = se
     if best is not conf_res and gain >= margin and gain >= 3 * se:
+        feedable = next((results[i] for i in order if results[i]["ids"] is not None), None)
         fix = (f"Set {_ids_location(opts.engine)} to {best['ids']}." if best["ids"] is not None else
-               f"{eng} cannot capture these boundaries in this order; retrain or serve elsewhere.")
+               f"No id list makes {eng} feed it: {why_no_fix(report, best['boundaries'])}; serve the draft with "
+               f"an engine that captures it, or retrain it on boundaries {eng} captures."
+               + (f" The best wiring {eng} can feed is {fmt(feedable)}: ids {feedable['ids']}."
+                  if feedable is not None and feedable is not conf_res else ""))
         report.add("error", "E_REPLAY_BETTER_WIRING",
                    f"Replay on {n} positions: the configured wiring scores {100 * conf_res['accuracy']:.1f}% top-1, "
                    f"but {fmt(best)} (+{100 * gain:.1f} points, {gain / se if se > 0 else float('inf'):.0f} standard "

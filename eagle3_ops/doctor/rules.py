@@ -172,10 +172,15 @@ def _sglang_live(target, arch: str, cls) -> TargetRules:
     config = target.lib.obj if target.lib is not None and target.lib.obj is not None else \
         sglang_code.RecordingConfig(target.num_layers)
 
+    probes: Dict[Tuple, dict] = {}  # one run of SGLang's code per id list (fixes search many lists)
+
     def live(ids, L):
         from .sglang_code import ID_RULES
 
-        res = sglang_code.probe(cls, config, ids, L)
+        key = (None if ids is None else tuple(ids), L)
+        if key not in probes:
+            probes[key] = sglang_code.probe(cls, config, ids, L)
+        res = probes[key]
         ltc = res["layers_to_capture"]
         if res["error"] is not None:
             return Mapped(ltc or [], f"{res['error']} (raised by {res['ran']} when SGLang configures the "
@@ -213,19 +218,45 @@ def _sglang_table(arch_list: List[str], source: str) -> TargetRules:
 def _vllm_table(target) -> TargetRules:
     t = tables.load("vllm")
     src = f"pinned table tables/vllm-{tables.PINNED['vllm']}.json (generated from the vLLM wheel; vLLM is not imported)"
+    # never an empty name in a message: the class resolved, else the architecture the config names
+    named = next((a for a in target.architectures if a), None) or "the target (its config.json lists no architectures)"
     if t is None:
-        return TargetRules("vllm", tables.PINNED["vllm"], src, "", "", None, refusal="no vLLM table")
+        return TargetRules("vllm", tables.PINNED["vllm"], src, named, named, None, refusal="no vLLM table")
     rows = t["targets"]
     hit = next((a for a in target.architectures if a in rows), None)
+    fallback = None
     if hit is None:
-        return TargetRules("vllm", t["version"], src, "", "", None,
-                           refusal=(f"none of the architectures ({', '.join(target.architectures) or 'none'}) is in "
-                                    f"vLLM {t['version']}'s model registry (vLLM would use its Transformers backend "
-                                    f"or refuse the model)"))
-    row = rows[hit]
-    r = TargetRules("vllm", t["version"], src, hit, row["class"], row.get("supported"), refusal=row.get("reason", ""),
+        # vLLM's ModelRegistry falls back to its Transformers backend for an architecture it does not register,
+        # when transformers has the class and it is backend-compatible (which the table cannot tell)
+        tf = t.get("transformers_fallback") or {}
+        fallback = tf.get("multimodal" if target.nested_key else "text")
+        if not target.architectures:
+            return TargetRules("vllm", t["version"], src, named, named, None,
+                               refusal="the target's config.json lists no architectures: the doctor cannot tell which "
+                                       "class vLLM would serve it with")
+        if fallback not in rows:
+            return TargetRules("vllm", t["version"], src, named, named, None,
+                               refusal=(f"none of the architectures ({', '.join(target.architectures)}) is in vLLM "
+                                        f"{t['version']}'s model registry, and the table records no Transformers-"
+                                        f"backend fallback"))
+        moe = tf.get("multimodal_moe" if target.nested_key else "moe")
+        reg = t.get("registry") or {}
+        refusal = (f"none of the architectures ({', '.join(target.architectures)}) is in vLLM {t['version']}'s model "
+                   f"registry (the {len(reg.get('order') or [])} dicts registry.py merges into "
+                   f"{reg.get('merged_into', 'its registry')}): "
+                   f"{tf.get('resolver', 'the registry')} serves it with the Transformers backend ({fallback}"
+                   + (f", or {moe} for a mixture-of-experts model" if moe and moe != fallback else "")
+                   + f", named by {tf.get('function', 'ModelConfig')}) only when transformers has the class and it "
+                     f"is backend-compatible, else vLLM refuses the model; the doctor cannot check that here")
+        row = rows[fallback]
+    else:
+        row = rows[hit]
+    cls = row.get("class") or hit or fallback
+    r = TargetRules("vllm", t["version"], src, hit or named, cls, row.get("supported"), refusal=row.get("reason", ""),
                     rule_key="id", rule_text="id (0 = embeddings)")
-    if not r.supported:
+    if fallback is not None:
+        r.supported, r.refusal = (None if row.get("supported") else row.get("supported")), refusal
+    if r.supported is False:
         return r
     if not row.get("capture") and "text config's architectures" in (row.get("decoder_how") or ""):
         # the wrapper builds its language model from text_config.architectures at start-up: that class's decoder
@@ -246,8 +277,31 @@ def _vllm_table(target) -> TargetRules:
     if any(c["boundary"] == "entry" and c["value"] == "hidden+residual-unguarded" for c in cap):
         r.raises_at_zero = (f"vLLM {t['version']}'s {row.get('decoder')}.forward captures id 0 as hidden_states + "
                             f"residual while residual is still None: the forward raises a TypeError")
-    r.evidence = {"decoder": row.get("decoder") or "", "default_from": row.get("default_from") or "",
-                  "decoder_how": row.get("decoder_how", "")}
+    where = row.get("decoder") or row.get("captured_by") or ""
+    lookup = row.get("id_lookup") or {}
+    if isinstance(lookup.get("offset"), int) and lookup.get("keys_from"):
+        # the class looks each id up (self._layer_names[layer - 1]) in a dict keyed by the layer indices 0..L-1
+        # (keys_from): an id whose key is not there raises KeyError when vLLM configures the capture
+        off, code = lookup["offset"], lookup.get("code", "")
+        who = row.get("captured_by", "set_aux_hidden_state_layers").split(" (")[0]
+
+        def key_error(ids, L, _off=off, _code=code, _who=who):
+            bad = [i for i in ids if not 0 <= i - _off < L]
+            return (f"KeyError: {bad[0] - _off} (vLLM {t['version']}'s {_who} looks id {bad[0]} up as {_code}; the "
+                    f"lookup holds the decoder layers' indices 0..{L - 1}, {lookup['keys_from']})") if bad else None
+
+        def live(ids, L, _r=r):
+            mapped = _table_map(dataclasses.replace(_r, _live=None), ids, L)
+            err = key_error(ids, L) if ids is not None else None
+            return dataclasses.replace(mapped, error=err) if err else mapped
+
+        r._live = live
+        if off > 0:
+            r.raises_at_zero = (f"vLLM {t['version']}'s {who} looks id 0 up as {code} (layer {0 - off}), which the "
+                                f"lookup does not hold (its keys are the decoder layers' indices, "
+                                f"{lookup['keys_from']}): KeyError at start-up")
+    r.evidence = {"decoder": where, "default_from": row.get("default_from") or "",
+                  "decoder_how": row.get("decoder_how", ""), "registry": row.get("registry") or ""}
     return r
 
 
@@ -306,10 +360,12 @@ class DraftClass:
     known: bool                    # False: the source cannot tell
     message: str = ""
     heads: List[str] = dataclasses.field(default_factory=list)
+    rows: Dict[str, dict] = dataclasses.field(default_factory=dict)  # every head's row (its layer tensors)
+    version: str = ""
 
 
 def draft_class(engine: str, draft, engine_code: str = "auto") -> DraftClass:
-    archs = [a for a in draft.architectures if isinstance(a, str)]
+    archs = [a for a in draft.architectures if isinstance(a, str) and a]
     if engine == "sglang":
         live, why = sglang_mode(engine_code)
         if live:
@@ -318,26 +374,42 @@ def draft_class(engine: str, draft, engine_code: str = "auto") -> DraftClass:
             reg = sglang_code.registry()
             heads = {a: h for a, c in reg.items() if (h := sglang_code.draft_head(c)) is not None}
             cls, arch, how = sglang_code.resolve_architecture(archs)
+            version = sglang_code.installed_version() or tables.PINNED["sglang"]
         else:
             t = tables.load("sglang") or {"targets": {}, "draft_heads": {}}
             heads = t["draft_heads"]
             arch = next((a for a in archs if a in t["targets"]), "TransformersForCausalLM")
-        return DraftClass("sglang", arch, heads.get(arch), True, heads=sorted(heads))
+            version = t.get("version") or tables.PINNED["sglang"]
+        if not archs:  # never an empty class name in a message
+            return DraftClass("sglang", "TransformersForCausalLM", None, True, heads=sorted(heads), rows=heads,
+                              version=version,
+                              message="the draft's config.json lists no architectures, so SGLang cannot pick one of "
+                                      f"its EAGLE-3 heads ({', '.join(sorted(heads))}) for it")
+        return DraftClass("sglang", arch, heads.get(arch), True, heads=sorted(heads), rows=heads, version=version)
     if engine == "vllm":
         t = tables.load("vllm") or {}
         heads = t.get("draft_heads", {})
+        version = t.get("version") or tables.PINNED["vllm"]
         rename = (t.get("draft_rename") or {}).get("rule")
         if rename != "prefix-Eagle3":
-            return DraftClass("vllm", "", None, False, "vLLM's draft rename rule is not in the table")
+            return DraftClass("vllm", "unknown", None, False, "vLLM's draft rename rule is not in the table",
+                              version=version)
         if draft.dialect == "speculators":  # the speculators config's layer type picks the class
             amap = t.get("speculators_eagle3_arch_map") or {}
             lt = str(draft.layer_config.get("model_type", "llama"))
             if lt not in amap:
-                return DraftClass("vllm", "", None, True, heads=sorted(heads),
+                return DraftClass("vllm", f"speculators layer type {lt!r}", None, True, heads=sorted(heads),
+                                  rows=heads, version=version,
                                   message=f"vLLM's speculators reader has no EAGLE-3 class for layer type {lt!r}")
             archs = [amap[lt]]
+        if not archs:
+            return DraftClass("vllm", "no architectures", None, True, heads=sorted(heads), rows=heads,
+                              version=version,
+                              message="the draft's config.json lists no architectures, so vLLM (EAGLEConfig) has "
+                                      "none to rename to one of its EAGLE-3 heads")
         names = [a if a.startswith("Eagle3") or a.endswith("Eagle3") else f"Eagle3{a}" for a in archs]
-        arch = next((a for a in names if a in heads), names[0] if names else "")
-        return DraftClass("vllm", arch, heads.get(arch), True, heads=sorted(heads))
-    return DraftClass("trtllm", "", None, False, "TensorRT-LLM picks its EAGLE-3 draft class from the speculative "
-                                                "config, not from the draft's architectures")
+        arch = next((a for a in names if a in heads), names[0])
+        return DraftClass("vllm", arch, heads.get(arch), True, heads=sorted(heads), rows=heads, version=version)
+    return DraftClass("trtllm", "TensorRT-LLM's EAGLE-3 draft class", None, False,
+                      "TensorRT-LLM picks its EAGLE-3 draft class from the speculative config, not from the draft's "
+                      "architectures", version=tables.PINNED["trtllm"])

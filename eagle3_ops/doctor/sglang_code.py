@@ -13,7 +13,8 @@ Nothing here holds a copy of SGLang's rules. With SGLang importable:
 - where those boundaries are captured (the entry of layer ``i``, the final norm) and what is captured
   there is read from the capturing model's source (:mod:`.source_scan`);
 - the draft heads are the registered classes whose module reads the target's captures
-  (``spec_info.hidden_states``) through an ``fc`` sized by ``num_aux_hidden_states``.
+  (``spec_info.hidden_states``) through an ``fc`` sized by ``num_aux_hidden_states``; for each, the checkpoint
+  tensors its ``load_weights`` loads into its decoder layer, read from its source (``head_layer``).
 
 ``describe_class`` is what the table generator writes (``tables/sglang-<version>.json``) and what the
 doctor uses when SGLang is installed; ``tests/doctor/test_engine_tables.py`` checks the two agree.
@@ -595,6 +596,27 @@ def _resolve_qualname(q: str) -> Optional[type]:
 
 
 # ----------------------------------------------------------------------------------------- draft heads
+@functools.lru_cache(maxsize=None)
+def _source_index():
+    """SGLang's installed sources read with ast (the reader vLLM's wheel is read with), for the heads' layers."""
+    import sglang
+    from pathlib import Path
+
+    from . import vllm_code
+
+    return vllm_code.Index(vllm_code.SourceTree(Path(sglang.__file__).resolve().parent.parent))
+
+
+@functools.lru_cache(maxsize=None)
+def head_layer(cls: type) -> dict:
+    """The checkpoint tensors the head's ``load_weights`` loads into its decoder layer: its ``__init__`` chain and
+    name mapping read from SGLang's source (:func:`.vllm_code.head_layer`); no model is built (SGLang's layers
+    need its runtime context and a device)."""
+    from . import vllm_code
+
+    return vllm_code.head_layer(_source_index(), cls.__module__.replace(".", "/") + ".py", cls.__name__)
+
+
 def draft_head(cls: type) -> Optional[dict]:
     """The class is an EAGLE-3 head when its module reads the target's captures (``spec_info.hidden_states``)
     and sizes its ``fc`` by ``num_aux_hidden_states``; also how it treats ``tie_word_embeddings``."""
@@ -615,7 +637,7 @@ def draft_head(cls: type) -> Optional[dict]:
             replaces = False
     return {"class": _qualname(cls), "tied_lm_head": tied,
             "set_embed": _qualname(set_embed) if set_embed is not None and replaces else None,
-            "scaled_embedding": source_scan.scaled_embedding(src)}
+            "scaled_embedding": source_scan.scaled_embedding(src), "layer": head_layer(cls)}
 
 
 def table() -> dict:

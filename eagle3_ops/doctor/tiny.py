@@ -114,22 +114,25 @@ def _spec_from(cfg: dict) -> DraftSpec:
                      rope_theta=cfg["rope_theta"], fc_norm=True)
 
 
-def train_draft(hidden, nxt, boundaries, *, steps: int = 300, batch: int = 32, lr: float = 3e-3, seed: int = 1):
+def train_draft(hidden, nxt, boundaries, *, steps: int = 300, batch: int = 32, lr: float = 3e-3, seed: int = 1,
+                draft=None):
     """Train a draft on captures at HF ``boundaries``: inputs (hidden[b][:, t], embedding of token t+1),
-    label = the target's next token after token t+1. Returns (draft, heldout-free train accuracy)."""
-    cfg = draft_config()
-    spec = _spec_from(cfg)
-    torch.manual_seed(seed)
-    draft = Eagle3Draft(spec)
+    label = the target's next token after token t+1. Returns the draft. ``draft``: the model to train (a
+    module with ``forward(aux, embeds) -> logits`` over its draft vocabulary and ``d2t`` / ``t2d`` buffers;
+    default: this module's llama_eagle3 draft, seeded with ``seed``)."""
+    if draft is None:
+        torch.manual_seed(seed)
+        draft = Eagle3Draft(_spec_from(draft_config()))
+    vocab, draft_vocab = draft.t2d.numel(), draft.d2t.numel()
     # Draft vocabulary: the most frequent target predictions (SpecForge does the same).
-    counts = torch.bincount(nxt.reshape(-1), minlength=spec.vocab_size)
-    hot = torch.sort(torch.argsort(counts, descending=True)[: spec.draft_vocab_size]).values
-    draft.d2t.copy_(hot - torch.arange(spec.draft_vocab_size))
-    t2d = torch.zeros(spec.vocab_size, dtype=torch.bool)
+    counts = torch.bincount(nxt.reshape(-1), minlength=vocab)
+    hot = torch.sort(torch.argsort(counts, descending=True)[:draft_vocab]).values
+    draft.d2t.copy_(hot - torch.arange(draft_vocab))
+    t2d = torch.zeros(vocab, dtype=torch.bool)
     t2d[hot] = True
     draft.t2d.copy_(t2d)
-    target_to_draft = torch.full((spec.vocab_size,), -100, dtype=torch.long)
-    target_to_draft[hot] = torch.arange(spec.draft_vocab_size)
+    target_to_draft = torch.full((vocab,), -100, dtype=torch.long)
+    target_to_draft[hot] = torch.arange(draft_vocab)
 
     x_all = torch.cat([hidden[b] for b in boundaries], dim=-1)[:, :-1]  # [N, S-1, K*H]
     e_all = hidden[0][:, 1:]                                            # embedding of token t+1

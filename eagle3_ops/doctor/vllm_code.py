@@ -3,7 +3,12 @@
 vLLM is not a dependency of this project; the generator reads the pinned wheel
 (``python -m eagle3_ops.doctor.tables.generate vllm --wheel vllm-0.33.0-*.whl``). What is read:
 
-- the model registry (``model_executor/models/registry.py``: architecture -> (module, class));
+- the whole model registry: every dict ``registry.py`` merges into ``_VLLM_MODELS`` (text generation, multimodal,
+  pooling, speculative, and the Transformers-backend mappings ``_TRANSFORMERS_SUPPORTED_MODELS`` /
+  ``_TRANSFORMERS_BACKEND_MODELS``), architecture -> (module, class), the later dict winning as in the merge; the
+  dicts and their architectures are recorded in the table (``registry``) so a test can check every one has a row;
+  an architecture the registry does not name goes to the Transformers backend class
+  ``ModelConfig._get_transformers_backend_cls`` names (``transformers_fallback``);
 - each class's bases, resolved through its module's imports: a target is served for EAGLE-3 when
   ``SupportsEagle3`` (``interfaces.py``) is among them (``eagle3_utils.set_eagle3_aux_hidden_state_layers``
   raises "Model does not support EAGLE3 interface" otherwise);
@@ -13,8 +18,13 @@ vLLM is not a dependency of this project; the generator reads the pinned wheel
   layer ``idx``, after layer ``idx`` (``idx + 1``), the stage start, the end) and whether it relays captures
   across pipeline stages (``supports_aux_hidden_states_over_pp``);
 - where each model runner reads the draft's ids (the config keys its function reads, in order);
-- the EAGLE-3 draft heads (speculative registry entries served from ``*eagle3*`` modules) and the
-  architecture rename ``EAGLEConfig`` applies to a draft (``Eagle3{arch}``).
+- for a class that places its captures itself (the Transformers backend's ``Base.set_aux_hidden_state_layers``:
+  an output recorder on ``self._layer_names[layer - 1]``), the layer each id records and the keys of that lookup
+  (an id without a key raises ``KeyError``);
+- the EAGLE-3 draft heads (speculative registry entries served from ``*eagle3*`` modules), the checkpoint tensors
+  each head's ``load_weights`` loads into its decoder layer (:func:`head_layer`: the ``__init__`` chain and the
+  name mapping, read with ast; the same reader reads SGLang's installed heads), and the architecture rename
+  ``EAGLEConfig`` applies to a draft (``Eagle3{arch}``).
 """
 from __future__ import annotations
 
@@ -54,24 +64,98 @@ class SourceTree:
         return m.group(1) if m else None
 
 
-def _literal_dicts(src: str, names) -> Dict[str, Dict[str, Tuple[str, str]]]:
-    tree = ast.parse(src)
+def _comprehension(node: ast.DictComp, dicts: Dict[str, Dict[str, Tuple[str, str]]]):
+    """``{k: (mod, arch) for k, (mod, arch) in X.items() if arch == "C"}`` over a dict already read; None for any
+    other form (the caller records it as unread)."""
+    gen = node.generators[0] if len(node.generators) == 1 else None
+    if gen is None or not (isinstance(gen.iter, ast.Call) and isinstance(gen.iter.func, ast.Attribute) and
+                           gen.iter.func.attr == "items" and isinstance(gen.iter.func.value, ast.Name) and
+                           gen.iter.func.value.id in dicts):
+        return None
+    t = gen.target
+    if not (isinstance(t, ast.Tuple) and len(t.elts) == 2 and isinstance(t.elts[0], ast.Name) and
+            isinstance(t.elts[1], ast.Tuple) and all(isinstance(e, ast.Name) for e in t.elts[1].elts)):
+        return None
+    names = [t.elts[0].id] + [e.id for e in t.elts[1].elts]
     out = {}
-    for node in tree.body:
-        if isinstance(node, (ast.Assign, ast.AnnAssign)):
-            target = node.targets[0] if isinstance(node, ast.Assign) else node.target
-            if isinstance(target, ast.Name) and target.id in names and isinstance(node.value, ast.Dict):
-                d = {}
-                for k, v in zip(node.value.keys, node.value.values):
-                    if isinstance(k, ast.Constant) and isinstance(v, ast.Tuple) and len(v.elts) == 2 and \
-                            all(isinstance(e, ast.Constant) for e in v.elts):
-                        d[k.value] = (v.elts[0].value, v.elts[1].value)
-                out[target.id] = d
+    for k, v in dicts[gen.iter.func.value.id].items():
+        env = dict(zip(names, (k,) + tuple(v)))
+        ok = True
+        for cond in gen.ifs:
+            if not (isinstance(cond, ast.Compare) and len(cond.ops) == 1 and
+                    isinstance(cond.ops[0], (ast.Eq, ast.NotEq))
+                    and isinstance(cond.left, ast.Name) and cond.left.id in env and
+                    isinstance(cond.comparators[0], ast.Constant)):
+                return None
+            same = env[cond.left.id] == cond.comparators[0].value
+            ok = ok and (same if isinstance(cond.ops[0], ast.Eq) else not same)
+        if not ok:
+            continue
+        if not (isinstance(node.key, ast.Name) and isinstance(node.value, ast.Tuple) and
+                all(isinstance(e, ast.Name) and e.id in env for e in node.value.elts) and node.key.id in env):
+            return None
+        out[env[node.key.id]] = tuple(env[e.id] for e in node.value.elts)
     return out
+
+
+MERGED_REGISTRY = "_VLLM_MODELS"
+
+
+def registry_dicts(src: str) -> Tuple[List[str], Dict[str, Dict[str, Tuple[str, str]]], Dict[str, List[str]]]:
+    """vLLM's model registry as registry.py builds it: the dicts ``_VLLM_MODELS`` merges (``**_X``, in order; a
+    later dict wins for an architecture two of them name), each as architecture -> (module, class), in source
+    order, and per dict the source of any entry this reader could not evaluate (it must stay empty)."""
+    tree = ast.parse(src)
+    dicts: Dict[str, Dict[str, Tuple[str, str]]] = {}
+    unread: Dict[str, List[str]] = {}
+    order: List[str] = []
+    for node in tree.body:
+        if not isinstance(node, (ast.Assign, ast.AnnAssign)) or not isinstance(node.value, ast.Dict):
+            continue
+        target = node.targets[0] if isinstance(node, ast.Assign) else node.target
+        if not isinstance(target, ast.Name):
+            continue
+        name = target.id
+        if name == MERGED_REGISTRY:
+            order = [v.id for k, v in zip(node.value.keys, node.value.values) if k is None and isinstance(v, ast.Name)]
+            unread[name] = [ast.unparse(v) for k, v in zip(node.value.keys, node.value.values)
+                            if not (k is None and isinstance(v, ast.Name))]
+            continue
+        d: Dict[str, Tuple[str, str]] = {}
+        bad: List[str] = []
+        for k, v in zip(node.value.keys, node.value.values):
+            if isinstance(k, ast.Constant) and isinstance(v, ast.Tuple) and len(v.elts) == 2 and \
+                    all(isinstance(e, ast.Constant) and isinstance(e.value, str) for e in v.elts):
+                d[k.value] = (v.elts[0].value, v.elts[1].value)
+            elif k is None and isinstance(v, ast.DictComp) and _comprehension(v, dicts) is not None:
+                d.update(_comprehension(v, dicts))
+            elif k is None and isinstance(v, ast.Name) and v.id in dicts:
+                d.update(dicts[v.id])
+            else:
+                bad.append(ast.unparse(v) if k is None else ast.unparse(k))
+        dicts[name] = d
+        unread[name] = bad
+    if not order:  # an older registry without the merged dict: the two target dicts
+        order = [r for r in TARGET_REGISTRIES if r in dicts]
+    for n in order:
+        if n not in dicts:
+            unread[n] = [f"{n} is not a dict literal of registry.py"]
+    return order, {n: dicts.get(n, {}) for n in order}, \
+        {n: b for n, b in unread.items() if b and (n in order or n == MERGED_REGISTRY)}
 
 
 def _module_path(mod: str) -> str:
     return MODELS + mod + ".py" if "." not in mod else mod.replace(".", "/") + ".py"
+
+
+def _type_checking_only(tree: ast.Module) -> set:
+    """Nodes under a module-level ``if TYPE_CHECKING:`` body: stubs for type checkers, not what runs."""
+    out = set()
+    for node in tree.body:
+        if isinstance(node, ast.If) and ast.unparse(node.test).split(".")[-1] == "TYPE_CHECKING":
+            for stmt in node.body:
+                out.update(ast.walk(stmt))
+    return out
 
 
 class _Module:
@@ -81,10 +165,14 @@ class _Module:
         self.ast = ast.parse(self.src) if self.src else None
         self.classes: Dict[str, ast.ClassDef] = {}
         self.imports: Dict[str, Tuple[str, str]] = {}  # local name -> (module path, name)
+        self.aliases: Dict[str, str] = {}  # module-level ``Name = Other`` (the runtime side of TYPE_CHECKING)
         if self.ast is None:
             return
         pkg = rel.rsplit("/", 1)[0]
+        stubs = _type_checking_only(self.ast)
         for node in ast.walk(self.ast):
+            if node in stubs and not isinstance(node, ast.ImportFrom):  # its imports still name real classes
+                continue
             if isinstance(node, ast.ClassDef):
                 self.classes.setdefault(node.name, node)
             elif isinstance(node, ast.ImportFrom):
@@ -96,6 +184,12 @@ class _Module:
                     mod = (node.module or "").replace(".", "/")
                 for a in node.names:
                     self.imports[a.asname or a.name] = (mod + ".py", a.name)
+        for node in self.ast.body:
+            stmts = node.orelse if isinstance(node, ast.If) else [node]
+            for st in stmts:
+                if isinstance(st, ast.Assign) and len(st.targets) == 1 and isinstance(st.targets[0], ast.Name) and \
+                        isinstance(st.value, ast.Name) and st.targets[0].id not in self.classes:
+                    self.aliases[st.targets[0].id] = st.value.id
 
 
 class Index:
@@ -106,6 +200,8 @@ class Index:
         self._mods: Dict[str, _Module] = {}
 
     def module(self, rel: str) -> _Module:
+        if self.tree.read(rel) is None and self.tree.read(rel[:-3] + "/__init__.py") is not None:
+            rel = rel[:-3] + "/__init__.py"  # a package (the registry names "transformers": transformers/)
         if rel not in self._mods:
             self._mods[rel] = _Module(self.tree, rel)
         return self._mods[rel]
@@ -114,6 +210,8 @@ class Index:
         m = self.module(rel)
         if name in m.classes:
             return m, m.classes[name]
+        if name in m.aliases and depth < 6:
+            return self.find(rel, m.aliases[name], depth + 1)
         if name in m.imports and depth < 6:
             mod, real = m.imports[name]
             if self.tree.read(mod) is None:  # a package: its __init__.py
@@ -137,7 +235,10 @@ class Index:
             for b in c.bases:
                 bn = b.value.id if isinstance(b, ast.Subscript) and isinstance(b.value, ast.Name) else \
                     (b.id if isinstance(b, ast.Name) else (b.attr if isinstance(b, ast.Attribute) else None))
-                if bn:
+                if bn and bn == c.name and bn in m.imports:  # class X(X): the imported X it shadows
+                    mod, real = m.imports[bn]
+                    visit(mod if self.tree.read(mod) is not None else mod[:-3] + "/__init__.py", real, depth + 1)
+                elif bn:
                     visit(m.rel, bn, depth + 1)
         visit(rel, name, 0)
         return out
@@ -310,6 +411,45 @@ def _language_model(index: "Index", mro, registry):
     return None
 
 
+def own_capture(index: "Index", mro) -> Optional[dict]:
+    """Captures a class places itself in ``set_aux_hidden_state_layers`` rather than in a vLLM decoder loop
+    (vLLM's Transformers backend: ``for layer in layers: ... self._layer_names[layer - 1] ... OutputRecorder``):
+    the layer whose output each id records, and which keys that lookup holds (an id outside them raises)."""
+    hit = next(((m, c) for m, c in mro if c.name != "SupportsEagle3" and
+                _method(c, "set_aux_hidden_state_layers") is not None), None)
+    if hit is None:
+        return None
+    m, c = hit
+    fn = _method(c, "set_aux_hidden_state_layers")
+    params = [a.arg for a in fn.args.args[1:]]
+    for loop in (n for n in ast.walk(fn) if isinstance(n, ast.For) and isinstance(n.target, ast.Name) and
+                 isinstance(n.iter, ast.Name) and n.iter.id in params):
+        var = loop.target.id
+        for sub in ast.walk(loop):
+            if not (isinstance(sub, ast.Subscript) and isinstance(sub.value, ast.Attribute) and
+                    ast.unparse(sub.value.value) == "self" and var in {x.id for x in ast.walk(sub.slice)
+                                                                       if isinstance(x, ast.Name)}):
+                continue
+            attr, idx = sub.value.attr, ast.unparse(sub.slice)
+            compact = idx.replace(" ", "")
+            offset = 0 if compact == var else (int(compact[len(var) + 1:]) if re.fullmatch(
+                re.escape(var) + r"-\d+", compact) else None)
+            recorder = next((ast.unparse(x.func) for x in ast.walk(loop) if isinstance(x, ast.Call) and
+                             ast.unparse(x.func).endswith("Recorder")), None)
+            # the keys of the lookup: self.<attr>[int(child_name)] = ... (the indices of the layer ModuleList)
+            keys = next((f"{cc.name}.{fn2.name}: {ast.unparse(a.targets[0])}" for _, cc in mro
+                         for fn2 in cc.body if isinstance(fn2, ast.FunctionDef) for a in ast.walk(fn2)
+                         if isinstance(a, ast.Assign) and isinstance(a.targets[0], ast.Subscript) and
+                         ast.unparse(a.targets[0].value) == f"self.{attr}" and
+                         ast.unparse(a.targets[0].slice).startswith("int(")), None)
+            kind = "after" if offset == 1 else (f"other:{compact}" if offset is None else f"output-of:{compact}")
+            return {"capture": [{"boundary": kind, "index": idx, "value": "layer-output"}],
+                    "captured_by": f"{c.name}.set_aux_hidden_state_layers" + (f" ({recorder} on the output of "
+                                                                            f"self.{attr}[{idx}])" if recorder else ""),
+                    "id_lookup": {"code": f"self.{attr}[{idx}]", "offset": offset, "keys_from": keys}}
+    return None
+
+
 def describe_target(index: Index, arch: str, mod: str, name: str, registry: Dict[str, Tuple[str, str]]) -> dict:
     rel = _module_path(mod)
     mro = index.mro(rel, name)
@@ -352,6 +492,10 @@ def describe_target(index: Index, arch: str, mod: str, name: str, registry: Dict
         row["layers_setter"] = own_setter
     else:
         row["decoder"], row["capture"], row["pp_relay"] = None, [], False
+        own = own_capture(index, mro)
+        if own is not None:  # the class records the layers' outputs itself (the Transformers backend)
+            row.update(own)
+            row["decoder_how"] = f"captures in {own['captured_by']}"
     return row
 
 
@@ -419,25 +563,483 @@ def speculators_eagle3(tree: SourceTree) -> Optional[dict]:
     return None
 
 
+# --------------------------------------------------------------------------- a draft head's layer tensors
+# Read with ast from an engine's sources (the vLLM wheel here; SGLang's installed files through sglang_code), so
+# that the doctor can tell which EAGLE-3 head loads a checkpoint's decoder layer without a hand-written list.
+_UNKNOWN = object()
+
+
+def _is_ref(v) -> bool:
+    return isinstance(v, tuple) and len(v) == 2 and isinstance(v[1], ast.ClassDef)
+
+
+def _self_path(expr: ast.AST, aliases: Dict[str, str]) -> Optional[str]:
+    """``self.a.b`` -> "a.b"; ``x.b`` where ``x = self.a`` -> "a.b"; else None."""
+    parts = []
+    while isinstance(expr, ast.Attribute):
+        parts.append(expr.attr)
+        expr = expr.value
+    if not isinstance(expr, ast.Name):
+        return None
+    if expr.id == "self":
+        root = []
+    elif expr.id in aliases:
+        root = aliases[expr.id].split(".")
+    else:
+        return None
+    return ".".join(root + parts[::-1]) or None
+
+
+class LayerReader:
+    """The parameters a module class builds, read from its ``__init__`` chain: ``self.x = Class(...)`` (recursively,
+    ``nn.ModuleList([Class(...) ...])`` as element 0), ``nn.Parameter``, ``register_parameter``, and a linear
+    layer's ``self.quant_method = Unquantized...()`` + ``quant_method.create_weights(self)`` (the parameters that
+    method registers). A parameter is conditional when it sits under an ``if`` whose test does not follow from
+    the constants the call passes (or the defaults); a later assignment replaces what a base class built."""
+
+    def __init__(self, index: "Index"):
+        self.index = index
+        self.visited: List[Tuple[str, str]] = []  # (module, class) of every module built, for its load_weights
+
+    # ---- values
+    def _bind(self, m: _Module, fn: ast.FunctionDef, args, kwargs) -> Dict[str, object]:
+        a = fn.args
+        names = [x.arg for x in a.posonlyargs + a.args][1:]  # without self
+        out: Dict[str, object] = {}
+        defaults = a.defaults
+        for n, d in zip(names[len(names) - len(defaults):], defaults):
+            out[n] = self._const_or_class(m, d)
+        for k, d in zip(a.kwonlyargs, a.kw_defaults):
+            if d is not None:
+                out[k.arg] = self._const_or_class(m, d)
+        for n, v in zip(names, args):
+            out[n] = v
+        for k, v in (kwargs or {}).items():
+            out[k] = v
+        return out
+
+    def _const_or_class(self, m: _Module, node: ast.AST):
+        if isinstance(node, ast.Constant):
+            return node.value
+        if isinstance(node, ast.Name):
+            return self.index.find(m.rel, node.id) or _UNKNOWN
+        return _UNKNOWN
+
+    # ---- the walk
+    def params(self, rel: str, name: str, args=(), kwargs=None, stack=()) -> Dict[str, bool]:
+        """Parameter path -> conditional, for the class ``name`` of module ``rel`` built with these arguments."""
+        key = (rel, name)
+        if key in stack or len(stack) > 12:
+            return {}
+        hit = self.index.find(rel, name)
+        if hit is None:
+            return {}
+        self.visited.append((hit[0].rel, hit[1].name))
+        mro = self.index.mro(hit[0].rel, hit[1].name)
+        return self._init(mro, 0, list(args), dict(kwargs or {}), stack + (key,))[0]
+
+    def _init(self, mro, i, args, kwargs, stack) -> Tuple[Dict[str, bool], list]:
+        obj = {"params": {}, "quant": [], "selfv": {}}
+        self._run(mro, i, "__init__", args, kwargs, stack, obj, False)
+        return obj["params"], obj["quant"]
+
+    def _run(self, mro, i, meth, args, kwargs, stack, obj, cond, calls=0) -> bool:
+        """Run the first ``meth`` of ``mro[i:]`` on the object being built (``obj``: what it holds so far)."""
+        j = next((k for k in range(i, len(mro)) if _method(mro[k][1], meth) is not None), None)
+        if j is None:
+            return False
+        m, c = mro[j]
+        fn = _method(c, meth)
+        st = {"m": m, "bound": self._bind(m, fn, args, kwargs), "alias": {}, "classes": {}, "mro": mro, "j": j,
+              "stack": stack, "calls": calls, "params": obj["params"], "quant": obj["quant"],
+              "selfv": obj["selfv"], "obj": obj}
+        self._body(fn.body, cond, st)
+        return True
+
+    def _val(self, e: ast.AST, st) -> object:
+        if isinstance(e, ast.Constant):
+            return e.value
+        if isinstance(e, ast.Name):
+            if e.id in st["bound"]:
+                return st["bound"][e.id]
+            return self.index.find(st["m"].rel, e.id) or _UNKNOWN
+        p = _self_path(e, {})
+        if p is not None and p in st["selfv"]:
+            return st["selfv"][p]
+        return _UNKNOWN
+
+    def _test(self, e: ast.AST, st) -> Optional[bool]:
+        if isinstance(e, ast.UnaryOp) and isinstance(e.op, ast.Not):
+            v = self._test(e.operand, st)
+            return None if v is None else not v
+        if isinstance(e, ast.BoolOp):
+            vals = [self._test(x, st) for x in e.values]
+            if isinstance(e.op, ast.And):
+                return False if False in vals else (None if None in vals else True)
+            return True if True in vals else (None if None in vals else False)
+        if isinstance(e, ast.Compare) and len(e.ops) == 1 and \
+                isinstance(e.ops[0], (ast.Is, ast.IsNot, ast.Eq, ast.NotEq)):
+            a, b = self._val(e.left, st), self._val(e.comparators[0], st)
+            if a is _UNKNOWN or b is _UNKNOWN or _is_ref(a) or _is_ref(b):
+                return None
+            same = a is b if isinstance(e.ops[0], (ast.Is, ast.IsNot)) else a == b
+            return same if isinstance(e.ops[0], (ast.Is, ast.Eq)) else not same
+        v = self._val(e, st) if isinstance(e, (ast.Constant, ast.Name, ast.Attribute)) else _UNKNOWN
+        return None if v is _UNKNOWN or _is_ref(v) else bool(v)
+
+    def _classes(self, e: ast.AST, st) -> Tuple[list, bool]:
+        """The classes an expression names (a local, a parameter, an import; both sides of ``a if t else b``)."""
+        if isinstance(e, ast.IfExp):
+            a, _ = self._classes(e.body, st)
+            b, _ = self._classes(e.orelse, st)
+            return a + b, True
+        if isinstance(e, ast.Name):
+            if e.id in st["classes"]:
+                return st["classes"][e.id]
+            v = self._val(e, st)
+            return ([v], False) if _is_ref(v) else ([], False)
+        return [], False
+
+    def _body(self, stmts, cond: bool, st) -> None:
+        for s in stmts:
+            if isinstance(s, ast.If):
+                t = self._test(s.test, st)
+                if t is not False:
+                    self._body(s.body, cond or t is None, st)
+                if t is not True:
+                    self._body(s.orelse, cond or t is None, st)
+            elif isinstance(s, (ast.For, ast.While, ast.AsyncFor)):
+                self._body(s.body + s.orelse, True, st)
+            elif isinstance(s, (ast.With, ast.AsyncWith)):
+                self._body(s.body, cond, st)
+            elif isinstance(s, ast.Try):
+                self._body(s.body + s.orelse + s.finalbody, cond, st)
+                for h in s.handlers:
+                    self._body(h.body, True, st)
+            elif isinstance(s, (ast.Assign, ast.AnnAssign)) and s.value is not None:
+                t = s.targets[0] if isinstance(s, ast.Assign) else s.target
+                self._assign(t, s.value, cond, st)
+            elif isinstance(s, ast.Expr) and isinstance(s.value, ast.Call):
+                self._call(s.value, cond, st)
+
+    def _args(self, call: ast.Call, st):
+        args = [self._val(a, st) for a in call.args if not isinstance(a, ast.Starred)]
+        return args, {k.arg: self._val(k.value, st) for k in call.keywords if k.arg}
+
+    def _call(self, call: ast.Call, cond: bool, st) -> None:
+        f = call.func
+        fname = ast.unparse(f)
+        if isinstance(f, ast.Attribute) and f.attr == "__init__":
+            mro, j = st["mro"], st["j"]
+            nxt = None
+            if isinstance(f.value, ast.Call) and ast.unparse(f.value.func) == "super":
+                sargs = f.value.args
+                if sargs and isinstance(sargs[0], ast.Name):  # super(X, self): the class after X
+                    nxt = next((k + 1 for k in range(len(mro)) if mro[k][1].name == sargs[0].id), None)
+                else:
+                    nxt = j + 1
+            elif isinstance(f.value, ast.Name):  # Base.__init__(self, ...): that class, if it is one of ours
+                nxt = next((k for k in range(len(mro)) if mro[k][1].name == f.value.id), None)
+            if nxt is None:
+                return
+            args, kwargs = self._args(call, st)
+            if fname != "super().__init__" and not fname.startswith("super("):
+                args = args[1:]  # the explicit self
+            self._run(mro, nxt, "__init__", args, kwargs, st["stack"], st["obj"], cond, st["calls"])
+        elif st["calls"] < 4 and isinstance(f, ast.Attribute) and (
+                ast.unparse(f.value) in ("self", "super()")) and f.attr != "create_weights":
+            # a helper of __init__ (self._initialize_partition(...)) builds parts of the same object
+            mro, j = st["mro"], st["j"]
+            args, kwargs = self._args(call, st)
+            start = j + 1 if ast.unparse(f.value) == "super()" else 0
+            self._run(mro, start, f.attr, args, kwargs, st["stack"], st["obj"], cond, st["calls"] + 1)
+        if isinstance(f, ast.Attribute) and f.attr == "create_weights" and st["quant"]:
+            for qm, qc in st["quant"]:
+                meth = _method(qc, "create_weights")
+                for n in ast.walk(meth) if meth is not None else ():
+                    if isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute) and \
+                            n.func.attr == "register_parameter" and len(n.args) > 1 and \
+                            isinstance(n.args[0], ast.Constant) and \
+                            not (isinstance(n.args[1], ast.Constant) and n.args[1].value is None):
+                        st["params"][n.args[0].value] = cond
+        elif isinstance(f, ast.Attribute) and f.attr == "register_parameter" and call.args and \
+                isinstance(call.args[0], ast.Constant) and ast.unparse(f.value) == "self" and \
+                not (len(call.args) > 1 and isinstance(call.args[1], ast.Constant) and call.args[1].value is None):
+            # register_parameter("bias", None) declares that there is none
+            st["params"][call.args[0].value] = cond
+
+    def _assign(self, t: ast.AST, v: ast.AST, cond: bool, st) -> None:
+        if isinstance(t, ast.Name):
+            path = _self_path(v, st["alias"]) if isinstance(v, ast.Attribute) else None
+            refs, either = self._classes(v, st)
+            if path is not None:
+                st["alias"][t.id] = path
+            elif refs:
+                st["classes"][t.id] = (refs, either)
+            else:
+                st["bound"][t.id] = self._val(v, st)
+            return
+        path = _self_path(t, st["alias"])
+        if path is None:
+            return
+        calls = [(v, cond)] if isinstance(v, ast.Call) else \
+            [(x, True) for x in (v.body, v.orelse) if isinstance(x, ast.Call)] if isinstance(v, ast.IfExp) else []
+        if not calls:
+            st["selfv"][path] = self._val(v, st)
+            return
+        built: Dict[str, bool] = {}
+        module = False
+        for call, c in calls:
+            fname = ast.unparse(call.func)
+            last = fname.split(".")[-1]
+            if last == "Parameter":
+                built[""] = c
+                module = True
+                continue
+            if last == "ModuleList":  # a stack of layers: element 0 stands for it
+                arg = call.args[0] if call.args else None
+                elt = arg.elt if isinstance(arg, ast.ListComp) else \
+                    (arg.elts[0] if isinstance(arg, ast.List) and arg.elts else None)
+                if isinstance(elt, ast.Call):
+                    refs, either = self._classes(elt.func, st)
+                    if not refs and isinstance(elt.func, ast.Name):
+                        hit = self.index.find(st["m"].rel, elt.func.id)
+                        refs = [hit] if hit else []
+                    for rm, rc in refs:
+                        a, k = self._args(elt, st)
+                        for p, pc in self.params(rm.rel, rc.name, a, k, st["stack"]).items():
+                            built[f"0.{p}"] = pc or c or either
+                module = True
+                continue
+            refs, either = self._classes(call.func, st)
+            if not refs and isinstance(call.func, ast.Name):
+                hit = self.index.find(st["m"].rel, call.func.id)
+                refs = [hit] if hit else []
+            if path.split(".")[-1] == "quant_method":  # the linear method whose create_weights builds the weight
+                st["quant"] += refs
+                return
+            for rm, rc in refs:
+                module = True
+                a, k = self._args(call, st)
+                for p, pc in self.params(rm.rel, rc.name, a, k, st["stack"]).items():
+                    built[p] = pc or c or either
+        if not module:
+            return
+        for p in [p for p in st["params"] if p == path or p.startswith(path + ".")]:
+            del st["params"][p]  # rebuilt: what the base class put there is gone
+        for p, c in built.items():
+            st["params"][f"{path}.{p}" if p else path] = c
+
+
+def _unescape(pattern: str) -> Optional[str]:
+    """A regex that only matches a literal string (escaped dots): that string."""
+    lit = re.sub(r"\\(.)", r"\1", pattern)
+    return lit if re.escape(lit).replace("\\.", ".") == pattern.replace("\\.", ".") else None
+
+
+def name_rewrites(fn_or_expr: ast.AST) -> List[Tuple[str, str, str]]:
+    """How a ``load_weights`` (or a ``WeightsMapper(...)``) turns checkpoint names into parameter names:
+    (checkpoint text, parameter text, kind) with kind ``substr`` (replaced anywhere) or ``prefix`` (at the start;
+    checkpoint text "" = a prefix added, e.g. ``f"model.{name}"``)."""
+    out = []
+
+    def strs(*nodes):
+        return all(isinstance(n, ast.Constant) and isinstance(n.value, str) for n in nodes)
+
+    for n in ast.walk(fn_or_expr):
+        if isinstance(n, ast.Assign) and isinstance(n.targets[0], ast.Name):
+            tid = n.targets[0].id
+            if "stacked_params_mapping" in tid and isinstance(n.value, (ast.List, ast.Tuple)):
+                for e in n.value.elts:  # (param_name, weight_name, shard_id)
+                    if isinstance(e, ast.Tuple) and len(e.elts) >= 2 and strs(e.elts[0], e.elts[1]):
+                        out.append((e.elts[1].value, e.elts[0].value, "substr"))
+            elif tid.endswith(("_map", "_mapping")) and isinstance(n.value, ast.Dict):
+                for k, v in zip(n.value.keys, n.value.values):
+                    if k is not None and strs(k, v):
+                        out.append((k.value, v.value, "substr"))
+        elif isinstance(n, ast.Call):
+            f = ast.unparse(n.func)
+            if f.endswith(".replace") and len(n.args) == 2 and strs(*n.args):
+                out.append((n.args[0].value, n.args[1].value, "substr"))
+            elif f in ("re.sub", "sub") and len(n.args) >= 2 and strs(n.args[0], n.args[1]) and \
+                    n.args[0].value.startswith("^"):
+                lit = _unescape(n.args[0].value[1:])
+                if lit is not None:
+                    out.append((lit, n.args[1].value, "prefix"))
+            elif f.split(".")[-1] == "WeightsMapper":
+                for kw in n.keywords:
+                    if not isinstance(kw.value, ast.Dict):
+                        continue
+                    for k, v in zip(kw.value.keys, kw.value.values):
+                        if k is None or not strs(k):
+                            continue
+                        if kw.arg == "orig_to_new_stacked" and isinstance(v, ast.Tuple) and v.elts and \
+                                strs(v.elts[0]):
+                            out.append((k.value, v.elts[0].value, "substr"))
+                        elif kw.arg in ("orig_to_new_substr", "orig_to_new_prefix") and strs(v):
+                            out.append((k.value, v.value, "substr" if kw.arg.endswith("substr") else "prefix"))
+        elif isinstance(n, ast.JoinedStr) and n.values and strs(n.values[0]) and len(n.values) == 2 and \
+                isinstance(n.values[1], ast.FormattedValue):
+            out.append(("", n.values[0].value, "prefix"))
+        elif isinstance(n, ast.BinOp) and isinstance(n.op, ast.Add) and strs(n.left) and \
+                isinstance(n.right, ast.Name):
+            out.append(("", n.left.value, "prefix"))
+    return list(dict.fromkeys(out))
+
+
+def _whole(s: str, part: str) -> bool:
+    """``part`` occurs in ``s`` as whole dotted name parts (``q_a_proj`` is not in ``fused_qkv_a_proj``)."""
+    return re.search(("" if part.startswith(".") else r"(?:^|(?<=\.))") + re.escape(part) +
+                     ("" if part.endswith(".") else r"(?=\.|$)"), s) is not None
+
+
+def checkpoint_names(param: str, rewrites: List[Tuple[str, str, str]], depth: int = 5) -> List[str]:
+    """Every checkpoint name that the rewrites turn into ``param`` (the rewrites run backwards)."""
+    seen, frontier = {param}, [param]
+    for _ in range(depth):
+        nxt = []
+        for s in frontier:
+            for ck, pa, kind in rewrites:
+                if kind == "substr" and pa and _whole(s, pa):
+                    cands = [s.replace(pa, ck)]
+                elif kind == "prefix" and s.startswith(pa):
+                    cands = [ck + s[len(pa):]]
+                else:
+                    cands = []
+                for c in cands:
+                    if c and c not in seen:
+                        seen.add(c)
+                        nxt.append(c)
+        frontier = nxt
+    return sorted(seen)
+
+
+LAYER = "layers.0."  # the doctor's canonical name of a draft's decoder layer (midlayer. -> layers.0.)
+
+
+def head_layer(index: "Index", rel: str, name: str) -> dict:
+    """What a draft head loads into its decoder layer: each parameter (its path in the head) with the checkpoint
+    tensor names (relative to ``layers.0.``) that its ``load_weights`` maps onto it, and whether the parameter
+    is only built under a condition. Read from the head's ``__init__`` chain and the name mapping of every
+    ``load_weights`` (and ``hf_to_vllm_mapper``) of the modules it builds."""
+    reader = LayerReader(index)
+    params = reader.params(rel, name)
+    rewrites = []
+    for mrel, cname in dict.fromkeys(reader.visited):
+        mro = index.mro(mrel, cname)
+        lw = next((c for _, c in mro if _method(c, "load_weights") is not None), None)
+        if lw is not None:
+            rewrites += name_rewrites(_method(lw, "load_weights"))
+        mapper = next((n for _, c in mro for n in c.body if isinstance(n, ast.Assign) and
+                       isinstance(n.targets[0], ast.Name) and n.targets[0].id == "hf_to_vllm_mapper"), None)
+        if mapper is not None:
+            rewrites += name_rewrites(mapper.value)
+    rewrites = list(dict.fromkeys(rewrites))
+    out = {}
+    for p, cond in sorted(params.items()):
+        names = [n[len(LAYER):] for n in checkpoint_names(p, rewrites) if n.startswith(LAYER)]
+        if names:
+            out[p] = {"from": names, "conditional": cond}
+    return {"params": out, "name_rewrites": [list(r) for r in sorted(rewrites)]}
+
+
+def layer_fit(layer: Optional[dict], tensors) -> Optional[dict]:
+    """How a checkpoint's decoder-layer tensors (names relative to ``layers.N.``) fit a head's ``layer`` record:
+    ``unloaded`` (tensors the head loads nowhere), ``missing`` (parameters it always builds that no tensor feeds);
+    a fit has neither. None when the record is absent."""
+    if not layer or not layer.get("params"):
+        return None
+    tensors = set(tensors)
+    accepted = {n for v in layer["params"].values() for n in v["from"]}
+    missing = [p for p, v in layer["params"].items() if not v["conditional"] and not tensors & set(v["from"])]
+    return {"unloaded": sorted(tensors - accepted), "missing": sorted(missing),
+            "fits": bool(tensors) and not (tensors - accepted) and not missing}
+
+
+SPECULATIVE_REGISTRY = "_SPECULATIVE_DECODING_MODELS"
+
+
+def suffix_runners(tree: SourceTree) -> List[Tuple[str, str]]:
+    """(architecture suffix, runner) in the order vLLM tries them when the runner is "auto"
+    (``config/model.py: _SUFFIX_TO_DEFAULTS``)."""
+    src = tree.read("vllm/config/model.py") or ""
+    for node in ast.parse(src).body if src else ():
+        if isinstance(node, (ast.Assign, ast.AnnAssign)):
+            t = node.targets[0] if isinstance(node, ast.Assign) else node.target
+            if isinstance(t, ast.Name) and t.id == "_SUFFIX_TO_DEFAULTS" and node.value is not None:
+                try:
+                    return [(suf, runner) for suf, (runner, _) in ast.literal_eval(node.value)]
+                except (ValueError, TypeError):
+                    return []
+    return []
+
+
+def transformers_fallback(tree: SourceTree) -> Optional[dict]:
+    """How vLLM names its Transformers-backend class for an architecture it does not register
+    (``ModelConfig._get_transformers_backend_cls``: "Transformers" + "MultiModal" for a nested config + "MoE" +
+    "ForCausalLM" for the generate runner), read from config/model.py."""
+    src = tree.read("vllm/config/model.py")
+    fn = next((n for n in ast.walk(ast.parse(src)) if isinstance(n, ast.FunctionDef) and
+               n.name == "_get_transformers_backend_cls"), None) if src else None
+    if fn is None:
+        return None
+    parts = []
+    for n in ast.walk(fn):
+        if isinstance(n, ast.Assign) and isinstance(n.value, ast.Constant) and isinstance(n.value.value, str):
+            parts.append(("base", n.value.value))
+        elif isinstance(n, ast.AugAssign):
+            v = n.value.body if isinstance(n.value, ast.IfExp) else n.value
+            if isinstance(v, ast.Constant) and isinstance(v.value, str):
+                test = ast.unparse(n.value.test) if isinstance(n.value, ast.IfExp) else None
+                parts.append((test, v.value))
+    base = next((v for k, v in parts if k == "base"), None)
+    mm = next((v for k, v in parts if k and "hf_text_config" in k), None)
+    moe = next((v for k, v in parts if k and "is_moe" in k), None)
+    lm = next((v for k, v in parts if k is None and v.endswith("ForCausalLM")), None)
+    if not (base and lm):
+        return None
+    return {"function": "ModelConfig._get_transformers_backend_cls", "text": base + lm,
+            "multimodal": base + (mm or "") + lm, "moe": base + (moe or "") + lm,
+            "multimodal_moe": base + (mm or "") + (moe or "") + lm,
+            "resolver": "ModelRegistry._try_resolve_transformers"}
+
+
 def table(path) -> dict:
     tree = SourceTree(path)
     index = Index(tree)
-    regs = _literal_dicts(tree.read(MODELS + "registry.py"), TARGET_REGISTRIES + ("_SPECULATIVE_DECODING_MODELS",))
+    order, regs, unread = registry_dicts(tree.read(MODELS + "registry.py"))
+    merged: Dict[str, Tuple[str, str]] = {}
+    source: Dict[str, str] = {}
+    for reg in order:  # the merge _VLLM_MODELS does: a later dict wins
+        for arch, v in regs[reg].items():
+            merged[arch] = v
+            source[arch] = reg
     targets = {}
-    all_targets = {a: v for reg in TARGET_REGISTRIES for a, v in regs.get(reg, {}).items()}
-    for reg in TARGET_REGISTRIES:
-        for arch, (mod, name) in sorted(regs.get(reg, {}).items()):
-            targets[arch] = describe_target(index, arch, mod, name, all_targets)
+    runners = suffix_runners(tree)
+    for arch, (mod, name) in sorted(merged.items()):
+        row = dict(describe_target(index, arch, mod, name, merged), registry=source[arch])
+        row["default_runner"] = next((r for suffix, r in runners if arch.endswith(suffix)), None)
+        if source[arch] == SPECULATIVE_REGISTRY:
+            # vLLM registers these as speculative (draft) models: a draft head or MTP module, never the target
+            row = {"class": row["class"], "registry": source[arch], "default_runner": row["default_runner"],
+                   "supported": False,
+                   "reason": f"{arch} is registered in {SPECULATIVE_REGISTRY}: vLLM builds it as the speculative "
+                             f"(draft) model, not as a target that captures hidden states"}
+        targets[arch] = row
     heads = {}
-    for arch, (mod, name) in sorted(regs.get("_SPECULATIVE_DECODING_MODELS", {}).items()):
+    for arch, (mod, name) in sorted(regs.get(SPECULATIVE_REGISTRY, {}).items()):
         if "eagle3" in mod:
             src = tree.read(_module_path(mod)) or ""
             heads[arch] = {"class": f"{mod}.{name}", "reads_tie_word_embeddings": "tie_word_embeddings" in src,
                            "lm_head_rows": "draft_vocab_size"
-                           if re.search(r"ParallelLMHead\(\s*self\.config\.draft_vocab_size", src) else None}
+                           if re.search(r"ParallelLMHead\(\s*self\.config\.draft_vocab_size", src) else None,
+                           "layer": head_layer(index, _module_path(mod), name)}
     iface = tree.read(MODELS + "interfaces.py") or ""
     m = re.search(r"def _set_aux_hidden_state_layers\(.*?\n(.*?)\n\n", iface, re.S)
     return {"engine": "vllm", "version": tree.version(), "source": Path(path).name, "targets": targets,
+            "registry": {"merged_into": MERGED_REGISTRY, "order": order,
+                         "dicts": {r: list(regs[r]) for r in order}, "unread": unread},
+            "transformers_fallback": transformers_fallback(tree),
             "draft_heads": heads, "draft_rename": draft_rename(tree), "ids": ids_readers(tree),
             "speculators_eagle3_arch_map": speculators_eagle3(tree),
             "shares_target_lm_head_without_own": "has_own_lm_head" in

@@ -157,14 +157,39 @@ def _layer_range(inner) -> Tuple[int, int]:
     return int(start if isinstance(start, int) else 0), int(end if isinstance(end, int) else n)
 
 
+def configured_captures(inner) -> List[int]:
+    """SGLang's configured ``layers_to_capture`` as its layer loop takes them, one entry per capture SGLang
+    counts. Families whose forward reads per-layer flags (``set_eagle3_layers_to_capture`` sets
+    ``self.layers[i]._is_layer_to_capture``: qwen2/3-MoE, Qwen3-Next, ...) capture the layer an entry flags,
+    so a negative entry is the layer Python's indexing wraps it to."""
+    ids = [int(i) for i in inner.__dict__.get("layers_to_capture", []) if isinstance(i, int)]
+    layers = _layers(inner)
+    if layers is not None and any(getattr(layer, "_is_layer_to_capture", False) for layer in layers):
+        n = len(layers)
+        ids = [i % n if -n <= i < 0 else i for i in ids]
+    return ids
+
+
 def configured_boundaries(inner) -> List[int]:
     """The capture indices this rank may record, in capture order (= slot order): SGLang's configured
-    ``layers_to_capture``, de-duplicated and sorted (every family captures in layer order), within
-    this rank's layers ``start..end`` (``end`` included: some families capture the last layer's
-    output at the final norm; one that cannot captures fewer, and such forwards run stock)."""
+    captures (:func:`configured_captures`), de-duplicated and sorted (every family captures in layer
+    order), within this rank's layers ``start..end`` (``end`` included: some families capture the last
+    layer's output at the final norm; one that cannot captures fewer, and such forwards run stock)."""
     start, end = _layer_range(inner)
-    ids = sorted({int(i) for i in inner.__dict__.get("layers_to_capture", []) if isinstance(i, int)})
-    return [i for i in ids if start <= i <= end]
+    return [i for i in sorted(set(configured_captures(inner))) if start <= i <= end]
+
+
+def unslotted_ids(inner) -> List[int]:
+    """Captures SGLang counts (:func:`configured_captures`) that :func:`configured_boundaries` gives no slot of
+    their own: outside this rank's layers (an id SGLang never captures, e.g. -1 on a family that takes ids as
+    boundaries) or repeated (SGLang captures a boundary once but counts it twice)."""
+    slots = set(configured_boundaries(inner))
+    seen, out = set(), []
+    for i in configured_captures(inner):
+        if i not in slots or i in seen:
+            out.append(i)
+        seen.add(i)
+    return out
 
 
 def _hidden_size(owner: CaptureOwner) -> Optional[int]:
@@ -681,6 +706,20 @@ def install_target_capture(model, max_tokens: Optional[int] = None,
         return None
     layer_ids = configured_boundaries(inner)
     hidden_size = _hidden_size(owner)
+    lost = unslotted_ids(inner)
+    if lost:
+        # SGLang counts every configured id as a capture (its packer expects len(layers_to_capture) of them, the
+        # draft's fc is sized for them); a buffer with fewer slots would only hide or change SGLang's own error
+        start, end = _layer_range(inner)
+        _warn_once(f"owner:{name}", "eagle3_ops: %s EAGLE-3 capture left stock: SGLang configured layers_to_capture "
+                   "%s (%d captures), but the boundaries of this rank's layers %d..%d give it %d distinct captures "
+                   "(%s): %s %s no slot of %s own (outside these layers, or repeated), so SGLang's own capture "
+                   "serves and its own error, if any, stands (the live wiring check, unless "
+                   "EAGLE3_OPS_WIRING_CHECK=0, or python -m eagle3_ops doctor says what to change)", name,
+                   list(inner.__dict__.get("layers_to_capture", [])), len(configured_captures(inner)), start, end,
+                   len(layer_ids), layer_ids, lost, "has" if len(lost) == 1 else "have",
+                   "its" if len(lost) == 1 else "their")
+        return None
     if not layer_ids or hidden_size is None:
         _warn_once(f"owner:{name}", "eagle3_ops: %s EAGLE-3 capture left stock: %s", name,
                    "no configured boundary on this rank's layers" if not layer_ids else
@@ -798,10 +837,11 @@ def _check_configured_layers(state: TargetCaptureState, inner) -> None:
     """SGLang configured the capture after the plugin installed it before KV sizing (with the same
     call and arguments): the layers must be the ones the buffer was laid out for."""
     now = configured_boundaries(inner)
-    if now != state.layer_ids and state.enabled:
+    if (now != state.layer_ids or unslotted_ids(inner)) and state.enabled:
         state.enabled = False
-        log.error("eagle3_ops: %s: SGLang configured capture layers %s, but the capture buffer was laid out for %s; "
-                  "this model uses SGLang's stock capture", state.model_name, now, state.layer_ids)
+        log.error("eagle3_ops: %s: SGLang configured capture layers %s (%d captures), but the capture buffer was "
+                  "laid out for %s; this model uses SGLang's stock capture", state.model_name,
+                  list(inner.__dict__.get("layers_to_capture", [])), len(configured_captures(inner)), state.layer_ids)
 
 
 def _fc_sharding_note(state: TargetCaptureState) -> str:

@@ -224,7 +224,7 @@ class WiringCheck:
         n = int(replay.get("tokens", 0))
         offline = _shell(self._offline_command(states))
         result = {"model": self.model_name, "served": self.served, "tokens": n, "states": str(states),
-                  "seconds": round(seconds, 1), "replay_command": offline,
+                  "seconds": round(seconds, 1), "replay_command": offline, "draft_code": replay.get("draft_code"),
                   "candidates": replay.get("candidates", [])[:12]}
         if conf is None:
             self._fail("the served wiring could not be scored (see the doctor's errors: "
@@ -234,6 +234,11 @@ class WiringCheck:
         if "E_REPLAY_BETTER_WIRING" in codes:
             gain, se = float(replay.get("gain", 0.0)), float(replay.get("gain_stderr", 0.0))
             fix = self._fix(best["boundaries"])
+            feedable = next((c for c in replay.get("candidates", []) if c.get("ids") is not None), None)
+            if fix["ids"] is None and feedable is not None and feedable["boundaries"] != conf["boundaries"]:
+                fix["text"] += (f" The best wiring SGLang can feed is {feedable.get('label')} {feedable['boundaries']} "
+                                f"({100 * feedable['accuracy']:.1f}%): set eagle_config.eagle_aux_hidden_state_layer_ids "
+                                f"to {feedable['ids']} to serve it.")
             result.update(verdict="WARNING", best=best, configured=conf, gain=gain, gain_stderr=se, fix=fix)
             log.warning("eagle3_ops: %s: WARNING: %s's draft predicts the target best with %s %s (%s): %.1f%% top-1 "
                         "agreement, against %.1f%% for the served %s (+%.1f ± %.1f points, %d positions). %s "
@@ -260,18 +265,21 @@ class WiringCheck:
         self.maybe_log_acceptance()
 
     def _fix(self, boundaries: List[int]) -> dict:
-        """The draft config change that makes SGLang feed ``boundaries``: ids the doctor itself passes
-        (checks.verified_fix with the readings required to agree: re-run, it would not warn)."""
-        from ..doctor.checks import verified_fix
+        """The draft config change that makes SGLang feed ``boundaries``: the replay is the evidence, so the
+        fix is the id list SGLang's own id rule turns into exactly that wiring (checks.verified_fix without
+        asking the config's readings to agree), the one closest to the ids the config holds; where none
+        exists, why (checks.why_no_fix)."""
+        from ..doctor.checks import verified_fix, why_no_fix
 
-        ids = None
-        if self.report is not None and self.report.wiring is not None:
-            ids = verified_fix(self.report, list(boundaries), check_readings=True)
+        if self.report is None or self.report.wiring is None:
+            return {"ids": None, "text": "The doctor's report of the configs is missing, so no id list was checked."}
+        ids = verified_fix(self.report, list(boundaries), check_readings=False)
         if ids is None:
-            return {"ids": None, "text": "No id list makes SGLang feed that wiring without the doctor flagging the "
-                                         "config; serve it with an engine that can, or retrain the draft."}
+            return {"ids": None, "text": f"No id list makes SGLang feed that wiring: {why_no_fix(self.report, list(boundaries))}; "
+                                         f"serve the draft with an engine that captures it, or retrain it on "
+                                         f"boundaries SGLang captures."}
         return {"ids": ids, "text": f"To serve it, set eagle_config.eagle_aux_hidden_state_layer_ids to {ids} in "
-                                    f"{self.draft_dir / 'config.json'} and restart."}
+                                    f"{self.draft_dir / 'config.json'} (now {self.report.wiring.ids}) and restart."}
 
     # ---- observed acceptance ------------------------------------------------------------------------
     def count(self, correct_per_request) -> None:
@@ -514,26 +522,45 @@ def _needed_boundaries(report, served: List[int], num_layers: int) -> List[int]:
     return sorted(b for b in out if 0 <= b <= num_layers)
 
 
-def _doctor_report(target_config, draft_dir: Path, tp_size: int):
+def _doctor_report(target_config, draft_dir: Path, tp_size: int, pp_size: int = 1,
+                   pp_partition: Optional[List[int]] = None):
     from ..doctor import checks, configs
 
     target = configs.target_from_config(target_config, use_sglang=True)
     draft = configs.parse_draft(draft_dir, use_sglang=True)
     weights = configs.read_weight_headers(draft_dir)
-    report = checks.run_checks(target, draft, weights, checks.Options(engine="sglang", tp=tp_size,
-                                                                      engine_code="installed"))
+    report = checks.run_checks(target, draft, weights, checks.Options(
+        engine="sglang", tp=tp_size, pp=pp_size, pp_partition=pp_partition, engine_code="installed"))
     return report, weights
+
+
+def _pipeline() -> tuple:
+    """(pp size, SGLANG_PP_LAYER_PARTITION as a list or None) of this server: where the doctor's pipeline rule
+    (only the last stage captures) applies."""
+    from .dump_states import _server_args
+
+    pp = getattr(_server_args(), "pp_size", 1)
+    pp = pp if isinstance(pp, int) and pp > 0 else 1
+    raw = os.environ.get("SGLANG_PP_LAYER_PARTITION", "").strip()
+    try:
+        partition = [int(x) for x in raw.split(",")] if raw and pp > 1 else None
+    except ValueError:
+        partition = None
+    return pp, partition if partition and len(partition) == pp else None
 
 
 def _cannot_replay(report, weights) -> Optional[str]:
     """Why the replay cannot score this draft (known from the configs, before anything is recorded)."""
-    from ..doctor.replay import unsupported_draft
+    from ..doctor.replay import draft_implementation, unsupported_draft
 
     if report.wiring is None or report.training is None:
         return ("the doctor finds no wiring SGLang would serve (see its errors: "
                 + ", ".join(f.code for f in report.findings if f.severity == "error") + ")"
                 if report.draft.use_aux_hidden_state else "the draft uses no aux hidden states")
-    return unsupported_draft(report.draft, weights)
+    wrong_class = next((f for f in report.findings if f.code == "E_DRAFT_CLASS"), None)
+    if wrong_class is not None:  # SGLang serves such a draft with parameters unset: nothing trained to score
+        return f"the draft's class does not fit its checkpoint (E_DRAFT_CLASS: {wrong_class.message})"
+    return unsupported_draft(report.draft, weights, draft_implementation("sglang"))  # what the replay child runs
 
 
 def _verdict_text(report) -> str:
@@ -546,6 +573,105 @@ def _verdict_text(report) -> str:
     if warnings:
         return f"doctor: WARNING {', '.join(warnings)}"
     return "doctor: OK (nothing to warn about in the configs)"
+
+
+UNSERVABLE = "the draft config asks SGLang for captures it will not take (see the ERROR line)"
+
+
+def _collects_in_packer(owner) -> Optional[bool]:
+    """Whether the capture owner's forward collects into SGLang's ``AuxHiddenStatePacker`` (whose ``finalize``
+    raises when it got fewer captures than configured), read from its source; None: cannot tell."""
+    import inspect
+
+    try:
+        fn = inspect.unwrap(next(k.__dict__["forward"] for k in type(owner.inner).__mro__ if "forward" in k.__dict__))
+        return "AuxHiddenStatePacker" in inspect.getsource(fn)
+    except (StopIteration, OSError, TypeError):
+        return None
+
+
+def unservable_advice(report, draft_dir: Path, model_name: str, packer: Optional[bool],
+                      check_off: Optional[str] = None) -> Optional[str]:
+    """Where the draft config asks SGLang for a capture it will not take (an id no layer of this model has, the
+    last layer's output on a family that cannot capture it, a boundary on an earlier pipeline stage, a repeated
+    boundary): what SGLang will do, each plausible reading of the config with the ids SGLang serves for it, and
+    how the trained wiring is then found (the live check, or, where ``check_off`` says why it does not run
+    here, the offline replay). None when every configured id is captured."""
+    from ..doctor.checks import verified_fix, why_no_fix
+    from ..doctor.engines import short_boundary
+
+    w = report.wiring if report is not None else None
+    if w is None or w.ids is None:
+        return None
+    lost = [sl for sl in w.slots if not sl.captured]
+    if not lost and not w.duplicates:
+        return None
+    L, counted = report.target.num_layers, len(w.config_order)  # SGLang counts one capture per id
+    got = len(w.captured_boundaries)
+    takes = report.fc_slots if report.fc_slots is not None else counted
+    bad = [f"id {sl.config_id} -> boundary {sl.boundary}: {sl.why_not}" for sl in lost]
+    if w.duplicates:
+        bad.append(f"boundaries {sorted(set(w.duplicates))} are named twice and captured once")
+    if packer and got:
+        fails = (f"SGLang's first forward of {model_name} fails with its own error, RuntimeError: captured {got} of "
+                 f"{counted} aux hidden states (AuxHiddenStatePacker.finalize), before a prompt is served")
+    elif got:
+        fails = (f"SGLang feeds the draft {got} of the {takes} states its fc takes ({got} x the hidden size wide "
+                 f"instead of {takes} x), not the input the draft was trained on")
+    else:
+        fails = f"SGLang's target captures none of them, and the draft gets none of the {takes} states its fc takes"
+    readings, servable, edited = [], False, False
+    for n, r in enumerate(report.training.readings if report.training is not None else []):
+        tag = chr(ord("A") + n)
+        if not r.plausible:
+            edited = edited or r.key == "sglang-capture"
+            readings.append(f"({tag}) {r.label}: boundaries {r.boundaries}, ruled out ({r.why_not})")
+            continue
+        ids = verified_fix(report, r.boundaries, check_readings=False)
+        servable = servable or ids is not None
+        serve = (f"serve it with ids {ids}" if ids is not None else
+                 f"SGLang cannot serve it: {why_no_fix(report, r.boundaries)}")
+        readings.append(f"({tag}) {r.label}: trained on {r.boundaries} = "
+                        f"{', '.join(short_boundary(b, L) for b in r.boundaries)}; {serve}")
+    default = w.rules.map_ids(None, L).config_order
+    in_words = ", ".join(short_boundary(b, L) for b in default)
+    default_ids = verified_fix(report, default, check_readings=False)
+    note = (" A draft trained through SGLang cannot have been trained with these ids on this model (reading A is "
+            "ruled out), so the config was most likely edited after training (e.g. -1 written for 'the embeddings'): "
+            "the ids it was published with are the surest fix." if edited else "")
+    what = "one of these lists" if servable else \
+        (f"SGLang's default boundaries {default} ({in_words}; ids {default_ids}), since no reading above is one SGLang "
+         f"serves" if default_ids is not None else "ids SGLang captures (none of the readings above is one)")
+    if check_off is None:
+        then = (f"Serve {what}: the live check then replays the draft on the first prompts against the served "
+                f"wiring, its neighbours and SGLang's default boundaries {default} ({in_words}), and names the wiring "
+                f"the draft was trained on with the ids that serve it")
+    else:
+        then = (f"Serve {what}; the live check is off here ({check_off}), so record states (EAGLE3_OPS_DUMP_STATES) "
+                f"and run python -m eagle3_ops doctor --replay on them: it scores the served wiring, its neighbours "
+                f"and SGLang's default boundaries {default} and names the wiring the draft was trained on")
+    return (f"{model_name}: ERROR: the draft config asks SGLang for captures it will not take: "
+            f"eagle_config.eagle_aux_hidden_state_layer_ids = {w.ids} in {Path(draft_dir) / 'config.json'}; "
+            f"{'; '.join(bad)}. {fails}. What the draft may have been trained on, and the ids SGLang serves for each: "
+            f"{'; '.join(readings) or 'the config records no readable ids'}.{note} {then}")
+
+
+def _advise_now(model, owner, cfg, draft_path, tp_size, check_off: str) -> bool:
+    """Rank 0, where the live check does not start for another reason (a server setting, ``check_off``): the
+    same ERROR line as :func:`unservable_advice` when the config asks for captures SGLang will not take. True
+    when said."""
+    try:
+        draft_dir = _draft_dir(draft_path)
+        if draft_dir is None or cfg is None:
+            return False
+        report, _ = _doctor_report(cfg, draft_dir, tp_size, *_pipeline())
+        advice = unservable_advice(report, draft_dir, type(model).__name__, _collects_in_packer(owner), check_off)
+    except Exception:  # noqa: BLE001 - advice only; the server's own errors stand
+        log.debug("eagle3_ops: %s: the start-up advice could not be built", LABEL, exc_info=True)
+        return False
+    if advice:
+        log.error("eagle3_ops: %s: %s", LABEL, advice)
+    return bool(advice)
 
 
 def _prepare_check(model, name, cfg, draft_path, served, num_layers, tp_rank, tp_size):
@@ -563,6 +689,8 @@ def _prepare_check(model, name, cfg, draft_path, served, num_layers, tp_rank, tp
         check.report, weights = _doctor_report(cfg, draft_dir, tp_size)
     except Exception as e:
         return check, f"the doctor could not read the configs ({type(e).__name__}: {e})", None, 0
+    if unservable_advice(check.report, draft_dir, name, None) is not None:
+        return check, UNSERVABLE, None, 0
     why_not = _cannot_replay(check.report, weights)
     expected = [sl.boundary for sl in check.report.wiring.slots] if check.report.wiring is not None else served
     if why_not is None and expected != served:  # the replay's "served" wiring would not be the server's
@@ -595,33 +723,42 @@ def start(model, *, draft_path=None, target_config=None) -> Optional[WiringCheck
         return None
     from ..doctor.states import DumpSettings
     from . import dump_states
-    from .capture_hooks import capture_state, find_capture_owner
+    from .capture_hooks import capture_state, configured_captures, find_capture_owner
     from .groups import tp_group, tp_rank_size
     from .lockstep import same_on_all_ranks
 
     name = type(model).__name__
     tp_rank, tp_size = tp_rank_size()
     say = log.info if tp_rank == 0 else (lambda *a, **k: None)
-    if os.environ.get("EAGLE3_OPS_DUMP_STATES", "").strip():
-        say("eagle3_ops: %s: off while EAGLE3_OPS_DUMP_STATES records (check offline with doctor --replay on "
-            "that file)", LABEL)
-        return None
+    dumping = bool(os.environ.get("EAGLE3_OPS_DUMP_STATES", "").strip())
     if draft_path is None:
         sa = dump_states._server_args()
         if sa is None or str(getattr(sa, "speculative_algorithm", "") or "").upper() != "EAGLE3":
+            if dumping:
+                say("eagle3_ops: %s: off while EAGLE3_OPS_DUMP_STATES records (check offline with doctor --replay "
+                    "on that file)", LABEL)
             return None  # no EAGLE-3 server here (a script): nothing to check against
         draft_path = getattr(sa, "speculative_draft_model_path", None)
     owner, _ = find_capture_owner(model)
     if owner is None:
         return None
-    refused = dump_states.server_refusal()  # a server setting: every rank returns here
-    if refused is not None:
-        say("eagle3_ops: %s: off %s (%s); check offline with python -m eagle3_ops doctor --replay", LABEL, *refused)
+    cfg = target_config if target_config is not None else getattr(model, "config", None)
+    # server settings (every rank returns here); ids SGLang will not capture are still said (rank 0, local)
+    refused = None if dumping else dump_states.server_refusal()
+    if dumping or refused is not None:
+        if tp_rank == 0:
+            _advise_now(model, owner, cfg, draft_path, tp_size,
+                        "EAGLE3_OPS_DUMP_STATES records" if dumping else f"{refused[0]}: {refused[1]}")
+        if dumping:
+            say("eagle3_ops: %s: off while EAGLE3_OPS_DUMP_STATES records (check offline with doctor --replay on "
+                "that file)", LABEL)
+        else:
+            say("eagle3_ops: %s: off %s (%s); check offline with python -m eagle3_ops doctor --replay", LABEL,
+                *refused)
         return None
     inner = owner.inner
     state = capture_state(model)
-    served = list(state.layer_ids) if state is not None else sorted({int(i) for i in inner.layers_to_capture})
-    cfg = target_config if target_config is not None else getattr(model, "config", None)
+    served = list(state.layer_ids) if state is not None else sorted(set(configured_captures(inner)))
     num_layers = int(getattr(getattr(inner, "config", None), "num_hidden_layers", len(getattr(inner, "layers", []))))
     # Local work first (files, the doctor: a rank may fail alone, e.g. a draft present on one node only),
     # then ONE agreement every rank takes part in, then the recording (install_recorder votes again).
@@ -634,6 +771,10 @@ def start(model, *, draft_path=None, target_config=None) -> Optional[WiringCheck
     agreed = same_on_all_ranks(repr((why_not is None, needed, min_forward)), tp_group())
     if why_not is not None or not agreed:
         report = check.report if check is not None else None
+        if why_not == UNSERVABLE and tp_rank == 0:
+            log.error("eagle3_ops: %s: %s", LABEL, unservable_advice(report, check.draft_dir, name,
+                                                                      _collects_in_packer(owner)))
+            return None
         say("eagle3_ops: %s: %s feeds its draft %s (boundaries %s); %s; the live check cannot run: %s", LABEL, name,
             boundaries_in_words(served, num_layers), served, _verdict_text(report),
             why_not or "the TP ranks disagree on what to record (see their logs)")

@@ -155,3 +155,280 @@ def test_readme_rule_table_is_rendered_from_the_tables():
     block = re.search(re.escape(BEGIN) + r"\n(.*?)\n" + re.escape(END), text, re.S)
     assert block is not None, "README has no generated rule table"
     assert block.group(1) == render().strip("\n"), "rerun: python -m eagle3_ops.doctor.tables.readme --write"
+
+
+# ------------------------------------------------------------------------------------- vLLM's whole registry
+def test_vllm_table_covers_every_registry_architecture():
+    """The table records the registry dicts registry.py merges into _VLLM_MODELS, as read from the wheel; every
+    architecture of every one of them has a target row, from the dict whose entry wins the merge (a later dict
+    wins), and nothing in a dict went unread. The Transformers-backend mappings are among them."""
+    t = tables.load("vllm")
+    reg, rows = t["registry"], t["targets"]
+    assert reg["merged_into"] == "_VLLM_MODELS" and reg["unread"] == {}, reg["unread"]
+    assert set(reg["order"]) == set(reg["dicts"]) and len(reg["dicts"]) > 2
+    winner = {}
+    for name in reg["order"]:
+        assert reg["dicts"][name], name
+        for arch in reg["dicts"][name]:
+            winner[arch] = name
+    missing = sorted(a for a in winner if a not in rows)
+    assert not missing, missing
+    assert set(rows) == set(winner)
+    assert all(rows[a]["registry"] == d for a, d in winner.items())
+    # the branch the table used to miss: architectures served by the Transformers backend package
+    backend = {a for a, r in rows.items() if r["class"].startswith("transformers.")}
+    assert backend and any(all(a in backend for a in reg["dicts"][d]) for d in reg["order"])
+
+
+def test_vllm_transformers_backend_rows_come_from_its_code():
+    """Olmo2ForCausalLM is registered to vLLM's Transformers backend (transformers.TransformersForCausalLM): the
+    row says what that backend's own code does. Base implements SupportsEagle3, its default is
+    (2, L//2, L-3), and set_aux_hidden_state_layers records the output of self._layer_names[layer - 1] (the
+    boundary the id names), a dict of the decoder layers' indices, so an id outside 1..L has no key."""
+    rows = tables.load("vllm")["targets"]
+    row = rows["Olmo2ForCausalLM"]
+    assert row["class"] == "transformers.TransformersForCausalLM" and row["supported"] is True
+    assert row["default"] == "(2, num_layers // 2, num_layers - 3)" and row["default_from"] == "Base"
+    assert row["capture"] == [{"boundary": "after", "index": "layer - 1", "value": "layer-output"}]
+    assert row["id_lookup"]["offset"] == 1 and "int(child_name)" in row["id_lookup"]["keys_from"]
+    r = rules.target_rules("vllm", _target("Olmo2ForCausalLM", 16))
+    assert r.supported and r.class_name == "transformers.TransformersForCausalLM" and r.arch == "Olmo2ForCausalLM"
+    assert r.map_ids(None, 16).config_order == [2, 8, 13] and r.map_ids([1, 8, 16], 16).error is None
+    assert "KeyError" in r.map_ids([0, 8, 15], 16).error and "KeyError" in r.map_ids([1, 8, 17], 16).error
+    assert "id 0" in r.raises_at_zero
+
+
+SYNTHETIC_REGISTRY = '''
+_TEXT_GENERATION_MODELS = {
+    "LlamaForCausalLM": ("llama", "LlamaForCausalLM"),
+    "MistralForCausalLM": ("llama", "LlamaForCausalLM"),
+    "FooForCausalLM": ("foo", "FooForCausalLM"),
+}
+_EMBEDDING_MODELS = {
+    "LlamaModel": ("llama", "LlamaForCausalLM"),
+    **{k: (mod, arch) for k, (mod, arch) in _TEXT_GENERATION_MODELS.items() if arch == "LlamaForCausalLM"},
+}
+_TRANSFORMERS_SUPPORTED_MODELS = {
+    "FooForCausalLM": ("transformers", "TransformersForCausalLM"),
+    "BarForCausalLM": ("transformers", "TransformersForCausalLM"),
+}
+_ODD_MODELS = {
+    "Odd": make_entry(),
+}
+_VLLM_MODELS = {
+    **_TEXT_GENERATION_MODELS,
+    **_EMBEDDING_MODELS,
+    **_TRANSFORMERS_SUPPORTED_MODELS,
+    **_ODD_MODELS,
+}
+_NOT_MERGED = {"X": ("x", "X")}
+'''
+
+
+def test_vllm_registry_reader_on_a_synthetic_registry():
+    """The generator's registry reading, without the wheel: every dict _VLLM_MODELS merges, in merge order, with
+    comprehension spreads evaluated, entries it cannot read recorded (never dropped silently), dicts not merged
+    left out."""
+    order, dicts, unread = vllm_code.registry_dicts(SYNTHETIC_REGISTRY)
+    assert order == ["_TEXT_GENERATION_MODELS", "_EMBEDDING_MODELS", "_TRANSFORMERS_SUPPORTED_MODELS", "_ODD_MODELS"]
+    assert list(dicts["_EMBEDDING_MODELS"]) == ["LlamaModel", "LlamaForCausalLM", "MistralForCausalLM"]
+    assert dicts["_TRANSFORMERS_SUPPORTED_MODELS"]["FooForCausalLM"] == ("transformers", "TransformersForCausalLM")
+    assert unread == {"_ODD_MODELS": ["'Odd'"]} and dicts["_ODD_MODELS"] == {}
+    assert "_NOT_MERGED" not in dicts
+
+
+def _tree(tmp_path, files: dict):
+    for rel, text in files.items():
+        p = tmp_path / rel
+        p.parent.mkdir(parents=True, exist_ok=True)
+        p.write_text(text)
+    return tmp_path
+
+
+M = "vllm/model_executor/models/"
+SYNTHETIC_MODELS = {
+    "vllm/_version.py": "__version__ = version = '9.9.9'\n",
+    M + "registry.py": SYNTHETIC_REGISTRY + '''
+_SPECULATIVE_DECODING_MODELS = {"Eagle3LlamaForCausalLM": ("llama_eagle3", "Eagle3LlamaForCausalLM")}
+_VLLM_MODELS = {**_TEXT_GENERATION_MODELS, **_TRANSFORMERS_SUPPORTED_MODELS, **_SPECULATIVE_DECODING_MODELS}
+''',
+    M + "interfaces.py": '''
+class SupportsEagle3:
+    def get_eagle3_default_aux_hidden_state_layers(self):
+        return (2, num_layers // 2, num_layers - 3)
+''',
+    M + "llama.py": '''
+from torch import nn
+from .interfaces import SupportsEagle3
+from vllm.model_executor.layers.linear import ColumnLinear
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, hidden, inter, bias=False):
+        super().__init__()
+        self.gate_up_proj = ColumnLinear(hidden, 2 * inter, bias=bias)
+        self.down_proj = ColumnLinear(inter, hidden, bias=bias)
+
+
+class LlamaModel(nn.Module):
+    def forward(self, h, residual, aux):
+        self._maybe_add_hidden_state(aux, self.start_layer, h, residual)
+        for idx, layer in enumerate(self.layers, start=self.start_layer):
+            h, residual = layer(h, residual)
+            self._maybe_add_hidden_state(aux, idx + 1, h, residual)
+
+
+class LlamaForCausalLM(nn.Module, SupportsEagle3):
+    def __init__(self, config):
+        self.model = LlamaModel(config)
+''',
+    M + "foo.py": '''
+class FooForCausalLM:
+    pass
+''',
+    "vllm/model_executor/layers/linear.py": '''
+from torch import nn
+
+
+class UnquantizedLinearMethod:
+    def create_weights(self, layer, *args):
+        layer.register_parameter("weight", make())
+
+
+class LinearBase(nn.Module):
+    def __init__(self, quant_config=None):
+        super().__init__()
+        if quant_config is None:
+            self.quant_method = UnquantizedLinearMethod()
+
+
+class ColumnLinear(LinearBase):
+    def __init__(self, i, o, bias=True, quant_config=None):
+        super().__init__(quant_config)
+        self.quant_method.create_weights(layer=self)
+        if bias:
+            self.bias = nn.Parameter(make())
+        else:
+            self.register_parameter("bias", None)
+''',
+    M + "transformers/__init__.py": '''
+from vllm.model_executor.models.transformers.base import Base
+
+
+class TransformersForCausalLM(Base): ...
+''',
+    M + "transformers/base.py": '''
+from torch import nn
+from vllm.model_executor.models.interfaces import SupportsEagle3
+
+
+class Base(nn.Module, SupportsEagle3):
+    def recursive_replace(self):
+        for child_name, child in module.named_children():
+            self._layer_names[int(child_name)] = child_name
+
+    def set_aux_hidden_state_layers(self, layers):
+        for layer in layers:
+            layer_name = self._layer_names[layer - 1]
+            recorder = OutputRecorder(self._target_class, layer_name=layer_name)
+
+    def get_eagle3_default_aux_hidden_state_layers(self):
+        return (2, num_layers // 2, num_layers - 3)
+''',
+    M + "llama_eagle3.py": '''
+from typing import TYPE_CHECKING
+from torch import nn
+from vllm.model_executor.models.llama import LlamaMLP, LlamaForCausalLM
+from vllm.model_executor.layers.linear import ColumnLinear
+
+if TYPE_CHECKING:
+    class _Base(nn.Module):
+        pass
+else:
+    _Base = LlamaForCausalLM
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config, layer_idx=0):
+        super().__init__()
+        self.qkv_proj = ColumnLinear(2, 3, bias=False)
+        self.mlp = LlamaMLP(2, 4)
+        self.extra = ColumnLinear(2, 3, bias=False) if config.extra else None
+
+
+class Eagle3Model(nn.Module):
+    def __init__(self, config):
+        super().__init__()
+        self.layers = nn.ModuleList([DecoderLayer(config, layer_idx=i) for i in range(config.num_hidden_layers)])
+
+    def load_weights(self, weights):
+        stacked_params_mapping = [(".qkv_proj", ".q_proj", "q"), (".qkv_proj", ".k_proj", "k")]
+        for name, w in weights:
+            name = name.replace("midlayer.", "layers.0.")
+
+
+class Eagle3LlamaForCausalLM(_Base):
+    def __init__(self, *, config):
+        nn.Module.__init__(self)
+        self.model = Eagle3Model(config)
+
+    def load_weights(self, weights):
+        for name, w in weights:
+            name = "model." + name
+''',
+}
+
+
+def test_vllm_generator_on_synthetic_sources(tmp_path):
+    """vllm_code.table on a small source tree (no wheel): the merged registry's every architecture gets a row, a
+    registry entry naming the Transformers backend package resolves to its class there (transformers/__init__.py)
+    and its captures are read from Base.set_aux_hidden_state_layers; a draft head's layer tensors come from its
+    __init__ chain (ModuleList element 0, a linear layer's create_weights, a base named through the runtime side
+    of TYPE_CHECKING) and its load_weights' name mapping."""
+    t = vllm_code.table(_tree(tmp_path, SYNTHETIC_MODELS))
+    assert t["version"] == "9.9.9" and t["registry"]["unread"] == {}
+    assert set(t["targets"]) == {"LlamaForCausalLM", "MistralForCausalLM", "FooForCausalLM", "BarForCausalLM",
+                                 "Eagle3LlamaForCausalLM"}
+    foo = t["targets"]["FooForCausalLM"]  # the later dict wins the merge: the backend, not foo.FooForCausalLM
+    assert foo["registry"] == "_TRANSFORMERS_SUPPORTED_MODELS"
+    assert foo["class"] == "transformers.TransformersForCausalLM"
+    assert foo["supported"] and foo["capture"][0]["boundary"] == "after" and foo["id_lookup"]["offset"] == 1
+    assert "OutputRecorder" in foo["captured_by"]
+    assert t["targets"]["LlamaForCausalLM"]["capture"][0]["boundary"] in ("start", "after")
+    assert t["targets"]["Eagle3LlamaForCausalLM"]["supported"] is False  # a draft registration, not a target
+    params = t["draft_heads"]["Eagle3LlamaForCausalLM"]["layer"]["params"]
+    assert params["model.layers.0.qkv_proj.weight"] == {"from": ["k_proj.weight", "q_proj.weight", "qkv_proj.weight"],
+                                                        "conditional": False}
+    assert params["model.layers.0.mlp.gate_up_proj.weight"]["conditional"] is False
+    assert params["model.layers.0.extra.weight"]["conditional"] is True  # built only `if config.extra`
+    assert not any(p.endswith(".bias") for p in params)  # bias=False: register_parameter("bias", None)
+    layer = t["draft_heads"]["Eagle3LlamaForCausalLM"]["layer"]
+    fit = vllm_code.layer_fit(layer, ["q_proj.weight", "k_proj.weight", "mlp.gate_up_proj.weight",
+                                      "mlp.down_proj.weight"])
+    assert fit["fits"], fit
+    fit = vllm_code.layer_fit(layer, ["q_proj.weight", "k_proj.weight", "mlp.router.weight", "mlp.down_proj.weight"])
+    assert not fit["fits"] and fit["unloaded"] == ["mlp.router.weight"]
+    assert fit["missing"] == ["model.layers.0.mlp.gate_up_proj.weight"]
+
+
+def test_draft_head_layers_are_read_from_each_engines_code():
+    """Each engine table records, per EAGLE-3 head, the checkpoint tensors its load_weights loads into its decoder
+    layer: SGLang's llama head takes q/k/v through its stacked mapping into qkv_proj, its MLA head takes q_a_proj
+    and kv_a_proj_with_mqa into fused_qkv_a_proj_with_mqa (its load_weights' replace calls), and neither loads a
+    MoE MLP; vLLM's heads likewise (the Qwen3 head also needs q_norm / k_norm)."""
+    sg = tables.load("sglang")["draft_heads"]
+    llama = sg["LlamaForCausalLMEagle3"]["layer"]["params"]
+    assert set(llama["model.layers.0.self_attn.qkv_proj.weight"]["from"]) >= {"self_attn.q_proj.weight",
+                                                                             "self_attn.k_proj.weight",
+                                                                             "self_attn.v_proj.weight"}
+    mla = sg["Eagle3DeepseekV2ForCausalLM"]["layer"]["params"]
+    fused = mla["model.midlayer.self_attn.fused_qkv_a_proj_with_mqa.weight"]
+    assert {"self_attn.q_a_proj.weight", "self_attn.kv_a_proj_with_mqa.weight"} <= set(fused["from"])
+    assert not fused["conditional"] and not mla["model.midlayer.self_attn.kv_b_proj.weight"]["conditional"]
+    vl = tables.load("vllm")["draft_heads"]
+    qwen3 = vl["Eagle3Qwen3ForCausalLM"]["layer"]["params"]
+    assert not qwen3["model.layers.0.self_attn.q_norm.weight"]["conditional"]
+    for t in (sg, vl):
+        for name, head in t.items():
+            accepted = {n for p in head["layer"]["params"].values() for n in p["from"]}
+            assert accepted and not any("experts" in n or "router" in n for n in accepted), name

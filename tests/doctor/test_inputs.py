@@ -117,31 +117,47 @@ def test_margin_in_range_is_accepted(pair, capsys):
 
 
 # ------------------------------------------------------------------------------------ A3, B5: replay's draft
+# the replay's draft: SGLang's own class (the default where SGLang is installed, as here) or the plain twin
+SGLANG_CODE, PLAIN_CODE = ("--replay-draft", "sglang"), ("--replay-draft", "plain")
+
+
 def test_unknown_hidden_act_is_refused(pair, tmp_path, capsys):
     t, d = pair
     edit_config(d, hidden_act="squared_relu")
-    rc, err = doctor(capsys, "--draft", d, "--target", t, "--replay", write_states(tmp_path / "s.safetensors"))
+    states = write_states(tmp_path / "s.safetensors")
+    rc, err = doctor(capsys, "--draft", d, "--target", t, "--replay", states, *PLAIN_CODE)
     assert_exit_2(rc, err, "hidden_act 'squared_relu' is not supported", "supported: silu")
+    rc, err = doctor(capsys, "--draft", d, "--target", t, "--replay", states)  # SGLang's class says it itself
+    assert_exit_2(rc, err, "LlamaForCausalLMEagle3 (sglang.srt.models.llama_eagle3) cannot build this draft",
+                  "Unsupported activation: squared_relu")
 
 
 def test_other_architectures_are_refused(pair, tmp_path, capsys):
     t, d = pair
     edit_config(d, architectures=["DeepseekV3ForCausalLMEagle3"])
-    rc, err = doctor(capsys, "--draft", d, "--target", t, "--replay", write_states(tmp_path / "s.safetensors"))
+    states = write_states(tmp_path / "s.safetensors")
+    rc, err = doctor(capsys, "--draft", d, "--target", t, "--replay", states, *PLAIN_CODE)
     assert_exit_2(rc, err, "replay runs LlamaForCausalLMEagle3 drafts only; this draft is DeepseekV3ForCausalLMEagle3")
+    rc, err = doctor(capsys, "--draft", d, "--target", t, "--replay", states, *SGLANG_CODE)
+    assert_exit_2(rc, err, "the draft's architectures ['DeepseekV3ForCausalLMEagle3'] name none of SGLang 0.5.23's "
+                           "EAGLE-3 heads (Eagle3DeepseekV2ForCausalLM, LlamaForCausalLMEagle3)")
 
 
 def test_no_architectures_needs_the_llama_layout(tmp_path, capsys):
+    """The plain twin replays a draft without architectures when its tensors are llama_eagle3's; SGLang resolves a
+    draft's class from its architectures, so its own class cannot be picked for such a draft (and says so)."""
     t = write_target(tmp_path / "target", num_layers=L)
     states = write_states(tmp_path / "s.safetensors")
     llama = edit_config(write_draft(tmp_path / "llama", ids=[1, 15, 28]), architectures=[])
-    rc, err = doctor(capsys, "--draft", llama, "--target", t, "--replay", states)
+    rc, err = doctor(capsys, "--draft", llama, "--target", t, "--replay", states, *PLAIN_CODE)
     assert rc in (0, 1), err  # replayed
+    rc, err = doctor(capsys, "--draft", llama, "--target", t, "--replay", states)
+    assert_exit_2(rc, err, "the draft's architectures [] name none of SGLang 0.5.23's EAGLE-3 heads")
     layer = {k: v for k, v in draft_tensors().items() if k.startswith("midlayer.")}
     renamed = {"decoder." + k[len("midlayer."):]: v for k, v in layer.items()}  # not the llama_eagle3 names
     other = edit_config(write_draft(tmp_path / "other", ids=[1, 15, 28], tensors=renamed, drop=tuple(layer)),
                         architectures=[])
-    rc, err = doctor(capsys, "--draft", other, "--target", t, "--replay", states)
+    rc, err = doctor(capsys, "--draft", other, "--target", t, "--replay", states, *PLAIN_CODE)
     assert_exit_2(rc, err, "replay runs LlamaForCausalLMEagle3 drafts only; this draft is of unknown architecture")
 
 
@@ -368,3 +384,16 @@ def test_device_and_device_map_together(tmp_path, prompts, capsys):
 def test_out_is_a_directory(tmp_path, prompts, capsys):
     rc, _, err = capture(capsys, "--model", tmp_path, "--prompts", prompts, "--out", tmp_path)
     assert_exit_2(rc, err, f"--out {tmp_path} is a directory")
+
+
+def test_a_draft_served_with_the_targets_lm_head_is_refused_by_sglangs_runner(pair, tmp_path, capsys):
+    """No draft_vocab_size (and not tied): SGLang's head loads the target's lm_head (load_lm_head_from_target),
+    which a STATES file does not hold. Said before anything is scored."""
+    t, d = pair
+    cfg = json.loads((d / "config.json").read_text())
+    cfg.pop("draft_vocab_size")
+    (d / "config.json").write_text(json.dumps(cfg))
+    rc, err = doctor(capsys, "--draft", d, "--target", t, "--replay", write_states(tmp_path / "s.safetensors"),
+                     *SGLANG_CODE)
+    assert_exit_2(rc, err, "SGLang serves this draft with the target's lm_head",
+                  "LlamaForCausalLMEagle3.load_lm_head_from_target")

@@ -276,3 +276,25 @@ def mla_eagle3_draft(config, dtype: torch.dtype, seed: int = 1):
     fill_random(model, seed)
     model.post_load_weights()
     return model.eval()
+
+
+def serve_prompts(model, kv_config, prompts, dtype: torch.dtype = torch.float32, per_batch: int = 4):
+    """Prefill ``prompts`` (from position 0) in batches of ``per_batch``, as a server's first requests; the served
+    aux states and next-token logits of every batch. ``kv_config``: the config the KV cache is sized from."""
+    from eagle3_ops.demos.sglang_cpu_harness import KVCache, Req, extend_batch, run
+
+    kv = KVCache(kv_config, dtype, size=sum(map(len, prompts)) + 8, max_reqs=len(prompts) + 1)
+    outs = []
+    for s in range(0, len(prompts), per_batch):
+        chunk = prompts[s:s + per_batch]
+        out = run(model, extend_batch(kv, [Req(kv.new_req()) for _ in chunk], chunk), kv)
+        outs.append((out.hidden_states.clone(), out.next_token_logits.clone()))
+    return outs
+
+
+def same_where_clear(got, want, logits, gap=1e-3):
+    """The same predicted tokens wherever the top two logits are further apart than float32 rounding can move."""
+    top2 = logits.topk(2, dim=-1).values
+    clear = (top2[..., 0] - top2[..., 1]) > gap * logits.abs().amax(-1).clamp_min(1.0)
+    assert clear.float().mean() > 0.9, "too few clear positions to compare"
+    assert torch.equal(got[clear], want[clear]), (got != want).float().mean()

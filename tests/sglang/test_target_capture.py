@@ -67,3 +67,49 @@ def test_embedding_capture_is_copied_and_rest_fused(sglang_cpu, fused_norm_quali
         torch.testing.assert_close(out.hidden_states, ref, **h.tolerances(dtype))
     assert state.fused_sites == ["model.layers.2.input_layernorm"]
     assert state.stats["copied_captures"] == 2 + 1 and state.stats["fused_captures"] == 1
+
+
+def test_a_family_reading_layer_flags_wraps_negative_ids_and_the_plugin_follows(sglang_cpu):
+    """Qwen3-MoE's set_eagle3_layers_to_capture flags ``self.layers[id + 1]``, and its forward reads the flags:
+    id -2 -> layers[-1] = the last layer's entry (boundary L-1), a capture SGLang really takes. The plugin lays
+    its buffer out for the flagged boundaries (not the raw list's -1), and serves them bitwise stock."""
+    h = sglang_cpu
+    from eagle3_ops.sglang.capture_hooks import capture_state, configured_captures, unslotted_ids
+
+    dtype = torch.float32
+    cfg = h.FAMILIES["qwen3_moe"].make_config()
+    hf = h.hf_model("qwen3_moe", cfg, dtype)
+    model = h.sglang_from_hf("qwen3_moe", cfg, dtype, hf)
+    L = cfg.num_hidden_layers
+    model.set_eagle3_layers_to_capture([-2, 0, 1])  # stock
+    assert list(model.model.layers_to_capture) == [-1, 1, 2]
+    assert configured_captures(model.model) == [L - 1, 1, 2] and unslotted_ids(model.model) == []
+    stock = h.two_forwards(model, cfg, dtype, PROMPTS, DRAFTS)
+    assert stock[1].shape[-1] == 3 * cfg.hidden_size, "SGLang captures three states"
+
+    h.configure_capture(model, [-2, 0, 1])
+    state = capture_state(model)
+    assert state is not None and state.layer_ids == [1, 2, L - 1]
+    plugin = h.two_forwards(model, cfg, dtype, PROMPTS, DRAFTS)
+    h.assert_captures_match_hf_and_stock(stock, plugin, hf, [1, 2, L - 1], PROMPTS, DRAFTS, dtype, cfg.hidden_size)
+
+
+@pytest.mark.parametrize("ids,lost", [([-1, 1, 2], [-1]), ([2, 2, 3], [2])], ids=["uncaptured-id", "repeated-id"])
+def test_fewer_slots_than_sglang_counts_stays_stock(sglang_cpu, caplog, ids, lost):
+    """DeepSeek's rule takes ids as boundaries (first id not 1): -1 is never captured and a repeated id is
+    captured once, but SGLang's packer counts every entry. The plugin lays out no buffer with fewer slots (one
+    line); SGLang's own error stands, at the first forward, as it would without the plugin."""
+    h = sglang_cpu
+    from eagle3_ops.sglang.capture_hooks import capture_state
+
+    cfg = h.FAMILIES["deepseek_v2"].make_config()
+    model = h.sglang_model("deepseek_v2", cfg, torch.float32)
+    with caplog.at_level("WARNING", logger="eagle3_ops.sglang"):
+        h.configure_capture(model, ids)
+    assert capture_state(model) is None
+    lines = [r.getMessage() for r in caplog.records if "capture left stock" in r.getMessage()]
+    assert len(lines) == 1 and f"layers_to_capture {ids} (3 captures)" in lines[0] and f": {lost} has no slot" in \
+        lines[0], caplog.text
+    with pytest.raises(RuntimeError, match="captured 2 of 3 aux hidden states"):
+        kv = h.KVCache(cfg, torch.float32)
+        h.run(model, h.extend_batch(kv, [h.Req(kv.new_req())], [PROMPTS[0]]), kv)

@@ -21,6 +21,8 @@ import copy
 import pytest
 import torch
 
+from kimi_pair import kimi_config
+
 PROMPTS = [[5, 17, 3, 99, 42], [7, 1, 64, 23, 88, 120, 11]]
 DRAFTS = [[9, 31, 2, 77], [54, 6, 101, 13]]  # one chain of draft tokens per request
 DTYPE = torch.float32
@@ -271,19 +273,6 @@ def _deepseek_v3_text_cfg():
     return cfg
 
 
-def _kimi_k25_cfg(text):
-    from sglang.srt.configs.kimi_k25 import KimiK25Config, KimiK25VisionConfig
-
-    # the vision tower is built (MoonViT3d + patch-merger projector) but no image is fed
-    vision = KimiK25VisionConfig(patch_size=14, init_pos_emb_height=4, init_pos_emb_width=4, init_pos_emb_time=1,
-                                 num_attention_heads=2, num_hidden_layers=1, hidden_size=32, intermediate_size=64,
-                                 text_hidden_size=text.hidden_size, vt_hidden_size=32)
-    cfg = KimiK25Config(text_config=text, vision_config=vision)
-    cfg.encoder_only, cfg.language_only = False, False
-    cfg.architectures = ["KimiK25ForConditionalGeneration"]
-    return cfg
-
-
 @pytest.mark.parametrize("layer_ids,capture_ids", [([1, 2], [2, 3]), ([0, 1, 3], [0, 1, 3])],
                          ids=["first-id-1-shifted", "ids-as-is-with-embedding"])
 def test_kimi_k25_wrapper(sglang_cpu, fused_norm_qualified, layer_ids, capture_ids):
@@ -294,7 +283,7 @@ def test_kimi_k25_wrapper(sglang_cpu, fused_norm_qualified, layer_ids, capture_i
     text = _deepseek_v3_text_cfg()
     hf = _hf("DeepseekV3ForCausalLM", text)
     weights = [("language_model." + n, t) for n, t in h.checkpoint_weights(hf)]
-    model = _build(KimiK25ForConditionalGeneration, _kimi_k25_cfg(text), weights)
+    model = _build(KimiK25ForConditionalGeneration, kimi_config(text), weights)
     assert type(model.language_model) is DeepseekV3ForCausalLM and type(model.language_model.model) is DeepseekV2Model
     state = check_family(h, model, text, layer_ids, capture_ids, "language_model.model", hf=hf)
     # the EXTEND learns (by identity) which norm's residual SGLang captures; the VERIFY fuses there

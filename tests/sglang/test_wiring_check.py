@@ -57,16 +57,8 @@ def _target(h, pair):
     return cfg, h.sglang_model("llama", cfg, torch.float32, weights=weights.items())
 
 
-def _serve(h, model, cfg, prompts, per_batch=4):
-    """Prefill ``prompts`` in batches; the served aux states and next-token logits of every batch."""
-    kv = h.KVCache(cfg, torch.float32, size=sum(map(len, prompts)) + 8, max_reqs=len(prompts) + 1)
-    outs = []
-    for s in range(0, len(prompts), per_batch):
-        chunk = prompts[s:s + per_batch]
-        reqs = [h.Req(kv.new_req()) for _ in chunk]
-        out = h.run(model, h.extend_batch(kv, reqs, chunk), kv)
-        outs.append((out.hidden_states.clone(), out.next_token_logits.clone()))
-    return outs
+def _serve(h, model, cfg, prompts):
+    return h.serve_prompts(model, cfg, prompts)
 
 
 def _run_check(h, wc, pair, draft_dir, served_ids, prompts, caplog):
@@ -158,9 +150,11 @@ def test_a_path_that_is_not_there_gets_one_line_and_serving_goes_on(sglang_cpu, 
     _serve(h, model, cfg, json.loads(pair.prompts_file.read_text())[:2])
 
 
-def test_a_draft_class_replay_cannot_run_gets_one_line_at_start(sglang_cpu, wc, pair, tmp_path, caplog):
-    """SGLang's MLA head (Kimi-K2.x drafts): the replay runs llama_eagle3 drafts only, so the check says so
-    at start-up, with the doctor's verdict, and records nothing (no prefill leaves its CUDA graph)."""
+def test_a_draft_class_that_does_not_fit_its_checkpoint_gets_one_line_at_start(sglang_cpu, wc, pair, tmp_path,
+                                                                              caplog):
+    """The llama draft relabelled as SGLang's MLA head (the Kimi-K2.x drafts' class): SGLang would load it with
+    the MLA layer's parameters unset, so there is nothing trained to score. The check says so at start-up, with
+    the doctor's verdict naming the head that fits, and records nothing (no prefill leaves its CUDA graph)."""
     h = sglang_cpu
     draft = copy_draft_with_ids(pair, tmp_path / "mla", nested=[2, 4, 6])
     cfg_d = json.loads((draft / "config.json").read_text())
@@ -172,8 +166,10 @@ def test_a_draft_class_replay_cannot_run_gets_one_line_at_start(sglang_cpu, wc, 
         assert wc.start(model, draft_path=str(draft), target_config=cfg) is None
     lines = _lines(caplog, "live wiring check")
     assert len(lines) == 1, caplog.text
-    assert "cannot run: replay runs LlamaForCausalLMEagle3 drafts only" in lines[0]
-    assert "Eagle3DeepseekV2ForCausalLM" in lines[0] and "doctor:" in lines[0]
+    assert "cannot run: the draft's class does not fit its checkpoint (E_DRAFT_CLASS" in lines[0]
+    assert "Eagle3DeepseekV2ForCausalLM" in lines[0] and "doctor: ERROR E_DRAFT_CLASS" in lines[0]
+    assert "to LlamaForCausalLMEagle3" in lines[0], lines[0]
+    assert wc.checks() == [] and not dump_states._recorders
     _serve(h, model, cfg, json.loads(pair.prompts_file.read_text())[:2])
 
 
@@ -358,8 +354,9 @@ def _assert_off(h, wc, pair, caplog, needle, first_line):
     with caplog.at_level(logging.INFO, logger="eagle3_ops.sglang"):
         assert wc.start(model, draft_path=str(pair.draft_dir), target_config=cfg) is None
         assert dump_states.install_recorder(model, None, label="x") is None
-    lines = _lines(caplog, needle)
+    lines = [r.getMessage() for r in caplog.records if needle in r.getMessage() and r.levelno < logging.ERROR]
     assert len(lines) == 2 and first_line in lines[0], caplog.text
+    return [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
 
 
 def test_off_under_dp_attention(sglang_cpu, wc, pair, monkeypatch, caplog):
@@ -381,8 +378,12 @@ def test_off_under_pipeline_parallelism(sglang_cpu, wc, pair, monkeypatch, caplo
     server = types.SimpleNamespace(speculative_algorithm="EAGLE3", pp_size=2, enable_dp_attention=False)
     monkeypatch.setattr(runtime_context, "get_server_args", lambda: server)
     assert dump_states.pipeline_parallel()
-    _assert_off(sglang_cpu, wc, pair, caplog, "pipeline parallelism",
-                "live wiring check: off under pipeline parallelism")
+    errors = _assert_off(sglang_cpu, wc, pair, caplog, "pipeline parallelism",
+                         "live wiring check: off under pipeline parallelism")
+    # with 2 stages of the 8 layers the last one (layers 4..7) captures boundary 3 of [3, 5, 7] on no rank: said
+    # at start-up, with the check's own reason for not running
+    assert len(errors) == 1 and "boundary 3 is computed on an earlier stage" in errors[0], caplog.text
+    assert "the live check is off here (under pipeline parallelism" in errors[0]
     server.pp_size = 1
     assert not dump_states.pipeline_parallel()
 
@@ -470,3 +471,19 @@ def test_an_unreadable_checkpoint_gets_one_line_and_serving_goes_on(sglang_cpu, 
     assert len(lines) == 1 and "cannot run: the doctor could not read the configs" in lines[0], caplog.text
     assert "model.safetensors" in lines[0]
     _serve(h, model, cfg, json.loads(pair.prompts_file.read_text())[:2])
+
+
+def test_the_fix_is_sglangs_own_id_list_or_says_why_none_exists(sglang_cpu, wc, pair, tmp_path):
+    """The replay is evidence: the fix is the id list SGLang's own rule turns into the winning wiring (the readings
+    of the config need not agree); where none exists (the last layer's output, which SGLang's llama never
+    captures) the text says why and never advises ids."""
+    from transformers import LlamaConfig
+
+    draft = copy_draft_with_ids(pair, tmp_path / "d", nested=[1, 3, 5])
+    check = wc.WiringCheck("LlamaForCausalLM", draft, {}, [2, 4, 6], 8, 0, 1)
+    check.report, _ = wc._doctor_report(LlamaConfig.from_pretrained(pair.target_dir), draft, 1)
+    fix = check._fix([3, 5, 7])
+    assert fix["ids"] == [2, 4, 6] and "to [2, 4, 6]" in fix["text"] and "(now [1, 3, 5])" in fix["text"]
+    none = check._fix([3, 5, 8])
+    assert none["ids"] is None and "SGLang never captures the output of layer 7 (boundary 8)" in none["text"], none
+    assert "retrain" in none["text"] and "set eagle_config" not in none["text"]

@@ -6,8 +6,11 @@
 
 Each table records what produced it (``generated_from``). SGLang: the installed package, its
 ModelRegistry, and for every registered class the result of running its
-``set_eagle3_layers_to_capture`` on a stand-in (``doctor/sglang_code.py``). vLLM: the wheel's sources
-read with ``ast`` (``doctor/vllm_code.py``). TensorRT-LLM: a source checkout (``doctor/trtllm_code.py``).
+``set_eagle3_layers_to_capture`` on a stand-in (``doctor/sglang_code.py``), and per EAGLE-3 head the tensors
+its ``load_weights`` loads into its decoder layer (read from its source). vLLM: the wheel's sources read with
+``ast`` (``doctor/vllm_code.py``): every architecture of every dict its registry merges into ``_VLLM_MODELS``
+(the Transformers-backend mappings included) and its heads' layer tensors. TensorRT-LLM: a source checkout
+(``doctor/trtllm_code.py``).
 """
 from __future__ import annotations
 

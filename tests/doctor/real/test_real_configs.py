@@ -17,33 +17,72 @@ import pytest
 import torch
 
 from doctor_fixtures import codes, finding, run_doctor
-from eagle3_ops.doctor.configs import parse_target
+from eagle3_ops.doctor.configs import parse_target, read_weight_headers
 
 HERE = Path(__file__).resolve().parent
 
 _DTYPES = {torch.bfloat16: "BF16", torch.float16: "F16", torch.int64: "I64", torch.bool: "BOOL"}
 
 
-def draft_shapes(cfg: dict, target_hidden: int, k: int = 3) -> dict:
-    """name -> (shape, dtype) of an EAGLE-3 llama draft in SpecForge/SGLang naming."""
+def layer_shapes(cfg: dict, dt) -> dict:
+    """The draft layer's tensors (``midlayer.``) of the class the config's trainer builds from it: llama attention,
+    or MLA where the config sets kv_lora_rank (TorchSpec's MLA draft, DeepSeek-V2 projection names); a dense llama
+    MLP, or the MoE MLP of SpecForge's GptOssForCausalLMEagle3 (``self.midlayer.mlp = GptOssMLP(config)``, its
+    tensors read from transformers' GptOssMLP built on the meta device) and Qwen3MoEForCausalLMEagle3
+    (SpecForgeQwen3MoeSparseMoeBlock: the router ``gate`` and the fused expert weights gate_weight / up_weight /
+    down_weight; q_norm / k_norm on the attention; hidden_norm on the model, outside the layer)."""
     h = cfg["hidden_size"]
     heads, kv = cfg["num_attention_heads"], cfg["num_key_value_heads"]
     hd = cfg.get("head_dim") or h // heads
-    inter, vocab = cfg["intermediate_size"], cfg["vocab_size"]
+    inter = cfg["intermediate_size"]
+    out = {"midlayer.input_layernorm.weight": ((h,), dt), "midlayer.hidden_norm.weight": ((h,), dt),
+           "midlayer.post_attention_layernorm.weight": ((h,), dt)}
+    if "kv_lora_rank" in cfg:
+        ql, kl = cfg["q_lora_rank"], cfg["kv_lora_rank"]
+        nope, rope, v = cfg["qk_nope_head_dim"], cfg["qk_rope_head_dim"], cfg["v_head_dim"]
+        out.update({"midlayer.self_attn.q_a_proj.weight": ((ql, 2 * h), dt),
+                    "midlayer.self_attn.q_a_layernorm.weight": ((ql,), dt),
+                    "midlayer.self_attn.q_b_proj.weight": ((heads * (nope + rope), ql), dt),
+                    "midlayer.self_attn.kv_a_proj_with_mqa.weight": ((kl + rope, 2 * h), dt),
+                    "midlayer.self_attn.kv_a_layernorm.weight": ((kl,), dt),
+                    "midlayer.self_attn.kv_b_proj.weight": ((heads * (nope + v), kl), dt),
+                    "midlayer.self_attn.o_proj.weight": ((h, heads * v), dt)})
+    else:
+        out.update({"midlayer.self_attn.q_proj.weight": ((heads * hd, 2 * h), dt),
+                    "midlayer.self_attn.k_proj.weight": ((kv * hd, 2 * h), dt),
+                    "midlayer.self_attn.v_proj.weight": ((kv * hd, 2 * h), dt),
+                    "midlayer.self_attn.o_proj.weight": ((h, heads * hd), dt)})
+    if cfg.get("model_type") == "gpt_oss" and cfg.get("num_local_experts"):
+        from transformers import GptOssConfig
+        from transformers.models.gpt_oss.modeling_gpt_oss import GptOssMLP
+
+        with torch.device("meta"):
+            mlp = GptOssMLP(GptOssConfig(hidden_size=h, intermediate_size=inter, head_dim=hd,
+                                         num_attention_heads=heads, num_key_value_heads=kv,
+                                         num_local_experts=cfg["num_local_experts"],
+                                         num_experts_per_tok=cfg.get("experts_per_token", 4)))
+        out.update({f"midlayer.mlp.{n}": (tuple(p.shape), dt) for n, p in mlp.state_dict().items()})
+    elif cfg.get("model_type") == "qwen3_moe" and cfg.get("num_experts"):
+        e, mi = cfg["num_experts"], cfg["moe_intermediate_size"]
+        out.update({"midlayer.mlp.gate.weight": ((e, h), dt), "midlayer.mlp.gate_weight": ((e, mi, h), dt),
+                    "midlayer.mlp.up_weight": ((e, mi, h), dt), "midlayer.mlp.down_weight": ((e, h, mi), dt),
+                    "midlayer.self_attn.q_norm.weight": ((hd,), dt), "midlayer.self_attn.k_norm.weight": ((hd,), dt),
+                    "hidden_norm.weight": out.pop("midlayer.hidden_norm.weight")})
+    else:
+        out.update({"midlayer.mlp.gate_proj.weight": ((inter, h), dt), "midlayer.mlp.up_proj.weight": ((inter, h), dt),
+                    "midlayer.mlp.down_proj.weight": ((h, inter), dt)})
+    return out
+
+
+def draft_shapes(cfg: dict, target_hidden: int, k: int = 3) -> dict:
+    """name -> (shape, dtype) of an EAGLE-3 draft in SpecForge/SGLang naming (its layer: :func:`layer_shapes`)."""
+    h = cfg["hidden_size"]
+    vocab = cfg["vocab_size"]
     dv = cfg.get("draft_vocab_size") or vocab
     dt = torch.bfloat16
     return {
         "fc.weight": ((h, k * target_hidden), dt),
-        "midlayer.input_layernorm.weight": ((h,), dt),
-        "midlayer.hidden_norm.weight": ((h,), dt),
-        "midlayer.self_attn.q_proj.weight": ((heads * hd, 2 * h), dt),
-        "midlayer.self_attn.k_proj.weight": ((kv * hd, 2 * h), dt),
-        "midlayer.self_attn.v_proj.weight": ((kv * hd, 2 * h), dt),
-        "midlayer.self_attn.o_proj.weight": ((h, heads * hd), dt),
-        "midlayer.post_attention_layernorm.weight": ((h,), dt),
-        "midlayer.mlp.gate_proj.weight": ((inter, h), dt),
-        "midlayer.mlp.up_proj.weight": ((inter, h), dt),
-        "midlayer.mlp.down_proj.weight": ((h, inter), dt),
+        **layer_shapes(cfg, dt),
         "norm.weight": ((h,), dt),
         "lm_head.weight": ((dv, h), dt),
         "d2t": ((dv,), torch.int64),
@@ -237,7 +276,8 @@ def test_original_eagle3_bin_draft_without_ids(tmp_path):
         assert codes(rep, "error") == (["E_DRAFT_CLASS"] if engine == "sglang" else []), (engine, codes(rep))
     rc, rep = doctor(d, t)
     msg = finding(rep, "E_DRAFT_CLASS")["message"]
-    assert rc == 1 and "LlamaForCausalLM" in msg and "LlamaForCausalLMEagle3" in msg
+    assert rc == 1 and "LlamaForCausalLM" in msg
+    assert "Set \"architectures\" in the draft's config.json to LlamaForCausalLMEagle3:" in msg  # its llama layer
 
 
 def test_sharded_llama_70b_draft_without_ids(tmp_path):
@@ -361,11 +401,58 @@ def test_qwen3_5_moe_reads_the_text_config(tmp_path):
 def test_moe_draft_class_is_no_eagle3_head(tmp_path):
     """SpecForge's MoE draft (branch exp/add-moe-draft-head) declares Qwen3MoEForCausalLMEagle3: not an SGLang
     class (Transformers fallback, no fc over the captures), and not a vLLM head (Eagle3-suffixed names are looked
-    up as they are)."""
+    up as they are). Its layer (a router gate and fused expert weights) is one no head of either engine loads
+    (each head's load_weights, as the tables record it): no head is advised."""
     d, t = make_pair(tmp_path, "qwen3-30b-a3b_specforge-moe-draft")
+    for engine, other in (("sglang", "vLLM 0.33.0"), ("vllm", "SGLang 0.5.23")):
+        rc, rep = doctor(d, t, "--engine", engine)
+        msg = finding(rep, "E_DRAFT_CLASS")["message"]
+        assert rc == 1 and "Qwen3MoEForCausalLMEagle3" in msg, engine
+        assert "serves no EAGLE-3 head with this draft's decoder layer" in msg and "mlp.gate_weight" in msg, msg
+        assert f"{other} has no EAGLE-3 head for it either" in msg and "Set \"architectures\"" not in msg, msg
+
+
+def test_gpt_oss_moe_draft_gets_no_guessed_head(tmp_path):
+    """SpecForge's gpt-oss-20B config (GptOssForCausalLMEagle3: LlamaForCausalLMEagle3 with its midlayer.mlp
+    replaced by transformers' GptOssMLP, a router and fused experts) on gpt-oss. SGLang 0.5.23 has no head for that
+    layer: neither LlamaForCausalLMEagle3 nor Eagle3DeepseekV2ForCausalLM loads mlp.router.* / mlp.experts.* (their
+    load_weights, read from SGLang's source, map only a dense gate/up/down MLP). The error must say so, name the
+    tensors, say what vLLM's table says about its heads, and never advise the first head alphabetically (an MLA
+    head for a gpt-oss draft, the old "e.g. Eagle3DeepseekV2ForCausalLM")."""
+    d, t = make_pair(tmp_path, "gpt-oss-20b_specforge-moe")
+    assert json.loads((d / "config.json").read_text())["architectures"] == ["GptOssForCausalLMEagle3"]
+    for engine, other in (("sglang", "vLLM 0.33.0"), ("vllm", "SGLang 0.5.23")):
+        rc, rep = doctor(d, t, "--engine", engine)
+        msg = finding(rep, "E_DRAFT_CLASS")["message"]
+        assert rc == 1 and "GptOssForCausalLMEagle3" in msg, engine
+        assert "serves no EAGLE-3 head with this draft's decoder layer" in msg, msg
+        assert "mlp.router.weight" in msg and "mlp.experts.gate_up_proj" in msg and "mixture-of-experts" in msg, msg
+        assert f"{other} has no EAGLE-3 head for it either" in msg, msg
+        assert "e.g." not in msg and "Set \"architectures\" in the draft's config.json to" not in msg, msg
+        assert "Renaming \"architectures\" cannot" in msg
+
+
+def test_draft_class_advice_follows_the_layer_tensors(tmp_path):
+    """A draft under a name that is no head: the head advised is the one whose load_weights loads the checkpoint's
+    layer. TorchSpec's MLA draft (q_a_proj / kv_a_proj_with_mqa / kv_b_proj ...) -> Eagle3DeepseekV2ForCausalLM on
+    both engines; the llama-layout gpt-oss-120b draft -> LlamaForCausalLMEagle3 (SGLang) / Eagle3LlamaForCausalLM
+    (vLLM, EAGLEConfig keeps an Eagle3-suffixed name as it is)."""
+    wrong = {"architectures": ["KimiK25MLADraftEagle3"]}
+    d, t = make_pair(tmp_path / "mla", "kimi-k25_torchspec-mla", edit=wrong)
+    assert "layers.0.self_attn.kv_b_proj.weight" in read_weight_headers(d)
     for engine in ("sglang", "vllm"):
         rc, rep = doctor(d, t, "--engine", engine)
-        assert rc == 1 and "Qwen3MoEForCausalLMEagle3" in finding(rep, "E_DRAFT_CLASS")["message"], engine
+        msg = finding(rep, "E_DRAFT_CLASS")["message"]
+        assert rc == 1 and "to Eagle3DeepseekV2ForCausalLM:" in msg and "self_attn.kv_b_proj.weight" in msg, msg
+        assert "to LlamaForCausalLMEagle3" not in msg and "to Eagle3LlamaForCausalLM" not in msg
+    d, t = make_pair(tmp_path / "llama", "gpt-oss-120b_specforge", edit={"architectures": ["GptOssDenseEagle3"]})
+    for engine, head in (("sglang", "LlamaForCausalLMEagle3"), ("vllm", "Eagle3LlamaForCausalLM")):
+        rc, rep = doctor(d, t, "--engine", engine)
+        msg = finding(rep, "E_DRAFT_CLASS")["message"]
+        assert rc == 1 and f"to {head}:" in msg and "self_attn.k_proj.weight" in msg, msg
+        assert "to Eagle3DeepseekV2ForCausalLM" not in msg and "Eagle3DeepseekV2ForCausalLM does not load" in msg
+    msg = finding(rep, "E_DRAFT_CLASS")["message"]  # vLLM: its Qwen3 head also loads these, but needs q_norm/k_norm
+    assert "Eagle3Qwen3ForCausalLM builds model.layers.0.self_attn.k_norm.weight" in msg, msg
 
 
 def test_gemma4_captures_boundary_L_and_scales_embeddings(tmp_path):

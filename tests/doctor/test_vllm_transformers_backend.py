@@ -1,0 +1,96 @@
+"""The doctor with --engine vllm on targets vLLM 0.33.0 serves through its Transformers backend, and on targets
+its registry does not name: a slot verdict from the backend's own capture code, and never an empty class name.
+
+Olmo2ForCausalLM is one of the architectures vLLM 0.33.0's registry maps to the Transformers backend
+(``_TRANSFORMERS_SUPPORTED_MODELS``: ``("transformers", "TransformersForCausalLM")``); its rules come from
+``transformers/base.py`` (``Base.set_aux_hidden_state_layers`` records the output of ``self._layer_names[layer - 1]``,
+``get_eagle3_default_aux_hidden_state_layers`` returns ``(2, L//2, L-3)``), as the pinned table records them.
+"""
+from __future__ import annotations
+
+import re
+
+from doctor_fixtures import codes, finding, run_doctor, write_draft, write_target
+from eagle3_ops.doctor import tables
+
+L = 16
+
+
+def doctor(draft, target, *extra):
+    rc, rep, err = run_doctor("--draft", draft, "--target", target, "--engine", "vllm", *extra)
+    assert rep is not None, err
+    return rc, rep
+
+
+def no_empty_names(rep):
+    """No message names an empty class or architecture (``for  are``, ``to  (``, ``[]`` left as a name)."""
+    for f in rep["findings"]:
+        assert not re.search(r"\s{2}|\(\s*\)|\bfor\s+are\b", f["message"]), (f["code"], f["message"])
+
+
+def test_a_transformers_backend_target_gets_a_slot_verdict(tmp_path):
+    assert tables.load("vllm")["targets"]["Olmo2ForCausalLM"]["registry"] == "_TRANSFORMERS_SUPPORTED_MODELS"
+    t = write_target(tmp_path / "olmo2", model_type="olmo2", num_layers=L, architectures=["Olmo2ForCausalLM"])
+    # trained on the outputs of layers 2, 8, 13 (eagle_config, SpecForge); vLLM's V2 runner reads the top-level
+    # ids as boundaries: [3, 9, 14] are the same states, each the output of layer id - 1 (self._layer_names)
+    d = write_draft(tmp_path / "d", ids=[2, 8, 13], top_ids=[3, 9, 14])
+    rc, rep = doctor(d, t)
+    assert rc == 0, codes(rep)
+    assert rep["engine"]["class"] == "transformers.TransformersForCausalLM"
+    assert [s["capture_index"] for s in rep["slots"]] == [3, 9, 14] and all(s["match"] for s in rep["slots"])
+    # the same ids one layer early: a slot verdict, not "unknown"
+    d2 = write_draft(tmp_path / "d2", ids=[2, 8, 13], top_ids=[2, 8, 13])
+    rc, rep2 = doctor(d2, t)
+    assert rc == 1 and "E_CONVENTION_MISMATCH" in codes(rep2, "error") and "[3, 9, 14]" in \
+        finding(rep2, "E_CONVENTION_MISMATCH")["message"]
+    assert "Olmo2ForCausalLM" in finding(rep, "I_ENGINE_CODE")["message"]
+    assert "not in vLLM" not in " ".join(f["message"] for f in rep["findings"])
+    no_empty_names(rep)
+
+
+def test_transformers_backend_raises_for_ids_it_has_no_layer_for(tmp_path):
+    """Base.set_aux_hidden_state_layers looks id k up as self._layer_names[k - 1]: id 0 (layer -1) and id L + 1
+    have no key (KeyError at start-up), where vLLM's own models skip them."""
+    t = write_target(tmp_path / "olmo2", model_type="olmo2", num_layers=L, architectures=["Olmo2ForCausalLM"])
+    for ids in ([0, 8, 13], [2, 8, L + 1]):
+        d = write_draft(tmp_path / f"d{ids[0]}", ids=ids, top_ids=ids)
+        rc, rep = doctor(d, t)
+        msg = finding(rep, "E_ENGINE_RAISES")["message"]
+        assert rc == 1 and "KeyError" in msg and "self._layer_names[layer - 1]" in msg, msg
+        no_empty_names(rep)
+
+
+def test_an_unregistered_architecture_falls_back_to_the_transformers_backend(tmp_path):
+    """An architecture vLLM's registry does not name: vLLM tries its Transformers backend (named by
+    ModelConfig._get_transformers_backend_cls); whether transformers has a compatible class the doctor cannot
+    check, so support is unverified, but the slot verdict follows the backend's code and every name is there."""
+    t = write_target(tmp_path / "x", model_type="llama", num_layers=L, architectures=["NoSuchModelForCausalLM"])
+    d = write_draft(tmp_path / "d", ids=[2, 8, 13], top_ids=[3, 9, 14])
+    rc, rep = doctor(d, t)
+    msg = finding(rep, "W_TARGET_SUPPORT_UNVERIFIED")["message"]
+    assert "NoSuchModelForCausalLM" in msg and "TransformersForCausalLM" in msg
+    assert "_get_transformers_backend_cls" in msg
+    assert rep["engine"]["class"] == "transformers.TransformersForCausalLM"
+    assert [s["capture_index"] for s in rep["slots"]] == [3, 9, 14] and rc == 0, codes(rep)
+    no_empty_names(rep)
+
+
+def test_no_empty_class_name_without_architectures(tmp_path):
+    """A target config without architectures: the doctor says so instead of printing an empty class name
+    (it used to say "default ids for  are not in its table")."""
+    from eagle3_ops.doctor import rules
+    from eagle3_ops.doctor.configs import target_from_config
+
+    t = target_from_config({"model_type": "llama", "architectures": [], "num_hidden_layers": L, "hidden_size": 64,
+                            "num_attention_heads": 4, "vocab_size": 128})
+    r = rules.target_rules("vllm", t)
+    assert r.arch and r.class_name and "no architectures" in r.refusal
+    assert "for the target (its config.json lists no architectures)" in r.map_ids(None, L).unknown
+    # a draft without architectures: both engines say so (no "resolves [] to  (")
+    dt = write_target(tmp_path / "llama", model_type="llama", num_layers=L)
+    d = write_draft(tmp_path / "d", ids=[2, 8, 13], top_ids=[2, 8, 13], extra={"architectures": []})
+    for engine in ("sglang", "vllm"):
+        rc, rep, err = run_doctor("--draft", d, "--target", dt, "--engine", engine)
+        assert rep is not None, err
+        assert "lists no architectures" in finding(rep, "E_DRAFT_CLASS")["message"], engine
+        no_empty_names(rep)
