@@ -61,9 +61,11 @@ demo: install
 	$(PY) -m eagle3_ops demo
 
 # Two workers (PYTEST_WORKERS), one file per worker at a time (module fixtures build SGLang models
-# once), one intra-op thread each: the CI machine has 2 cores.
+# once), one intra-op thread each: the CI machine has 2 cores. benchmarks/test_device_check.py checks the
+# device script (its dry run, its report) without a GPU.
 test: install
-	OMP_NUM_THREADS=1 $(PY) -m pytest -q -ra -p no:cacheprovider -n $${PYTEST_WORKERS:-2} --dist loadfile tests
+	OMP_NUM_THREADS=1 $(PY) -m pytest -q -ra -p no:cacheprovider -n $${PYTEST_WORKERS:-2} --dist loadfile tests \
+		benchmarks/test_device_check.py
 
 bench: install
 	$(PY) -m pytest -q benchmarks --benchmark-columns=median,min,max

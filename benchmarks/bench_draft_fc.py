@@ -35,7 +35,9 @@ gather of M rows, weight [N, K*H] ~ 1/sqrt(K*H), cached per shape on a GPU), and
 against stock with ``eagle3_ops.testing.rel_err`` before it is timed.
 
 Shapes: H in {4096, 7168, 8192}, M in {1, 2, 7, 16, 64, 256, 1000, 4096} (chunk norm and TP-8: H =
-7168 only) on a GPU (``EAGLE3_BENCH_SET=quick``: H in {7168, 4096}, M in {1, 16, 64, 256, 4096}).
+7168 only) on a GPU (``EAGLE3_BENCH_SET=quick``: H in {7168, 4096}, M in {1, 16, 64, 256, 4096};
+``EAGLE3_BENCH_SET=seed``, the device check's first timings: H in {7168, 4096} and Kimi-K2.5's TP = 8 shard,
+M in {1, 8, 16, 32, 64}, no path sweep).
 On the CPU only a tiny shape runs (H = 256, M = 1, reference backend; the Triton paths at H = 64
 under the interpreter) as a smoke test of this file: those rows are marked smoke and say nothing
 about GPU kernels.
@@ -51,7 +53,9 @@ import eagle3_ops
 from eagle3_ops import plans, testing
 
 SMOKE = not torch.cuda.is_available()
-QUICK = os.environ.get("EAGLE3_BENCH_SET", "full") == "quick"
+BENCH_SET = os.environ.get("EAGLE3_BENCH_SET", "full")
+QUICK = BENCH_SET == "quick"
+SEED = BENCH_SET == "seed"  # the device check's first timings: the seed user's decode / verify shapes only
 DTYPE = torch.bfloat16
 ELEM = 2
 K = 3
@@ -60,6 +64,8 @@ EXTRA_ROWS = 13  # x has more rows than the verify path gathers
 TP8 = 8          # Kimi-K2.5's draft fc sharded over 8 ranks: N = 7168 / 8 rows per rank
 if SMOKE:
     H_VALUES, M_VALUES, NORM_H_VALUES, TP_H_VALUES = (256,), (1,), (256,), ()
+elif SEED:  # Kimi-K2.5 replicated and at TP = 8, Llama-3.1-8B; M from decode to a verify batch
+    H_VALUES, M_VALUES, NORM_H_VALUES, TP_H_VALUES = (7168, 4096), (1, 8, 16, 32, 64), (7168,), (7168,)
 elif QUICK:
     H_VALUES, M_VALUES, NORM_H_VALUES, TP_H_VALUES = (7168, 4096), (1, 16, 64, 256, 4096), (7168,), (7168,)
 else:
@@ -254,6 +260,8 @@ def test_draft_fc_chunk_norm(M, H, ours_backend, folded, bench_device, bench_rec
 
 
 def _path_cases():
+    if SEED:
+        return []  # the crossover table's rows are not the first run's question
     cases = [pytest.param("triton", p, M, id=f"triton:{p}-{shape_id(M, PATH_H)}") for p in TRITON_PATHS
              for M in PATH_M]
     if not SMOKE:

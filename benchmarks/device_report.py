@@ -1,18 +1,20 @@
 """Tables of a ``benchmarks/device_check.sh`` run (no torch import: runs anywhere, in a second).
 
-    python benchmarks/device_report.py report RESULTS_DIR [--build ok|FAILED|skipped] [--arch A]
-        [--tests-rc N] [--tests-mode full|quick|skip] [--bench-rc N] [--bench-set S] [--elapsed S]
-        [--dry-run]
+    python benchmarks/device_report.py report RESULTS_DIR [--build ok|FAILED|skipped|dry-run] [--arch A]
+        [--elapsed S] [--budget S] [--dry-run] [--quick]
     python benchmarks/device_report.py qualify-merge QUALIFY_JSON NAME ARGS RC SECONDS STDOUT STDERR
     python benchmarks/device_report.py qualify-unavailable QUALIFY_JSON REASON
 
-``report`` reads RESULTS_DIR/{gpu_tests.xml, qualify.json, bench.json}, writes the complete tables
-to RESULTS_DIR/summary.txt and prints the short version (verdict, qualification tables, a short
-benchmark table) — the device tool returns only the last 12,000 characters of output.
+``report`` reads RESULTS_DIR/{stages.tsv, env.txt, seed_tests.xml, qualify.json, bench.json,
+bench_capture.json, gpu_tests.xml, host_path.txt}, writes the complete tables to RESULTS_DIR/summary.txt and
+prints the short version, ending with the final table (device, driver, torch; the decisive rows stock vs ours
+with qualification's verdict; PASS/FAIL per stage) and the verdict line — the device tool returns only the
+last 12,000 characters of output.
 ``qualify-merge`` appends one ``python -m eagle3_ops qualify --json`` run (its stdout parsed as
 JSON, or kept as text when it is not JSON) to QUALIFY_JSON: ``{"available": true, "runs": [{"name",
 "args", "rc", "seconds", "result", "stdout_tail", "stderr_tail"}]}``.
-Exit status of ``report``: 0 when the verdict is PASS, else 1.
+Exit status of ``report``: 0 when the verdict is PASS (every stage that ran passed, none cut by the budget),
+else 1; a dry run: 0 when its CPU parts ran.
 """
 from __future__ import annotations
 
@@ -314,45 +316,202 @@ def bench_lines(data, full: bool) -> List[str]:
     return lines
 
 
-# ---- report ----------------------------------------------------------------------------------------
+# ---- the final table -------------------------------------------------------------------------------
+# The decisive rows: the seed user's draft fc (Kimi-K2.5 replicated and at TP = 8) and Llama-3.1-8B's, at a decode
+# token, a verify batch and the largest M of the seed set; the target-side captures at Kimi-K2.5's H.
+MODELS = (("kimi-k2.5", 7168, 7168), ("kimi-k2.5-tp8", 7168, 896), ("llama-3.1-8b", 4096, 4096))
+DECISIVE_M = (1, 16, 64)
+DECISIVE_T = (1, 2048)
+STAGE_OK = ("PASS", "DRY")
+
+
+def read_stages(path: str) -> List[dict]:
+    """stages.tsv (device_check.sh: one line per stage as it ends): number, name, status, seconds, cap, note."""
+    out = []
+    try:
+        with open(path) as f:
+            for line in f:
+                parts = line.rstrip("\n").split("\t")
+                if len(parts) >= 6:
+                    out.append({"n": parts[0], "name": parts[1], "status": parts[2], "seconds": parts[3],
+                                "cap": parts[4], "note": parts[5]})
+    except OSError:
+        pass
+    return out
+
+
+def env_facts(path: str) -> dict:
+    """Device, driver and software from env.txt (nvidia-smi's line, torch's and triton's)."""
+    facts = {}
+    for line in _tail(path, 1 << 16).splitlines():
+        if line.startswith("nvidia-smi: ") and "," in line:
+            fields = [f.strip() for f in line[len("nvidia-smi: "):].split(",")]
+            facts["gpu"], facts["driver"] = fields[0], fields[1] if len(fields) > 1 else "?"
+        elif line.startswith("torch "):
+            words = line.split()
+            facts["torch"] = words[1]
+            facts["torch_cuda"] = words[3] if len(words) > 3 else "?"
+        elif line.startswith("device: "):
+            facts["device"] = line[len("device: "):]
+        elif line.split(" ", 1)[0] in ("triton", "numpy") and "not importable" not in line:
+            facts[line.split(" ", 1)[0]] = line.split(" ", 1)[1].strip()
+    return facts
+
+
+def _qualify_run(qual, name: str) -> Optional[dict]:
+    for run in (qual or {}).get("runs", []):
+        if run.get("name") == name and isinstance(run.get("result"), dict):
+            return run["result"]
+    return None
+
+
+def verdict(qual, model: str, op: str, size: int) -> str:
+    """What qualification decided for ``op`` at ``size`` rows in ``model``'s run: the backend and path that serve
+    (with its error and speed-up), or stock and why."""
+    if op not in ("draft_fc", "fused_add_rmsnorm_capture"):
+        return "served: a copy into the buffer (no stock kernel to beat)"
+    if model.startswith("smoke"):
+        return "- (a CPU smoke row: qualification runs at the seed's shapes on a GPU)"
+    res = _qualify_run(qual, model)
+    if res is None:
+        return "not qualified (no qualification result for this model: see the qualification lines)"
+    choices = sorted((c for c in res.get("choices", []) if c.get("op") == op), key=lambda c: c.get("rows") or 0)
+    if not choices:
+        return "not qualified (no choice recorded)"
+    c = next((c for c in choices if size <= (c.get("rows") or 0)), choices[-1])
+    med, stock = c.get("median_us"), c.get("stock_us")
+    if c.get("backend") is not None:
+        x = f", {stock / med:.2f}x stock" if med and stock else ""
+        err = c.get("max_rel_err")
+        return (f"qualified: {c['backend']}/{c.get('path') or '-'}{' folded' if c.get('folded') else ''} (bucket "
+                f"{c.get('rows')}, max rel err {err:.1e}{x})" if err is not None else
+                f"qualified: {c['backend']}/{c.get('path') or '-'} (bucket {c.get('rows')}{x})")
+    rejected = [r for r in res.get("rejected", []) if r.get("op") == op and r.get("rows") == c.get("rows")]
+    if med is not None:
+        why = f"the fastest correct candidate, {med:.1f} us, does not beat stock {stock:.1f} us by the margin"
+    elif rejected:
+        why = "; ".join(f"{r.get('backend')}/{r.get('path') or '-'}: {str(r.get('reason'))[:60]}" for r in rejected[:2])
+    else:
+        why = "no candidate ran"
+    return f"stock (bucket {c.get('rows')}): {why}"
+
+
+def decisive_rows(benches: List[dict]) -> List[dict]:
+    """The rows of the final table, in order: draft fc per model and M, then the captures at H = 7168."""
+    rows = [r for b in benches for r in (b or {}).get("rows", [])]
+    picked = []
+    for model, H, N in MODELS:
+        for M in DECISIVE_M:
+            for r in rows:
+                s = _shape(r.get("shape"))
+                if r.get("bench") == "draft_fc_rows" and s.get("H") == H and s.get("N", H) == N and s.get("M") == M:
+                    picked.append(dict(r, _model=model, _op="draft_fc", _size=M))
+    for bench in ("capture3_packer", "fused_add_rmsnorm_capture"):
+        for T in DECISIVE_T:
+            for r in rows:
+                s = _shape(r.get("shape"))
+                if r.get("bench") == bench and s.get("H") == KEY_H and s.get("T") == T:
+                    picked.append(dict(r, _model="kimi-k2.5", _op=OP_OF.get(bench, bench), _size=T))
+    if not picked:  # a smoke run (CPU): its rows, as they are
+        picked = [dict(r, _model="smoke (CPU)", _op=OP_OF.get(r.get("bench"), r.get("bench")),
+                       _size=_shape(r.get("shape")).get("M", _shape(r.get("shape")).get("T"))) for r in rows[:8]]
+    return picked
+
+
+# bench -> the op it times
+OP_OF = {"draft_fc_rows": "draft_fc", "draft_fc_chunk_norm": "draft_fc", "draft_fc_chunk_norm_folded": "draft_fc",
+         "draft_fc_paths": "draft_fc", "capture3_llama": "capture", "capture3_packer": "capture",
+         "fused_add_rmsnorm_capture": "fused_add_rmsnorm_capture"}
+
+
+def final_table(args, stages: List[dict], qual, benches: List[dict], tests: dict) -> List[str]:
+    env = env_facts(os.path.join(args.results, "env.txt"))
+    meta = next((b.get("meta") for b in benches if b and b.get("meta")), {}) or {}
+    dev = env.get("gpu") or env.get("device") or meta.get("device") or "?"
+    lines = ["=" * 100, f"eagle3_ops device check: the numbers of this run ({args.results}; every table in full: "
+                         f"summary.txt)",
+             f"device: {dev}   driver {env.get('driver', '?')}   torch {env.get('torch', '?')} (CUDA "
+             f"{env.get('torch_cuda', '?')})   triton {env.get('triton', '?')}   numpy {env.get('numpy', '?')}"]
+    if meta:
+        lines.append(f"measured here: read {meta.get('read_bw_GBps')} GB/s, copy {meta.get('copy_bw_GBps')} GB/s, "
+                     f"gemm {meta.get('gemm_TFLOPs')} TFLOP/s (the floors of %floor); L2 flushed before every call")
+        if meta.get("smoke"):
+            lines.append("SMOKE RUN ON THE CPU: these rows say nothing about GPU kernels")
+    rows = decisive_rows(benches)
+    if rows:
+        lines.append("decisive rows: bf16, K = 3; CUDA events, median; stock = gather + cuBLAS F.linear (fc), torch "
+                     "eager (captures); x = stock / ours; %floor = floor / ours")
+        table = [[r["_model"], _short(r.get("bench"), False), r["_size"], r.get("stock_us"), r.get("ours_us"),
+                  r.get("speedup"), r.get("%floor"), _ours(r), verdict(qual, r["_model"], r["_op"], r["_size"] or 0)]
+                 for r in rows]
+        lines += _table(["model", "op", "M/T", "stock us", "ours us", "x", "%floor", "ours", "verdict"], table)
+    else:
+        lines.append("decisive rows: none measured (bench.json / bench_capture.json missing or empty)")
+    lines.append("stages:")
+    for st in stages:
+        extra = ""
+        if st["name"].startswith("correctness") and tests.get("seed"):
+            extra = f" [{tests['seed']['text']}]"
+        elif st["name"].startswith("the rest") and tests.get("gpu"):
+            extra = f" [{tests['gpu']['text']}]"
+        cap = f" (cap {st['cap']} s)" if st["cap"] not in ("", "0") else ""
+        lines.append(f"  {st['n']}. {st['name']:<40s} {st['status']:<8s} {st['seconds']:>4s} s{cap}"
+                     f"{'  ' + st['note'] if st['note'] and st['status'] not in STAGE_OK else ''}{extra}")
+    return lines
+
+
+def _verdict(args, stages: List[dict], tests: dict) -> str:
+    if args.dry_run:
+        return "DRY RUN (nothing ran on a GPU)"
+    bad = [s for s in stages if s["status"] not in ("PASS", "SKIPPED")]
+    short = [s for s in stages if s["status"] == "SKIPPED" and "budget" in s["note"]]
+    if args.build not in ("ok", "skipped"):
+        return "FAIL (build)"
+    for kind in ("seed", "gpu"):
+        if tests.get(kind) and not tests[kind]["ok"] and tests[kind].get("failed"):
+            return f"FAIL ({len(tests[kind]['failed'])} failing {'seed' if kind == 'seed' else 'gpu'} test(s))"
+    if bad:
+        return "FAIL (" + ", ".join(f"stage {s['n']} {s['status']}" for s in bad) + ")"
+    if short:
+        return "INCOMPLETE (" + ", ".join(f"stage {s['n']} skipped: out of time" for s in short) + ")"
+    return "PASS"
+
+
 def report(args) -> int:
     res = args.results
-    tests = None if args.tests_mode == "skip" or args.dry_run else junit_summary(os.path.join(res, "gpu_tests.xml"))
+    stages = read_stages(os.path.join(res, "stages.tsv"))
+    tests = {}
+    for kind, name in (("seed", "seed_tests.xml"), ("gpu", "gpu_tests.xml")):
+        if os.path.exists(os.path.join(res, name)):
+            tests[kind] = junit_summary(os.path.join(res, name))
     qual = _load_json(os.path.join(res, "qualify.json"))
-    bench = _load_json(os.path.join(res, "bench.json"))
-    q_ok = qualify_ok(qual)
-    build_ok = args.build in ("ok", "skipped")
-    tests_ok = tests is None or (tests["ok"] and args.tests_rc in (0, 1))
-    bench_ok = args.bench_rc == 0 and bench is not None and bool(bench.get("rows"))
-    verdict = build_ok and tests_ok and q_ok is not False and bench_ok and not args.dry_run
-    status = [
-        "=" * 100,
-        f"eagle3_ops device check: {'DRY RUN (nothing ran on a GPU)' if args.dry_run else ('PASS' if verdict else 'FAIL')}"
-        f"   {args.elapsed}s   results: {res}",
-        f"  build ({args.arch}): {args.build}",
-        f"  gpu tests: {'not run (dry run)' if args.dry_run else 'skipped'}" if tests is None else
-        f"  gpu tests ({args.tests_mode}): {'ok' if tests_ok else _rc_text(args.tests_rc) if args.tests_rc not in (0, 1) else 'FAILED'}"
-        f" [{tests['text']}]",
-        f"  qualification: {'not available here' if q_ok is None else ('ok' if q_ok else 'FAILED or incomplete')}",
-        f"  benchmarks ({args.bench_set}): {_rc_text(args.bench_rc) if args.bench_rc is not None else 'not run'}"
-        f" [{len(bench.get('rows', [])) if bench else 0} rows]",
-    ]
-    if tests and tests.get("unimportable"):
-        status.append("  test modules not importable here (not counted as failures): "
-                      + ", ".join(tests["unimportable"]))
-    failed_full, failed_short = [], []
-    if tests and tests.get("failed"):
-        failed_full = ["failing gpu tests:"] + ["  " + n for n in tests["failed"]]
-        failed_short = [f"failing gpu tests ({len(tests['failed'])}; all in summary.txt):"] + \
-                       ["  " + n for n in tests["failed"][:10]]
-    full = status + failed_full + [""] + qualify_lines(qual, True) + [""] + bench_lines(bench, True)
-    short = status + failed_short + [""] + qualify_lines(qual, False) + [""] + bench_lines(bench, False) + [status[1]]
+    benches = [b for b in (_load_json(os.path.join(res, n)) for n in ("bench.json", "bench_capture.json")) if b]
+    verdict_text = _verdict(args, stages, tests)
+    head = [f"eagle3_ops device check: {verdict_text}   {args.elapsed}s of {args.budget}s"
+            f"{'   QUICK=1 (stages 1-4)' if args.quick else ''}   results: {res}", f"  build ({args.arch}): {args.build}"]
+    failing_full, failing_short = [], []
+    for kind, t in tests.items():
+        if t.get("failed"):
+            failing_full += [f"failing {kind} tests:"] + ["  " + n for n in t["failed"]]
+            failing_short += [f"failing {kind} tests ({len(t['failed'])}; all in summary.txt):"] + \
+                             ["  " + n for n in t["failed"][:8]]
+        if t.get("unimportable"):
+            failing_full.append(f"{kind} test modules not importable here (not counted): " + ", ".join(t["unimportable"]))
+    bench_full = [ln for b, n in zip(benches, ("draft_fc", "capture")) for ln in [f"-- {n} timings"] + bench_lines(b, True)]
+    bench_short = [ln for b in benches for ln in bench_summary_lines(b.get("rows", []), False)]
+    host = _tail(os.path.join(res, "host_path.txt"), 1500).strip().splitlines()
+    table = final_table(args, stages, qual, benches, tests)
+    full = head + failing_full + [""] + qualify_lines(qual, True) + [""] + bench_full + [""] + \
+        (["host path:"] + host if host else []) + [""] + table + [f"eagle3_ops device check: {verdict_text}"]
+    short = head + failing_short + [""] + qualify_lines(qual, False) + [""] + \
+        (["timings (median and range per bench):"] + bench_short if bench_short else []) + \
+        table + [f"eagle3_ops device check: {verdict_text}"]
     with open(os.path.join(res, "summary.txt"), "w") as f:
         f.write("\n".join(full) + "\n")
     print("\n".join(short))
     if args.dry_run:  # what a dry run could run (CPU smoke benchmarks, a tiny qualification) succeeded
-        return 0 if q_ok is not False and (args.bench_rc in (None, 0)) else 1
-    return 0 if verdict else 1
+        return 0 if all(s["status"] in ("DRY", "SKIPPED") for s in stages) and qualify_ok(qual) is not False else 1
+    return 0 if verdict_text == "PASS" else 1
 
 
 def main(argv=None) -> int:
@@ -362,12 +521,10 @@ def main(argv=None) -> int:
     r.add_argument("results")
     r.add_argument("--build", default="ok")
     r.add_argument("--arch", default="?")
-    r.add_argument("--tests-rc", type=int, default=None)
-    r.add_argument("--tests-mode", default="full")
-    r.add_argument("--bench-rc", type=int, default=None)
-    r.add_argument("--bench-set", default="full")
     r.add_argument("--elapsed", default="?")
+    r.add_argument("--budget", default="?")
     r.add_argument("--dry-run", action="store_true")
+    r.add_argument("--quick", action="store_true")
     m = sub.add_parser("qualify-merge")
     for name in ("path", "name", "args"):
         m.add_argument(name)

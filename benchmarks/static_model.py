@@ -41,7 +41,7 @@ from eagle3_ops import sass, skinny_model  # noqa: E402
 SHAPES = (("Kimi-K2.5", 7168, 21504), ("Kimi-K2.5 TP=8", 896, 21504), ("Llama-3.1-8B", 4096, 12288))
 MS = (1, 8, 16, 32, 64)
 VARIANTS = (("plain", 1, False, False), ("norm", 3, True, False), ("folded", 3, True, True))
-DEVICES = ("H200", "RTX PRO 6000")
+DEVICES = ("H100", "H200", "RTX PRO 6000")  # the docs table's; --device auto: the GPU this runs on
 DOCS = ROOT / "docs" / "kernels.md"
 BEGIN, END = "<!-- static_model table: begin -->", "<!-- static_model table: end -->"
 SHORT = {"DRAM bandwidth": "bw", "fill latency": "lat", "bytes in flight": "infl", "L2 bandwidth": "L2",
@@ -99,8 +99,8 @@ def kernels_from(usage: dict, code: dict, dtype: str = "BFloat16") -> Dict[str, 
         nt, rows, built_stages = int(m.group(3)), int(m.group(4)), int(m.group(5))
         lp = sass.hot_loop(ins)
         depth = int(sass.pipeline(ins, lp, sass.WEIGHT_LOAD).stages_in_flight) + 1
-        res = usage.get((arch, fn)) or usage[(None, fn)]  # a bare cubin names no arch
-        base = arch.rstrip("a")
+        res = sass.resources(usage, arch, fn)  # either spelling of the arch (sm_90 / sm_90a), or a bare cubin's
+        base = sass.arch_base(arch)
         shared = res["SHARED"] - skinny_model.SM_LIMITS[base].shared_reserved_per_block  # cuobjdump counts it in
         if shared == 0:  # dynamic ring
             shared = skinny_model.shared_bytes(nt, rows, built_stages)
@@ -123,9 +123,11 @@ class Row:
 
 
 def predict_all(kernels, devices=DEVICES) -> List[Row]:
+    """Rows for ``devices``: names of skinny_model.DEVICES, or Device objects (the GPU this runs on)."""
     rows = []
-    for dname in devices:
-        dev = skinny_model.DEVICES[dname]
+    for d in devices:
+        dev = skinny_model.DEVICES[d] if isinstance(d, str) else d
+        dname = dev.name
         if dev.arch not in kernels:
             continue
         for shape, N, KH in SHAPES:
@@ -189,16 +191,29 @@ def detail(rows: List[Row]) -> str:
     return "\n".join(out)
 
 
-def header(kernels, so: str) -> str:
+def this_gpu() -> skinny_model.Device:
+    """The model's device for the GPU this runs on, read off it (cuda_backend.device_model: its name, SM count,
+    reported bandwidth and clock)."""
+    import torch
+
+    from eagle3_ops import cuda_backend
+
+    if not torch.cuda.is_available():
+        raise SystemExit("static_model: --device auto needs a CUDA device (name a modelled device instead: "
+                         + ", ".join(skinny_model.DEVICES) + ")")
+    return cuda_backend.device_model(torch.device("cuda"))
+
+
+def header(kernels, so: str, devices=DEVICES) -> str:
     lines = [f"Static model of the CUDA skinny draft fc (PREDICTION, not a measurement) from {Path(so).name}:"]
     for arch, ks in sorted(kernels.items()):
         lines.append(f"  {arch}: " + "; ".join(f"NT={nt} x {rows} rows: {k.regs} regs, {k.shared // 1024} KB "
                                                 f"shared, {k.stages - 1} steps in flight, "
                                                 f"{k.instructions_per_step:.0f} instr/step"
                                                 for (nt, rows, _), k in sorted(ks.items())))
-    for name in DEVICES:
-        d = skinny_model.DEVICES[name]
-        lines.append(f"  {name}: {d.sms} SMs, read {d.read_bw / 1e12:.2f} TB/s, latency {d.latency * 1e6:.1f} us "
+    for d in devices:
+        d = skinny_model.DEVICES[d] if isinstance(d, str) else d
+        lines.append(f"  {d.name}: {d.sms} SMs, read {d.read_bw / 1e12:.2f} TB/s, latency {d.latency * 1e6:.1f} us "
                      f"(needs {d.bytes_in_flight_needed / 1e6:.1f} MB in flight), L2 {d.l2_bw / 1e12:.1f} TB/s, "
                      f"mma.sync {d.mma_rate / 1e12:.0f} TFLOP/s, {d.clock / 1e9:.2f} GHz (design estimates, "
                      f"eagle3_ops/skinny_model.py)")
@@ -232,10 +247,20 @@ def main(argv=None) -> int:
     ap.add_argument("--detail", action="store_true")
     ap.add_argument("--write-docs", action="store_true")
     ap.add_argument("--check-docs", action="store_true")
+    ap.add_argument("--device", action="append", metavar="NAME|auto",
+                    help=f"a modelled device ({', '.join(skinny_model.DEVICES)}) or auto (the GPU this runs on, read "
+                         f"off it); repeatable; default: {', '.join(DEVICES)} (the docs table's)")
     args = ap.parse_args(argv)
     so = extension_path(args.so)
     kernels = kernels_from_cubins(so)
-    rows = predict_all(kernels)
+    devices = DEVICES
+    if args.device and not (args.write_docs or args.check_docs):
+        unknown = [d for d in args.device if d != "auto" and d not in skinny_model.DEVICES]
+        if unknown:
+            raise SystemExit(f"static_model: unknown --device {unknown[0]!r} (known: "
+                             f"{', '.join(skinny_model.DEVICES)}, auto)")
+        devices = tuple(this_gpu() if d == "auto" else d for d in args.device)
+    rows = predict_all(kernels, devices)
     if args.write_docs or args.check_docs:
         text = DOCS.read_text()
         new = replace_docs(text, docs_block(rows))
@@ -252,7 +277,7 @@ def main(argv=None) -> int:
         DOCS.write_text(new)
         print(f"wrote the prediction table into {DOCS}")
         return 0
-    print(header(kernels, so))
+    print(header(kernels, so, devices))
     print()
     print(detail(rows) if args.detail else LEGEND + "\n\n" + markdown(rows))
     if not all(r.planner_agrees for r in rows):

@@ -40,6 +40,7 @@ import importlib
 import logging
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Optional, Tuple
 
 import torch
 
@@ -247,19 +248,51 @@ def skinny_blocks_per_sm(device: torch.device, shape, dtype: torch.dtype) -> int
 
 
 @functools.lru_cache(maxsize=None)
-def _device_model(arch: str, sms: int) -> skinny_model.Device:
-    import dataclasses
+def _nvml_peaks(uuid: str) -> Tuple[Optional[float], Optional[float]]:
+    """(the memory's peak read bandwidth in bytes/s, the SM boost clock in Hz) as NVML reports them for the GPU
+    of ``uuid`` (memory clock x 2 (double data rate) x bus width; the UUID, since CUDA_VISIBLE_DEVICES renumbers
+    CUDA's devices but not NVML's); (None, None) where NVML cannot say."""
+    try:
+        import pynvml
 
-    same_arch = [d for d in skinny_model.DEVICES.values() if d.arch == arch] or [skinny_model.DEVICES["H200"]]
-    base = min(same_arch, key=lambda d: abs(d.sms - sms))  # e.g. 170 SMs of sm_120: the RTX 5090
-    return dataclasses.replace(base, name=f"{base.name}-like {arch} ({sms} SMs)", sms=sms)
+        pynvml.nvmlInit()
+        try:
+            handle = pynvml.nvmlDeviceGetHandleByUUID(uuid)
+            mem_mhz = pynvml.nvmlDeviceGetMaxClockInfo(handle, pynvml.NVML_CLOCK_MEM)
+            bus_bits = pynvml.nvmlDeviceGetMemoryBusWidth(handle)
+            sm_mhz = pynvml.nvmlDeviceGetMaxClockInfo(handle, pynvml.NVML_CLOCK_SM)
+        finally:
+            pynvml.nvmlShutdown()
+        return (2 * mem_mhz * 1e6 * bus_bits / 8 or None), (sm_mhz * 1e6 or None)
+    except Exception:  # noqa: BLE001 - no NVML here (or a device index it orders otherwise): the table's figures
+        return None, None
+
+
+@functools.lru_cache(maxsize=None)
+def _device_model(name: str, arch: str, sms: int, peak_read_bw: Optional[float] = None,
+                  clock: Optional[float] = None) -> skinny_model.Device:
+    return skinny_model.device_for(name, arch, sms, peak_read_bw, clock)
 
 
 def device_model(device: torch.device) -> skinny_model.Device:
-    """The skinny model's device for a GPU: its own SM count; bandwidth, latency, L2 and tensor
-    rates of the modelled device of its arch with the nearest SM count (``skinny_model.DEVICES``;
-    design estimates, not asked of the GPU)."""
-    return _device_model(device_arch(device), sm_count(device))
+    """The skinny model's device for a GPU, read off the GPU where it can be (skinny_model.device_for): its
+    name, arch and SM count (torch), its memory's peak bandwidth and boost clock (NVML, where installed); the
+    rest (latency, L2 and tensor rates: design estimates) from the modelled device its name names."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    props = torch.cuda.get_device_properties(index)
+    peak_bw, clock = device_peaks(props)
+    return _device_model(props.name, device_arch(device), sm_count(device), peak_bw, clock)
+
+
+def device_peaks(props) -> Tuple[Optional[float], Optional[float]]:
+    """(peak read bandwidth in bytes/s, SM clock in Hz) of a GPU from its CUDA properties (cudaDeviceProp's
+    memoryClockRate x 2 x memoryBusWidth, CUDA's deviceQuery formula; clockRate), where torch exposes them,
+    else from NVML; (None, None) where neither can say."""
+    mem_khz, bus_bits = getattr(props, "memory_clock_rate", 0), getattr(props, "memory_bus_width", 0)
+    if mem_khz and bus_bits:
+        return 2 * mem_khz * 1e3 * bus_bits / 8, (getattr(props, "clock_rate", 0) * 1e3 or None)
+    uuid = getattr(props, "uuid", None)
+    return _nvml_peaks(f"GPU-{uuid}") if uuid is not None else (None, None)
 
 
 def skinny_launchable(x, weight, chunk_norm_weight, input_norm_weight, norm_folded: bool = False) -> bool:

@@ -237,6 +237,27 @@ def hot_loop_ratio(ins: Sequence[Instr], baseline: Sequence[Instr]) -> float:
     return hot_loop_instructions_per_step(ins, a) / hot_loop_instructions_per_step(baseline, b)
 
 
+def arch_base(arch: Optional[str]) -> Optional[str]:
+    """``sm_90a`` -> ``sm_90``: cuobjdump spells one cubin's arch both ways (the 12.8 copy triton 3.6 ships prints
+    ``code for sm_90`` in ``-sass`` and ``arch = sm_90a`` in ``-res-usage``; a 13.x toolkit prints sm_90a in
+    both), so listings are matched on the base."""
+    return arch[:-1] if arch and arch[-1] in "af" and arch[-2:-1].isdigit() else arch
+
+
+def resources(usage: Dict[Tuple[str, str], Dict[str, int]], arch: Optional[str], fn: str) -> Dict[str, int]:
+    """``usage`` (:func:`resource_usage`) of kernel ``fn`` in the cubin of ``arch`` as ``-sass`` spelled it:
+    the same spelling, else the same base arch (:func:`arch_base`), else a bare cubin's (no arch line)."""
+    if (arch, fn) in usage:
+        return usage[(arch, fn)]
+    same = [v for (a, f), v in usage.items() if f == fn and a is not None and arch_base(a) == arch_base(arch)]
+    if len(same) == 1:
+        return same[0]
+    if (None, fn) in usage:
+        return usage[(None, fn)]
+    raise KeyError(f"no -res-usage entry for {fn} in the {arch} cubin (found: "
+                   f"{sorted({a for a, f in usage if f == fn}, key=str) or 'none'})")
+
+
 def resource_usage(text: str) -> Dict[Tuple[str, str], Dict[str, int]]:
     """(arch, function symbol) -> {"REG", "STACK", "SHARED", "LOCAL"} from ``cuobjdump -res-usage``."""
     usage, arch, fn = {}, None, None
@@ -250,5 +271,6 @@ def resource_usage(text: str) -> Dict[Tuple[str, str], Dict[str, int]]:
     return usage
 
 
-__all__ = ["Instr", "Loop", "NORM_LOOP_MAX_RATIO", "PIPELINE_MIN_STAGES", "Pipeline", "WEIGHT_LOAD", "count", "hot_loop", "hot_loop_instructions_per_step",
-           "hot_loop_ratio", "loops", "parse_sass", "pipeline", "resource_usage", "weight_stages_in_flight"]
+__all__ = ["Instr", "Loop", "NORM_LOOP_MAX_RATIO", "PIPELINE_MIN_STAGES", "Pipeline", "WEIGHT_LOAD", "arch_base", "count",
+           "hot_loop", "hot_loop_instructions_per_step", "hot_loop_ratio", "loops", "parse_sass", "pipeline",
+           "resource_usage", "resources", "weight_stages_in_flight"]

@@ -20,7 +20,7 @@ and the reducer's dependent L2 round trip (its launch overlaps the skinny grid's
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Dict, Optional, Sequence, Tuple
 
 # ---- the kernel's launch shape (csrc/draft_fc_launch.h; tests/test_build.py checks the cubins) ------
@@ -150,11 +150,33 @@ class Device:
         return self.read_bw * self.latency
 
 
+# Read bandwidth a streaming kernel can reach, as a fraction of the memory's peak (H200: 4.3 of the 4.8 TB/s
+# datasheet, docs/kernels.md §1): a design estimate, applied to the peak a GPU reports (device_for).
+READ_FRACTION = 0.9
+
 DEVICES = {
+    # H100 SXM5 80 GB (HBM3, 3.35 TB/s datasheet; a device-to-device copy moved ~3.0 TB/s on the lent one)
+    "H100": Device("H100", "sm_90", 132, 3.0e12, 1.0e-6, 7.0e12, 650e12, 1.98e9),
     "H200": Device("H200", "sm_90", 132, 4.3e12, 1.0e-6, 7.0e12, 650e12, 1.98e9),
     "RTX PRO 6000": Device("RTX PRO 6000", "sm_120", 188, 1.79e12, 1.0e-6, 5.0e12, 500e12, 2.6e9),
     "RTX 5090": Device("RTX 5090", "sm_120", 170, 1.79e12, 1.0e-6, 4.5e12, 210e12, 2.4e9),
 }
+
+
+def device_for(name: str, arch: str, sms: int, peak_read_bw: Optional[float] = None,
+               clock: Optional[float] = None) -> Device:
+    """The model's device for a GPU as it reports itself: its own name, arch and SM count; where it reports them
+    (NVML: memory clock x bus width, the boost clock), its memory's peak read bandwidth (times
+    :data:`READ_FRACTION`) and clock. What no GPU reports (loaded latency, L2 and tensor rates) comes from the
+    modelled device its name names (``H100`` in "NVIDIA H100 80GB HBM3"), else from the one of its arch with the
+    nearest SM count; so does what it did not report."""
+    same_arch = [d for d in DEVICES.values() if d.arch == arch] or [DEVICES["H200"]]
+    named = [d for d in same_arch if d.name.lower() in name.lower()]
+    base = max(named, key=lambda d: len(d.name)) if named else min(same_arch, key=lambda d: abs(d.sms - sms))
+    label = name if named else f"{name} ({base.name}-like {arch})"
+    return replace(base, name=label, sms=sms,
+                   read_bw=base.read_bw if not peak_read_bw else READ_FRACTION * peak_read_bw,
+                   clock=base.clock if not clock else clock)
 
 
 @dataclass(frozen=True)
@@ -303,7 +325,7 @@ def best_plan(M: int, N: int, CH: int, NC: int, device: Device, kernels: Sequenc
     return best
 
 
-__all__ = ["DEFAULT_ROWS", "DEVICES", "Device", "Kernel", "LOSSES", "MAX_SPLITS", "MAX_TOKEN_GROUPS",
+__all__ = ["DEFAULT_ROWS", "DEVICES", "Device", "READ_FRACTION", "device_for", "Kernel", "LOSSES", "MAX_SPLITS", "MAX_TOKEN_GROUPS",
            "MIN_STEPS_PER_SPLIT", "PIECE", "Prediction", "SKINNY_SHAPES", "SM_LIMITS", "SPLIT_STEP",
            "STAGES", "STATIC_SHARED_LIMIT", "SmLimits", "best_plan", "best_splits", "blocks_per_sm",
            "in_flight_bytes", "max_splits_per_chunk", "predict", "shapes_for", "shared_bytes", "split_shape", "threads",

@@ -12,6 +12,47 @@ import torch
 if not torch.cuda.is_available():
     os.environ["TRITON_INTERPRET"] = "1"
 
+
+
+def _fix_interpreter_index() -> str:
+    """Triton's interpreter (before 3.7) turns a scalar into a Python int with ``int(handle.data)``, a 1-element
+    1-D array, which numpy 2.4 refuses ("only 0-dimensional arrays can be converted to Python scalars",
+    triton-lang/triton#9171): every interpreted kernel with a ``range()`` over run-time bounds fails. Triton 3.7
+    fixed it upstream (``int(handle.data.squeeze())``); on the broken pair the tests apply that same change to
+    the interpreter (a test tool, never the product's path on a GPU), and say so in the session header."""
+    try:
+        import inspect
+
+        import numpy as np
+        import triton
+        from triton.runtime import interpreter
+    except Exception:  # noqa: BLE001 - no Triton (or no interpreter): nothing to fix
+        return ""
+    patch = getattr(interpreter, "_patch_lang_tensor", None)
+    if patch is None or "int(self.handle.data)" not in inspect.getsource(patch):
+        return ""  # a fixed interpreter (3.7+), or one this fix does not know
+    try:
+        int(np.zeros(1))
+        return ""  # numpy < 2.4 converts the 1-element array: nothing breaks
+    except TypeError:
+        pass
+
+    def patched(tensor, scope):
+        patch(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.squeeze()))
+
+    interpreter._patch_lang_tensor = patched
+    return (f"triton {triton.__version__} + numpy {np.__version__}: the interpreter's scalar __index__ is patched "
+            f"as triton 3.7 fixed it upstream (triton-lang/triton#9171)")
+
+
+INTERPRETER_FIX = _fix_interpreter_index() if os.environ.get("TRITON_INTERPRET") == "1" else ""
+
+
+def pytest_report_header(config):
+    return [INTERPRETER_FIX] if INTERPRETER_FIX else []
+
+
 # Hermetic tests: SGLang's model constructors ask the Hugging Face hub for optional files (e.g.
 # Qwen3.5's joint-head config). Without a network the hub client retries with backoff (~23 s
 # per call, seen here); offline it answers "not there" at once, which is what those calls handle.

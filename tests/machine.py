@@ -4,6 +4,8 @@ import subprocess
 import sys
 import time
 
+import pytest
+
 _calibration = None
 IDLE_TORCH_IMPORT_S = 2.0  # what `python -c "import torch"` takes on an idle developer machine
 
@@ -21,3 +23,24 @@ def slowness() -> float:
 def timeout(idle_seconds: float) -> float:
     """``idle_seconds`` (a generous bound on an idle machine), scaled by how much slower this one is now."""
     return idle_seconds * max(1.0, slowness() / IDLE_TORCH_IMPORT_S)
+
+
+SGLANG_PINNED = "0.5.23"
+
+
+def sglang_installed() -> bool:
+    """Whether the SGLang the tests are written for is installed (``make test`` installs it; the GPU
+    image of the device check has none)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("sglang") == SGLANG_PINNED
+    except PackageNotFoundError:
+        return False
+
+
+# For a test outside tests/sglang that runs SGLang's own code: skipped, with the reason, where it is not
+# installed. In CI (CI set) every skip but a GPU test's fails the run (tests/conftest.py), so CI still runs it.
+needs_sglang = pytest.mark.skipif(not sglang_installed(),
+                                  reason=f"needs sglang=={SGLANG_PINNED}, not installed here (make test installs it)")
+

@@ -10,6 +10,7 @@ import torch
 from doctor_fixtures import codes, finding, run_doctor, write_draft, write_target
 from eagle3_ops.doctor import engines
 from eagle3_ops.doctor.configs import parse_draft, parse_target
+from machine import needs_sglang
 
 L = 32
 # what a speculators-format draft converted for SGLang names as its class (SGLang 0.5.23 cannot load the speculators
@@ -49,6 +50,7 @@ def test_pipeline_stage_ranges():
     assert engines.pp_stage_ranges(10, 3) == [(0, 3), (3, 6), (6, 10)]  # extra layers go to the last stages
 
 
+@needs_sglang
 def test_table_rules_match_the_installed_sglang_classes():
     """The pinned table's rule for each class gives what that class's own set_eagle3_layers_to_capture sets, run
     here on a plain SimpleNamespace (not the doctor's stand-in): the table is not a copy that can drift unseen."""
@@ -375,6 +377,7 @@ def test_sharded_safetensors_headers(tmp_path, llama):
     assert_clean(*doctor(d, llama)[:2])
 
 
+@needs_sglang
 def test_doctor_agrees_with_sglang_execution(tmp_path):
     """Run SGLang 0.5.23's own llama on CPU with ids [-1, 1, L-1]: slot 0 is the embeddings, slot 1 is
     boundary 2 (= HF output_hidden_states[2]), and id L-1 (boundary L) is never captured. The doctor

@@ -164,6 +164,7 @@ def test_the_draft_runs_on_sglangs_own_class_only_with_the_pinned_sglang(monkeyp
     from eagle3_ops.doctor import sglang_code
     from eagle3_ops.doctor.replay import draft_implementation
 
+    monkeypatch.setattr(sglang_code, "installed_version", lambda: "0.5.23")
     assert draft_implementation("sglang") == "sglang"
     assert draft_implementation("vllm") == draft_implementation("trtllm") == "plain"
     assert draft_implementation("sglang", device="cuda") == "plain"

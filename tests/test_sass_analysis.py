@@ -128,3 +128,33 @@ def test_resource_usage_parse():
     got = sass.resource_usage(text)
     assert got[("sm_90a", "k1")] == {"REG": 124, "STACK": 0, "SHARED": 49152, "LOCAL": 0}
     assert got[("sm_120a", "k1")]["STACK"] == 8
+
+
+SKINNY_SYMBOL = "_ZN6eagle38fc_skinny_kernelIN3c108BFloat16ELi1ELi64ELi4EEEvPKT_"
+
+
+@pytest.mark.parametrize("sass_arch,usage_arch", [("sm_90", "sm_90a"), ("sm_90a", "sm_90a"), ("sm_90a", "sm_90")],
+                         ids=["cuobjdump-12.8", "cuobjdump-13", "usage-bare"])
+def test_both_cuobjdump_spellings_of_an_arch_give_the_same_kernels(sass_arch, usage_arch):
+    """The cuobjdump of triton 3.6 (12.8) prints `code for sm_90` in -sass and `arch = sm_90a` in -res-usage for the
+    same 9.0a cubin; a 13.x one prints sm_90a in both. The static model (benchmarks/static_model.py) reads the
+    same kernel from either, filed under the base arch the model knows (sm_90)."""
+    import importlib.util
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    spec = importlib.util.spec_from_file_location("_eagle3_static_model_t", root / "benchmarks" / "static_model.py")
+    model = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = model
+    spec.loader.exec_module(model)
+    code = sass.parse_sass(listing((SKINNY_SYMBOL, ring(2)), arch=sass_arch))
+    usage = sass.resource_usage(f"Resource usage:\n arch = {usage_arch}\n  Function {SKINNY_SYMBOL}:\n"
+                                f"  REG:59 STACK:0 SHARED:{36 * 1024 + 1024} LOCAL:0 CONSTANT[0]:0\n")
+    kernels = model.kernels_from(usage, code)
+    assert list(kernels) == ["sm_90"] and list(kernels["sm_90"]) == [(1, 64, 4)]
+    k = kernels["sm_90"][(1, 64, 4)]
+    assert (k.regs, k.shared, k.stages) == (59, 36 * 1024, 4)
+    assert sass.arch_base("sm_120a") == "sm_120" and sass.arch_base("sm_90") == "sm_90"
+    with pytest.raises(KeyError, match="no -res-usage entry"):
+        sass.resources(usage, "sm_120a", SKINNY_SYMBOL)

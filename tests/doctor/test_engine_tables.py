@@ -17,6 +17,7 @@ import pytest
 
 from eagle3_ops.doctor import rules, sglang_code, source_scan, tables, vllm_code
 from eagle3_ops.doctor.configs import target_from_config
+from machine import needs_sglang
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -25,6 +26,7 @@ def _strip(t: dict) -> dict:
     return {k: v for k, v in t.items() if not k.startswith("generated_")}
 
 
+@needs_sglang
 def test_committed_sglang_table_is_what_the_installed_sglang_says():
     assert sglang_code.installed_version() == tables.PINNED["sglang"], "the test venv must hold the pinned SGLang"
     committed = json.loads(tables.table_path("sglang").read_text())
@@ -44,6 +46,7 @@ def _target(arch, num_layers=32, **extra):
 @pytest.mark.parametrize("arch,L", [("LlamaForCausalLM", 32), ("DeepseekV3ForCausalLM", 61), ("GptOssForCausalLM", 36),
                                     ("Qwen3MoeForCausalLM", 48), ("Gemma4ForCausalLM", 30),
                                     ("Qwen3NextForCausalLM", 48)])
+@needs_sglang
 def test_table_rule_agrees_with_the_class_on_fresh_ids(arch, L):
     """Ids none of the table's probes used, fresh per class: the table's named rule gives what the class's own
     set_eagle3_layers_to_capture sets (or raises), run on the stand-in."""
@@ -67,6 +70,7 @@ def test_table_rule_agrees_with_the_class_on_fresh_ids(arch, L):
     assert live.map_ids(None, L).config_order == table.map_ids(None, L).config_order
 
 
+@needs_sglang
 def test_the_doctor_says_which_sglang_it_used(monkeypatch):
     t = _target("LlamaForCausalLM")
     assert "the installed SGLang 0.5.23" in rules.target_rules("sglang", t, "auto").source
@@ -83,6 +87,7 @@ def test_the_doctor_says_which_sglang_it_used(monkeypatch):
         rules.target_rules("sglang", _target("LlamaForCausalLM"), "installed")
 
 
+@needs_sglang
 def test_unknown_architecture_is_refused_with_the_transformers_fallback():
     for code in ("installed", "table"):
         r = rules.target_rules("sglang", _target("NoSuchModelForCausalLM"), code)

@@ -15,6 +15,7 @@ from safetensors.torch import load_file, save_file
 
 from doctor_fixtures import draft_tensors, eagle3_ops, run_doctor, write_draft, write_target
 from eagle3_ops.doctor import cli
+from machine import needs_sglang
 
 L = 32  # target layers of the hand-written pair
 
@@ -124,10 +125,16 @@ SGLANG_CODE, PLAIN_CODE = ("--replay-draft", "sglang"), ("--replay-draft", "plai
 def test_unknown_hidden_act_is_refused(pair, tmp_path, capsys):
     t, d = pair
     edit_config(d, hidden_act="squared_relu")
-    states = write_states(tmp_path / "s.safetensors")
-    rc, err = doctor(capsys, "--draft", d, "--target", t, "--replay", states, *PLAIN_CODE)
+    rc, err = doctor(capsys, "--draft", d, "--target", t, "--replay", write_states(tmp_path / "s.safetensors"),
+                     *PLAIN_CODE)
     assert_exit_2(rc, err, "hidden_act 'squared_relu' is not supported", "supported: silu")
-    rc, err = doctor(capsys, "--draft", d, "--target", t, "--replay", states)  # SGLang's class says it itself
+
+
+@needs_sglang
+def test_unknown_hidden_act_is_refused_by_sglangs_class(pair, tmp_path, capsys):
+    t, d = pair
+    edit_config(d, hidden_act="squared_relu")
+    rc, err = doctor(capsys, "--draft", d, "--target", t, "--replay", write_states(tmp_path / "s.safetensors"))
     assert_exit_2(rc, err, "LlamaForCausalLMEagle3 (sglang.srt.models.llama_eagle3) cannot build this draft",
                   "Unsupported activation: squared_relu")
 
@@ -135,30 +142,47 @@ def test_unknown_hidden_act_is_refused(pair, tmp_path, capsys):
 def test_other_architectures_are_refused(pair, tmp_path, capsys):
     t, d = pair
     edit_config(d, architectures=["DeepseekV3ForCausalLMEagle3"])
-    states = write_states(tmp_path / "s.safetensors")
-    rc, err = doctor(capsys, "--draft", d, "--target", t, "--replay", states, *PLAIN_CODE)
+    rc, err = doctor(capsys, "--draft", d, "--target", t, "--replay", write_states(tmp_path / "s.safetensors"),
+                     *PLAIN_CODE)
     assert_exit_2(rc, err, "replay runs LlamaForCausalLMEagle3 drafts only; this draft is DeepseekV3ForCausalLMEagle3")
-    rc, err = doctor(capsys, "--draft", d, "--target", t, "--replay", states, *SGLANG_CODE)
+
+
+@needs_sglang
+def test_other_architectures_are_refused_by_sglangs_class(pair, tmp_path, capsys):
+    t, d = pair
+    edit_config(d, architectures=["DeepseekV3ForCausalLMEagle3"])
+    rc, err = doctor(capsys, "--draft", d, "--target", t, "--replay", write_states(tmp_path / "s.safetensors"),
+                     *SGLANG_CODE)
     assert_exit_2(rc, err, "the draft's architectures ['DeepseekV3ForCausalLMEagle3'] name none of SGLang 0.5.23's "
                            "EAGLE-3 heads (Eagle3DeepseekV2ForCausalLM, LlamaForCausalLMEagle3)")
 
 
-def test_no_architectures_needs_the_llama_layout(tmp_path, capsys):
-    """The plain twin replays a draft without architectures when its tensors are llama_eagle3's; SGLang resolves a
-    draft's class from its architectures, so its own class cannot be picked for such a draft (and says so)."""
+def _no_architectures(tmp_path):
     t = write_target(tmp_path / "target", num_layers=L)
-    states = write_states(tmp_path / "s.safetensors")
-    llama = edit_config(write_draft(tmp_path / "llama", ids=[1, 15, 28]), architectures=[])
+    return t, write_states(tmp_path / "s.safetensors"), \
+        edit_config(write_draft(tmp_path / "llama", ids=[1, 15, 28]), architectures=[])
+
+
+def test_no_architectures_needs_the_llama_layout(tmp_path, capsys):
+    """The plain twin replays a draft without architectures when its tensors are llama_eagle3's."""
+    t, states, llama = _no_architectures(tmp_path)
     rc, err = doctor(capsys, "--draft", llama, "--target", t, "--replay", states, *PLAIN_CODE)
     assert rc in (0, 1), err  # replayed
-    rc, err = doctor(capsys, "--draft", llama, "--target", t, "--replay", states)
-    assert_exit_2(rc, err, "the draft's architectures [] name none of SGLang 0.5.23's EAGLE-3 heads")
     layer = {k: v for k, v in draft_tensors().items() if k.startswith("midlayer.")}
     renamed = {"decoder." + k[len("midlayer."):]: v for k, v in layer.items()}  # not the llama_eagle3 names
     other = edit_config(write_draft(tmp_path / "other", ids=[1, 15, 28], tensors=renamed, drop=tuple(layer)),
                         architectures=[])
     rc, err = doctor(capsys, "--draft", other, "--target", t, "--replay", states, *PLAIN_CODE)
     assert_exit_2(rc, err, "replay runs LlamaForCausalLMEagle3 drafts only; this draft is of unknown architecture")
+
+
+@needs_sglang
+def test_no_architectures_cannot_pick_sglangs_class(tmp_path, capsys):
+    """SGLang resolves a draft's class from its architectures: its own class cannot be picked for such a draft
+    (and the replay says so; the default where SGLang is installed)."""
+    t, states, llama = _no_architectures(tmp_path)
+    rc, err = doctor(capsys, "--draft", llama, "--target", t, "--replay", states)
+    assert_exit_2(rc, err, "the draft's architectures [] name none of SGLang 0.5.23's EAGLE-3 heads")
 
 
 # ---------------------------------------------------------------------------------------- A4: STATES values
@@ -386,6 +410,7 @@ def test_out_is_a_directory(tmp_path, prompts, capsys):
     assert_exit_2(rc, err, f"--out {tmp_path} is a directory")
 
 
+@needs_sglang
 def test_a_draft_served_with_the_targets_lm_head_is_refused_by_sglangs_runner(pair, tmp_path, capsys):
     """No draft_vocab_size (and not tied): SGLang's head loads the target's lm_head (load_lm_head_from_target),
     which a STATES file does not hold. Said before anything is scored."""

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from eagle3_ops import accept, testing, validation
+from machine import needs_sglang
 
 DT = torch.bfloat16
 CPU = torch.device("cpu")
@@ -251,6 +252,7 @@ def test_draft_fc_accepted_implies_the_contract(seed, twin):
     assert accepted > 20
 
 
+@needs_sglang
 def test_parameters_are_plain_and_wrappers_are_not(twin):
     """SGLang's weights are nn.Parameter (and its BasevLLMParameter family): the fast path takes them.
     A subclass with a __torch_function__ of its own, and functional wrappers (address 0), go the full way."""

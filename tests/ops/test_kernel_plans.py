@@ -17,6 +17,8 @@ import sys
 import textwrap
 from pathlib import Path
 
+import types
+
 import pytest
 import torch
 
@@ -224,10 +226,28 @@ def test_plan_uses_the_device_model_the_occupancy_and_the_kernel_of_its_launch(m
         assert got.path == "skinny" and (got.splits, got.block_rows, got.stages) == (splits, k.rows, k.stages)
 
 
-def test_device_model_of_a_gpu_takes_its_sm_count_and_the_nearest_modelled_device():
-    assert cb._device_model("sm_90", 132).read_bw == H200.read_bw and cb._device_model("sm_90", 114).sms == 114
-    assert cb._device_model("sm_120", 170).mma_rate == sm.DEVICES["RTX 5090"].mma_rate
-    assert cb._device_model("sm_120", 188).l2_bw == PRO6000.l2_bw
+def test_device_model_of_a_gpu_is_read_off_the_gpu_where_it_can_be():
+    """The card's own name, SM count and (reported) peak bandwidth and clock; the design estimates no GPU reports
+    from the modelled device its name names, else from the one of its arch with the nearest SM count. An H100
+    and an H200 have the same SM count: only the name (or the reported bandwidth) tells them apart."""
+    h100 = cb._device_model("NVIDIA H100 80GB HBM3", "sm_90", 132)
+    assert h100.read_bw == sm.DEVICES["H100"].read_bw < H200.read_bw and h100.name == "NVIDIA H100 80GB HBM3"
+    assert cb._device_model("NVIDIA H200", "sm_90", 132).read_bw == H200.read_bw
+    # what the H100 reports (cudaDeviceProp: 2619 MHz x 2 x 5120 bits = 3.35 TB/s): READ_FRACTION of it
+    reported = cb._device_model("NVIDIA H100 80GB HBM3", "sm_90", 132, 2 * 2619e6 * 640, 1.98e9)
+    assert reported.read_bw == pytest.approx(sm.READ_FRACTION * 3.352e12, rel=1e-3) and reported.clock == 1.98e9
+    pcie = cb._device_model("NVIDIA H100 PCIe", "sm_90", 114, 2 * 1593e6 * 640)
+    assert pcie.sms == 114 and pcie.read_bw == pytest.approx(sm.READ_FRACTION * 2.04e12, rel=1e-2)
+    # an unknown card: its arch's modelled device with the nearest SM count, and its own name said as such
+    other = cb._device_model("NVIDIA Some Future GPU", "sm_120", 170)
+    assert other.mma_rate == sm.DEVICES["RTX 5090"].mma_rate and "RTX 5090-like sm_120" in other.name
+    assert cb._device_model("NVIDIA RTX PRO 6000 Blackwell Server Edition", "sm_120", 188).l2_bw == PRO6000.l2_bw
+
+
+def test_device_peaks_from_cuda_properties():
+    props = types.SimpleNamespace(memory_clock_rate=2619000, memory_bus_width=5120, clock_rate=1980000)
+    bw, clock = cb.device_peaks(props)
+    assert bw == pytest.approx(3.352e12, rel=1e-3) and clock == 1.98e9
 
 
 

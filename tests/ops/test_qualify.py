@@ -11,6 +11,7 @@ import eagle3_ops
 import machine
 import spawn
 from eagle3_ops import dispatch, qualify
+from machine import needs_sglang
 
 FC = qualify.Shape("draft_fc", hidden=16, captures=3, out_features=24, dtype="bfloat16", chunk_norm=True, bias=True)
 NORM = qualify.Shape("fused_add_rmsnorm_capture", hidden=32, captures=3, dtype="bfloat16")
@@ -118,6 +119,7 @@ def test_target_norm_candidates_must_match_stock_bitwise(which, name):
     assert plan.choices[0].backend == "reference"
 
 
+@needs_sglang
 def test_target_norm_stock_is_the_sites_own_norm_module():
     """The plugin passes the site's norm module: its own forward is the stock every candidate must match
     bit for bit, with the module's weight and eps (SGLang's RMSNorm, its native path on the CPU)."""

@@ -18,6 +18,7 @@ import torch
 
 from doctor_fixtures import codes, finding, run_doctor
 from eagle3_ops.doctor.configs import parse_target, read_weight_headers
+from machine import needs_sglang
 
 HERE = Path(__file__).resolve().parent
 
@@ -510,6 +511,7 @@ def test_phi4(tmp_path):
     assert rc == 0 and slots(rep) == [2, 20, 37] and rep["engine"]["class"].endswith("Phi3ForCausalLM")
 
 
+@needs_sglang
 def test_every_sglang_eagle3_family_has_a_case_or_is_named_missing():
     """Each SGLang 0.5.23 model file with set_eagle3_layers_to_capture has a case here (its class or the model
     that captures for it), or README.md names it among the families no real config was found for."""
