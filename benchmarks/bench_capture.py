@@ -34,7 +34,7 @@ import pytest
 import torch
 
 import eagle3_ops
-from eagle3_ops import testing
+import op_testing as testing
 
 SMOKE = not torch.cuda.is_available()
 QUICK = os.environ.get("EAGLE3_BENCH_SET", "full") in ("quick", "seed")  # seed: the device check's capture stage

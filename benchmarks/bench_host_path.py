@@ -41,7 +41,10 @@ import time
 import torch
 
 import eagle3_ops
-from eagle3_ops import accept, dispatch, testing
+from eagle3_ops import accept, dispatch
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests"))
+import op_testing as testing  # noqa: E402 - the op tests' kit, also when run as a script
 
 CALLS = int(os.environ.get("EAGLE3_HOST_BENCH_CALLS", "400"))
 ROUNDS = int(os.environ.get("EAGLE3_HOST_BENCH_ROUNDS", "15"))

@@ -80,13 +80,17 @@ import datetime
 import fnmatch
 import json
 import os
-import statistics
-import time
+import sys
 from dataclasses import dataclass, field
 from typing import Callable, Dict, Optional
 
 import pytest
 import torch
+
+from eagle3_ops import timing
+
+# the op tests' kit (tests/op_testing.py: targets, problems that run themselves) serves the benchmarks too
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests"))
 
 # Without a GPU the Triton kernels can only run interpreted; set before eagle3_ops.triton imports.
 if not torch.cuda.is_available():
@@ -95,10 +99,6 @@ if not torch.cuda.is_available():
 SMOKE = not torch.cuda.is_available()
 GPU_REPS = 30
 CPU_REPS = 3
-# ~200 µs at ~2 GHz: longer than the host needs to enqueue one benchmarked call (three capture calls
-# through the Python face, or a stock sequence of several torch ops), so no host gap enters the
-# eager device time.
-SPIN_CYCLES = 400_000
 STREAM_BYTES_GPU = 1 << 30   # read and copy bandwidth: 1 GiB, far larger than any L2
 STREAM_BYTES_CPU = 64 << 20
 FLUSH_MIN_BYTES = 256 << 20  # the L2 flush reads max(this, 4 x L2)
@@ -140,30 +140,14 @@ def _sync(device: torch.device) -> None:
 
 
 # ---- L2 flush ------------------------------------------------------------------------------------
-class L2Flush:
-    """Evicts the GPU L2 by READING a buffer of max(256 MiB, 4 x L2 size) into a one-element sum
-    (see the module doc for why a read, not a write). No-op on the CPU."""
+class L2Flush(timing.L2Flush):
+    """The one timer's flush (``eagle3_ops.timing.L2Flush``), sized for the benchmarks: a read of
+    max(256 MiB, 4 x L2) (see the module doc for why a read, not a write). No-op on the CPU."""
 
     method = "read: torch.sum of a max(256 MiB, 4 x L2) fp32 buffer into one element"
 
     def __init__(self, device: torch.device):
-        self.device = device
-        self.buffer = None
-        self.sink = None
-        self.l2_bytes = 0
-        self.nbytes = 0
-        if device.type == "cuda":
-            self.l2_bytes = int(getattr(torch.cuda.get_device_properties(device), "L2_cache_size", 0) or 0)
-            self.nbytes = max(FLUSH_MIN_BYTES, 4 * self.l2_bytes)
-            # Written once here (random, never zeros); the first read below writes those lines back.
-            self.buffer = torch.rand(self.nbytes // 4, dtype=torch.float32, device=device)
-            self.sink = torch.zeros((), dtype=torch.float32, device=device)
-            self()
-            torch.cuda.synchronize(device)
-
-    def __call__(self) -> None:
-        if self.buffer is not None:
-            torch.sum(self.buffer, dim=0, out=self.sink)
+        super().__init__(device, min_bytes=FLUSH_MIN_BYTES, l2_multiple=4)
 
 
 @pytest.fixture(scope="session")
@@ -173,42 +157,13 @@ def l2_flush(bench_device) -> L2Flush:
 
 
 # ---- timing --------------------------------------------------------------------------------------
-def _spin():
-    sleep = getattr(torch.cuda, "_sleep", None)
-    if sleep is not None:
-        sleep(SPIN_CYCLES)
-
-
 def time_us(fn: Callable[[], object], device: torch.device, flush: Optional[Callable[[], None]] = None,
             reps: Optional[int] = None, warmup: int = 3, host_overhead: bool = False) -> float:
-    """Median time of one ``fn()`` in microseconds (see the module doc for the GPU method).
-    ``host_overhead``: synchronize instead of spinning before each call, so that the host's launch
-    overhead is inside the timed window."""
-    for _ in range(warmup):
-        fn()
-    if device.type == "cuda":
-        reps = reps or GPU_REPS
-        torch.cuda.synchronize(device)
-        events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(reps)]
-        for start, end in events:
-            if flush is not None:
-                flush()
-            if host_overhead:
-                torch.cuda.synchronize(device)
-            else:
-                _spin()
-            start.record()
-            fn()
-            end.record()
-        torch.cuda.synchronize(device)
-        return statistics.median(s.elapsed_time(e) for s, e in events) * 1e3
-    reps = reps or CPU_REPS
-    times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times) * 1e6
+    """Median time of one ``fn()`` in microseconds: the one timer (``eagle3_ops.timing.Timer``, see the
+    module doc for the GPU method). ``host_overhead``: synchronize instead of spinning before each
+    call, so that the host's launch overhead is inside the timed window."""
+    reps = reps or (GPU_REPS if device.type == "cuda" else CPU_REPS)
+    return timing.Timer(device, reps=reps, warmup=warmup, flush=flush, host_overhead=host_overhead)(fn)
 
 
 def graph_time_us(fn: Callable[[], object], device: torch.device, flush: Optional[Callable[[], None]] = None,

@@ -36,7 +36,8 @@ from typing import Dict, List, Optional, Tuple
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from eagle3_ops import sass, skinny_model  # noqa: E402
+from eagle3_ops import skinny_model  # noqa: E402
+from tools import sass  # noqa: E402
 
 SHAPES = (("Kimi-K2.5", 7168, 21504), ("Kimi-K2.5 TP=8", 896, 21504), ("Llama-3.1-8B", 4096, 12288))
 MS = (1, 8, 16, 32, 64)

@@ -1,3 +1,5 @@
+// Derived from the contract in eagle3_ops/validation.py and held equal to it by tests/ops/test_accept.py.
+//
 // The eager faces' fast acceptance in C++: the same sufficient conditions of the ops' contract as
 // eagle3_ops/accept.py (the Python twin, which serves where this module is not built), at a fraction
 // of the cost (no Python attribute lookups, no tuple per view). Each function returns "accepted" only

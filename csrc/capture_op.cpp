@@ -1,3 +1,5 @@
+// The op's contract is eagle3_ops/validation.py (checked before this is called); the TORCH_CHECKs here only
+// keep a direct call of eagle3_cuda::capture from touching memory it must not.
 // eagle3_cuda::capture, the tensor-facing half: memory-safety checks, device guard, stream and dtype
 // dispatch; the kernels and their launch shapes are in capture.cu.
 #include <c10/cuda/CUDAException.h>

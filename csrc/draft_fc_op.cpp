@@ -1,3 +1,5 @@
+// The op's contract is eagle3_ops/validation.py (checked before this is called); the TORCH_CHECKs here only
+// keep a direct call of eagle3_cuda::draft_fc from touching memory it must not.
 // eagle3_cuda::draft_fc and its helpers, the tensor-facing half: memory-safety checks, the skinny plan
 // (token tile, splits) and the workspace layout, the cuBLAS path (at::addmm / at::mm on the prepared
 // input), device guard, stream and dtype dispatch. The kernels and their launches are in draft_fc.cu

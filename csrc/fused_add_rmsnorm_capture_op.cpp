@@ -1,3 +1,5 @@
+// The op's contract is eagle3_ops/validation.py (checked before this is called); the TORCH_CHECKs here only
+// keep a direct call of eagle3_cuda::fused_add_rmsnorm_capture from touching memory it must not.
 // eagle3_cuda::fused_add_rmsnorm_capture, the tensor-facing half: memory-safety checks, device guard,
 // stream and dtype dispatch; the kernels, their numerics and launch shapes are in
 // fused_add_rmsnorm_capture.cu.

@@ -3,7 +3,7 @@
 Every command: ``--help``; an unknown flag is argparse's usage and exit status 2; each bad or
 unknown ``EAGLE3_OPS_*`` variable is one line on stderr at start (settings.report_problems, as the
 SGLang plugin does); a closed stdout, an interrupt or a resource failure end it as _cli.py says
-(exit statuses 0/1/2/3/130/141, README *Command line*).
+(exit statuses 0/1/2/3/130/141, docs/cli.md *Command line*).
 """
 from __future__ import annotations
 

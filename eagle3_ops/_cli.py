@@ -1,7 +1,7 @@
 """What every ``python -m eagle3_ops`` command shares: its exit statuses, and how a closed pipe, an
 interrupt and a resource failure end it (quietly or with one line; never a traceback).
 
-Exit statuses (README, *Command line*):
+Exit statuses (docs/cli.md, *Command line*):
 
 ==== ==========================================================================================
 0    done

@@ -1,4 +1,5 @@
-"""Fast acceptance: the eager face's common case decided in about a microsecond.
+"""Fast acceptance: the eager face's common case decided in about a microsecond. Derived from the contract
+in ``validation.py`` and held equal to it by ``tests/ops/test_accept.py``.
 
 Each ``*_accepted`` function here is a *sufficient* condition of the op's contract in
 ``validation.py`` in plain eager mode (:func:`plain_eager`): when it returns True (or M >= 0 for

@@ -8,7 +8,7 @@
 
 ``EAGLE3_OPS_BACKEND=cuda|triton|reference`` forces one backend; if it cannot serve an op on the
 device, the op raises instead of quietly using another. Each accelerated backend is checked once per
-(op, device) against the reference on a small random problem before first use (``verify.py``); a
+(op, device) against the float64 truth on a small random problem before first use (``verify.py``); a
 backend that fails is disabled for the process with an error log, and the next one serves.
 ``EAGLE3_OPS_VERIFY=0`` skips that check.
 
@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import importlib
 import logging
 import os
 import threading
@@ -30,10 +31,9 @@ from typing import Callable, Dict, Optional
 
 import torch
 
-log = logging.getLogger("eagle3_ops")
+from .registry import BACKEND_OPS, BACKENDS, OPS
 
-BACKENDS = ("cuda", "triton", "reference")
-# The ops and the backend modules that implement them: eagle3_ops/ops.py (OPS, BACKEND_MODULES).
+log = logging.getLogger("eagle3_ops")
 
 
 class BackendUnavailableError(RuntimeError):
@@ -76,12 +76,30 @@ def verification_enabled() -> bool:
     return bool(settings.get_or_default("EAGLE3_OPS_VERIFY", log))
 
 
+def resolve(backend: str) -> Dict[str, Callable]:
+    """{name: function} of ``backend`` for every op it implements (``registry.BACKEND_OPS``) and each
+    ``<op>_workspace_bytes`` the registry names. Raises ImportError naming what is missing; the caller
+    decides whether the backend's own dependency (triton) being absent just means the backend is
+    unavailable."""
+    fns, missing = {}, []
+    for op in BACKEND_OPS:
+        module = importlib.import_module(OPS[op].backends[backend])
+        for name in [op] + ([f"{op}_workspace_bytes"] if OPS[op].workspace_bytes else []):
+            fn = getattr(module, name, None)
+            if fn is None:
+                missing.append(f"{module.__name__}.{name}")
+            else:
+                fns[name] = fn
+    if missing:
+        raise ImportError(f"eagle3_ops backend {backend!r} does not implement {', '.join(missing)} "
+                          f"(eagle3_ops/registry.py names them)")
+    return fns
+
+
 @functools.lru_cache(maxsize=None)
 def _backend_functions(backend: str) -> Optional[Dict[str, Callable]]:
-    """Every function of ``backend`` (ops.resolve), or None when the backend's own dependency is
+    """Every function of ``backend`` (:func:`resolve`), or None when the backend's own dependency is
     not installed (Triton). A backend module that exists but lacks a function is an ImportError."""
-    from .ops import resolve
-
     if backend == "triton":
         try:
             import triton  # noqa: F401
@@ -157,11 +175,9 @@ def _passes_verification(op: str, backend: str, device: torch.device, fn: Callab
             log.warning("eagle3_ops: %s/%s (%s) first used inside CUDA-graph capture on %s: not verified yet",
                         op, backend, dtype, device)
         return True
-    from .ops import OPS
-
     with _lock:
         if key not in _verified:
-            ok, detail = OPS[op].selfcheck(fn, device, dtype, backend)
+            ok, detail = OPS[op].selfcheck(fn, device, dtype, _backend_functions(backend))
             _verified[key] = ok
             if ok:
                 log.info("eagle3_ops: %s backend %s verified on %s for %s (%s)", op, backend, device, dtype, detail)
@@ -258,9 +274,7 @@ def backends(device=None, dtype: torch.dtype = torch.bfloat16) -> Dict[str, str]
     device = torch.device(device)
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
-    from .ops import OPS
-
-    return {op: select(op, device, dtype)[0] for op in OPS}
+    return {op: select(op, device, dtype)[0] for op in BACKEND_OPS}
 
 
 def reset_verification() -> None:

@@ -1,12 +1,9 @@
-"""The eagle3 ops, each declared ONCE in :data:`OPS`: schema, contract check (also the fake impl),
-self-check problem, and the module of each backend that implements it under the op's own name.
+"""The eagle3 ops registered with torch, and the Python face model code calls.
 
-Dispatch (``dispatch.py``), verification (``verify.py``) and :func:`eagle3_ops.backends` read this
-table. A backend module that lacks a function the table names is an ImportError when that backend
-is first resolved (never a silently missing backend); ``tests/ops/test_contract.py`` resolves the
-whole table. Adding an op: a row here, a check in ``validation.py``, a self-check problem in
-``verify.py``, and the function in each backend module (``reference.py``, ``triton/``,
-``cuda_backend.py`` + ``csrc/``).
+Each op is declared once, in ``registry.py`` (schema, contract/fake, tensor arguments, backend
+modules, self-check); this module defines the ops from those rows, registers the real impl of each
+(one function per op below, ``@_implements``), the fakes and the forward-only autograd kernels, and
+holds the Python functions at the bottom.
 
 Every backend function has the signature of the op (draft_fc: into ``out``, with a ``workspace``),
 receives validated arguments and a non-empty output, and allocates nothing (docs/design.md §4, §7.2).
@@ -19,84 +16,52 @@ torch.compile, fake tensors or any Python mode they call ``torch.ops.eagle3``.
 """
 from __future__ import annotations
 
-import importlib
 import logging
-from dataclasses import dataclass
 from typing import Callable, Dict, Optional
 
 import torch
 
-from . import accept, dispatch, validation, verify
+from . import accept, dispatch, validation
 from . import workspace as _workspace
-
-# Backend -> the module(s) holding its functions, per op (a dict) or for every op (a str).
-BACKEND_MODULES = {
-    "reference": "eagle3_ops.reference",
-    "triton": {"capture": "eagle3_ops.triton.capture", "fused_add_rmsnorm_capture": "eagle3_ops.triton.capture",
-               "draft_fc": "eagle3_ops.triton.draft_fc"},
-    "cuda": "eagle3_ops.cuda_backend",
-}
-
-
-@dataclass(frozen=True)
-class OpSpec:
-    name: str
-    schema: str                    # the public op (namespace eagle3)
-    selfcheck: Callable            # verify problem: (fn, device, dtype) -> (ok, detail)
-    workspace_bytes: bool = False  # backends also export <name>_workspace_bytes
-
-
-OPS: Dict[str, OpSpec] = {s.name: s for s in (
-    OpSpec("capture", "capture(Tensor hidden, Tensor? residual, Tensor(a!) buffer, int slot) -> ()",
-           verify.selfcheck_capture),
-    OpSpec("fused_add_rmsnorm_capture",
-           "fused_add_rmsnorm_capture(Tensor(a!) input, Tensor(b!) residual, Tensor weight, float eps, "
-           "Tensor(c!) buffer, int slot) -> ()", verify.selfcheck_fused_add_rmsnorm_capture),
-    OpSpec("draft_fc",
-           "draft_fc(Tensor x, Tensor weight, Tensor? bias, Tensor? rows, Tensor? chunk_norm_weight, "
-           "Tensor? input_norm_weight, float eps, bool norm_folded=False) -> Tensor",
-           verify.selfcheck_draft_fc, workspace_bytes=True),
-)}
-# The out= variant of draft_fc (same backend function, caller-owned output and workspace): not a
-# separate op row. The functional op takes no workspace: a mutable optional argument on an op that
-# returns a new tensor breaks inductor; a caller-owned workspace goes through this variant.
-DRAFT_FC_OUT_SCHEMA = ("draft_fc_out(Tensor x, Tensor weight, Tensor? bias, Tensor? rows, Tensor? chunk_norm_weight, "
-                       "Tensor? input_norm_weight, float eps, Tensor(a!) out, Tensor(b!)? workspace=None, "
-                       "bool norm_folded=False) -> ()")
-
-
-def _module_for(backend: str, op: str) -> str:
-    spec = BACKEND_MODULES[backend]
-    return spec if isinstance(spec, str) else spec[op]
-
-
-def resolve(backend: str) -> Dict[str, Callable]:
-    """{name: function} of ``backend`` for every op (and ``<op>_workspace_bytes``). Raises
-    ImportError naming what is missing; the caller decides whether the backend's own dependency
-    (triton) being absent just means the backend is unavailable."""
-    fns = {}
-    missing = []
-    for op, spec in OPS.items():
-        module = importlib.import_module(_module_for(backend, op))
-        names = [op] + ([f"{op}_workspace_bytes"] if spec.workspace_bytes else [])
-        for name in names:
-            fn = getattr(module, name, None)
-            if fn is None:
-                missing.append(f"{module.__name__}.{name}")
-            else:
-                fns[name] = fn
-    if missing:
-        raise ImportError(f"eagle3_ops backend {backend!r} does not implement {', '.join(missing)} "
-                          f"(eagle3_ops/ops.py OPS names them)")
-    return fns
-
+from .registry import OPS
 
 LIB = torch.library.Library("eagle3", "DEF")
-for _spec in OPS.values():
-    LIB.define(_spec.schema)
-LIB.define(DRAFT_FC_OUT_SCHEMA)
 DEVICE_KEYS = ("CPU", "CUDA")
 log = logging.getLogger("eagle3_ops")
+_impls: Dict[str, Callable] = {}  # op name -> its real impl (CPU and CUDA keys)
+
+
+def _forward_only(name: str):
+    """Autograd-key kernel: refuse inputs that require grad (the same error on every backend and
+    under torch.compile), else run the op below autograd."""
+    overload = getattr(torch.ops.eagle3, name).default
+
+    def kernel(*args, **kwargs):
+        validation.check_no_grad_inputs(name, _tensor_args(name, args))
+        with torch._C._AutoDispatchBelowAutograd():
+            return overload(*args, **kwargs)
+
+    return kernel
+
+
+def _tensor_args(name: str, args) -> dict:
+    return {n: a for n, a in zip(OPS[name].tensor_args, args) if n is not None and isinstance(a, torch.Tensor)}
+
+
+for _op in OPS.values():
+    LIB.define(_op.schema)
+    torch.library.register_fake(f"eagle3::{_op.name}")(_op.fake)
+    LIB.impl(_op.name, _forward_only(_op.name), "Autograd")
+
+
+def _implements(name: str):
+    """Registers the decorated function as the real impl (CPU and CUDA) of op ``name``."""
+    def register(impl: Callable) -> Callable:
+        for key in DEVICE_KEYS:
+            LIB.impl(name, impl, key)
+        _impls[name] = impl
+        return impl
+    return register
 
 
 def _debug() -> bool:
@@ -109,32 +74,24 @@ def _debug() -> bool:
     return bool(settings.get_or_default("EAGLE3_OPS_DEBUG", log))
 
 
-# ---- capture -------------------------------------------------------------------------------------
-def _capture_check(hidden, residual, buffer, slot):
-    validation.check_capture(hidden, residual, buffer, slot)
-
-
+# ---- the real impls ------------------------------------------------------------------------------
+@_implements("capture")
 def _capture_impl(hidden, residual, buffer, slot):
-    _capture_check(hidden, residual, buffer, slot)
+    validation.check_capture(hidden, residual, buffer, slot)
     if hidden.shape[0] == 0:
         return
     dispatch.select("capture", hidden.device, hidden.dtype)[1](hidden, residual, buffer, slot)
 
 
-# ---- fused_add_rmsnorm_capture -------------------------------------------------------------------
-def _fused_check(input, residual, weight, eps, buffer, slot):
-    validation.check_fused_add_rmsnorm_capture(input, residual, weight, eps, buffer, slot)
-
-
+@_implements("fused_add_rmsnorm_capture")
 def _fused_impl(input, residual, weight, eps, buffer, slot):
-    _fused_check(input, residual, weight, eps, buffer, slot)
+    validation.check_fused_add_rmsnorm_capture(input, residual, weight, eps, buffer, slot)
     if input.shape[0] == 0:
         return
     dispatch.select("fused_add_rmsnorm_capture", input.device, input.dtype)[1](
         input, residual, weight, eps, buffer, slot)
 
 
-# ---- draft_fc / draft_fc_out ---------------------------------------------------------------------
 def _run_draft_fc(x, weight, bias, rows, chunk_norm_weight, input_norm_weight, eps, out, workspace, op,
                   norm_folded=False, accepted=False):
     """After validation: range-check host rows, skip an empty output (both already settled when the
@@ -165,6 +122,7 @@ def _run_draft_fc(x, weight, bias, rows, chunk_norm_weight, input_norm_weight, e
                              f"{bad.nonzero().flatten().tolist()[:16]} (x has {x.shape[0]} rows)")
 
 
+@_implements("draft_fc")
 def _draft_fc_impl(x, weight, bias, rows, chunk_norm_weight, input_norm_weight, eps, norm_folded=False):
     M = validation.check_draft_fc(x, weight, bias, rows, chunk_norm_weight, input_norm_weight, eps,
                                   norm_folded=norm_folded)
@@ -173,6 +131,7 @@ def _draft_fc_impl(x, weight, bias, rows, chunk_norm_weight, input_norm_weight, 
     return out
 
 
+@_implements("draft_fc_out")
 def _draft_fc_out_impl(x, weight, bias, rows, chunk_norm_weight, input_norm_weight, eps, out, workspace=None,
                        norm_folded=False):
     validation.check_draft_fc(x, weight, bias, rows, chunk_norm_weight, input_norm_weight, eps, out,
@@ -181,48 +140,7 @@ def _draft_fc_out_impl(x, weight, bias, rows, chunk_norm_weight, input_norm_weig
                   norm_folded)
 
 
-def _draft_fc_fake(x, weight, bias, rows, chunk_norm_weight, input_norm_weight, eps, norm_folded=False):
-    M = validation.check_draft_fc(x, weight, bias, rows, chunk_norm_weight, input_norm_weight, eps,
-                                  norm_folded=norm_folded)
-    return x.new_empty((M, weight.shape[0]))
-
-
-def _draft_fc_out_fake(x, weight, bias, rows, chunk_norm_weight, input_norm_weight, eps, out, workspace=None,
-                       norm_folded=False):
-    validation.check_draft_fc(x, weight, bias, rows, chunk_norm_weight, input_norm_weight, eps, out,
-                              op="draft_fc_out", workspace=workspace, norm_folded=norm_folded)
-
-
-# ---- registration: real impls per device, fakes, and the forward-only autograd kernels ------------
-IMPLS = {"capture": (_capture_impl, _capture_check), "fused_add_rmsnorm_capture": (_fused_impl, _fused_check),
-         "draft_fc": (_draft_fc_impl, _draft_fc_fake), "draft_fc_out": (_draft_fc_out_impl, _draft_fc_out_fake)}
-DIFFERENTIABLE = {  # positional index -> name of every tensor argument, checked for requires_grad
-    "capture": ("hidden", "residual", "buffer"),
-    "fused_add_rmsnorm_capture": ("input", "residual", "weight", None, "buffer"),
-    "draft_fc": ("x", "weight", "bias", None, "chunk_norm_weight", "input_norm_weight"),
-    "draft_fc_out": ("x", "weight", "bias", None, "chunk_norm_weight", "input_norm_weight", None, "out"),
-}
-
-
-def _forward_only(name: str):
-    """Autograd-key kernel: refuse inputs that require grad (the same error on every backend and
-    under torch.compile), else run the op below autograd."""
-    overload = getattr(torch.ops.eagle3, name).default
-
-    def kernel(*args, **kwargs):
-        tensors = {n: a for n, a in zip(DIFFERENTIABLE[name], args) if n is not None and isinstance(a, torch.Tensor)}
-        validation.check_no_grad_inputs(name, tensors)
-        with torch._C._AutoDispatchBelowAutograd():
-            return overload(*args, **kwargs)
-
-    return kernel
-
-
-for _name, (_impl, _fake) in IMPLS.items():
-    for _key in DEVICE_KEYS:
-        LIB.impl(_name, _impl, _key)
-    torch.library.register_fake(f"eagle3::{_name}")(_fake)
-    LIB.impl(_name, _forward_only(_name), "Autograd")
+assert set(_impls) == set(OPS), f"ops.py implements {sorted(_impls)}, registry.py declares {sorted(OPS)}"
 
 
 # ---- the Python face -----------------------------------------------------------------------------
@@ -254,9 +172,8 @@ def _call(name: str, *args):
     autograd guard the op's Autograd kernel applies: forward-only), else ``torch.ops.eagle3``."""
     if _runs_directly(args):
         if torch.is_grad_enabled():
-            validation.check_no_grad_inputs(name, {n: a for n, a in zip(DIFFERENTIABLE[name], args)
-                                                   if n is not None and isinstance(a, torch.Tensor)})
-        return IMPLS[name][0](*args)
+            validation.check_no_grad_inputs(name, _tensor_args(name, args))
+        return _impls[name](*args)
     return getattr(torch.ops.eagle3, name).default(*args)
 
 

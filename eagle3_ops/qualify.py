@@ -38,7 +38,6 @@ import hashlib
 import json
 import logging
 import math
-import statistics
 import time
 import typing
 from dataclasses import asdict, dataclass, field
@@ -47,7 +46,8 @@ from typing import Callable, List, Optional, Sequence, Tuple
 
 import torch
 
-from . import dispatch, plans, qualify_cache, testing
+from . import dispatch, plans, problems, qualify_cache
+from .timing import Timer
 
 log = logging.getLogger("eagle3_ops")
 
@@ -60,7 +60,7 @@ MARGIN = 1.05          # a candidate must be at least 5% faster than stock to re
 #    the v1 kernels must not stand for them.
 RULES_VERSION = 4
 DEFAULT_BUCKETS = (1, 4, 16, 64, 128, 512, 2048)   # decode / verify / prefill row counts
-TOL = {"draft_fc": testing.MATMUL_TOL, "fused_add_rmsnorm_capture": testing.NORM_TOL}
+TOL = {"draft_fc": problems.MATMUL_TOL, "fused_add_rmsnorm_capture": problems.NORM_TOL}
 
 
 @dataclass(frozen=True)
@@ -162,57 +162,20 @@ def candidates(op: str, device: torch.device) -> List[Tuple[str, Optional[str]]]
     return out
 
 
-# ---- timing -------------------------------------------------------------------------------------------
-class Timer:
-    """Median microseconds of a call: CUDA events with the L2 flushed (by a read of twice its size)
-    before each repetition and a spin kernel ahead of the call (host launch overhead hidden) on a
-    GPU; perf_counter on the CPU."""
-
-    def __init__(self, device: torch.device, reps: int = 10):
-        self.device, self.reps = device, reps
-        self._flush = None
-        if device.type == "cuda":
-            l2 = torch.cuda.get_device_properties(device).L2_cache_size
-            self._flush = torch.ones(max(2 * l2, 1 << 20) // 4, dtype=torch.float32, device=device)
-            self._sink = torch.zeros((), dtype=torch.float32, device=device)
-
-    def __call__(self, fn: Callable[[], object]) -> float:
-        fn()  # warm-up (compiles, first-use checks)
-        times = []
-        if self.device.type == "cuda":
-            for _ in range(self.reps):
-                torch.sum(self._flush, dim=0, out=self._sink)  # read-only flush: no dirty lines in the timed call
-                # keep the GPU busy while the host enqueues the call: the time is the kernels' (as in
-                # the CUDA-graph replays that serve most calls), not Python's launch overhead
-                torch.cuda._sleep(200_000)
-                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                start.record()
-                fn()
-                end.record()
-                end.synchronize()
-                times.append(start.elapsed_time(end) * 1e3)
-        else:
-            for _ in range(self.reps):
-                t0 = time.perf_counter()
-                fn()
-                times.append((time.perf_counter() - t0) * 1e6)
-        return statistics.median(times)
-
-
 # ---- problems and stock ---------------------------------------------------------------------------------
-def _fc_problem(shape: Shape, rows: int, device, tensors: Optional[dict] = None) -> testing.FcProblem:
+def _fc_problem(shape: Shape, rows: int, device, tensors: Optional[dict] = None) -> problems.FcProblem:
     if tensors is not None:  # the site's own weights (no second copy of a model-size weight), random x
         w = tensors["weight"]
-        gen = testing.generator(torch.device(device), "qualify-x", rows, w.shape[1])
-        x = testing.randn((rows, w.shape[1]), w.dtype, device, gen, scale=3.0)
-        return testing.FcProblem(x, w, tensors.get("bias"), None, tensors.get("chunk_norm_weight"),
-                                 tensors.get("input_norm_weight"), tensors.get("eps", testing.EPS))
-    return testing.fc_problem(rows, shape.hidden, shape.captures, shape.torch_dtype, device, key=("qualify",),
+        gen = problems.generator(torch.device(device), "qualify-x", rows, w.shape[1])
+        x = problems.randn((rows, w.shape[1]), w.dtype, device, gen, scale=3.0)
+        return problems.FcProblem(x, w, tensors.get("bias"), None, tensors.get("chunk_norm_weight"),
+                                 tensors.get("input_norm_weight"), tensors.get("eps", problems.EPS))
+    return problems.fc_problem(rows, shape.hidden, shape.captures, shape.torch_dtype, device, key=("qualify",),
                               N=shape.out_features or shape.hidden, bias=shape.bias, chunk=shape.chunk_norm,
                               inorm=shape.input_norm)
 
 
-def _fc_stock(p: testing.FcProblem) -> Tuple[Callable[[], torch.Tensor], str]:
+def _fc_stock(p: problems.FcProblem) -> Tuple[Callable[[], torch.Tensor], str]:
     """SGLang llama_eagle3's fc block as it runs stock: RMSNorm(s) rounded to the dtype, F.linear."""
     import torch.nn.functional as F
 
@@ -232,7 +195,7 @@ def _fc_stock(p: testing.FcProblem) -> Tuple[Callable[[], torch.Tensor], str]:
     return run, "torch eager norms + F.linear (cuBLAS on a GPU)"
 
 
-def _fused_stock(p: testing.CaptureProblem, slot_view: torch.Tensor, stock_norm=None):
+def _fused_stock(p: problems.CaptureProblem, slot_view: torch.Tensor, stock_norm=None):
     """What SGLang runs at a captured layer: its add+RMSNorm, then the capture as a slot copy.
 
     ``stock_norm``: the site's own norm module (the plugin passes one): its stock ``forward(x, residual)``
@@ -296,7 +259,7 @@ def _qualify_fc(shape: Shape, rows: int, device, timer: Timer, plan: Plan, margi
                     (run_candidate or eagle3_ops.draft_fc_out)(*args, p.eps, out, norm_folded=folded)
             try:
                 call()
-                err = testing.rel_err(out, truth, normwise=True)
+                err = problems.rel_err(out, truth, normwise=True)
             except Exception as e:  # a crashing candidate is rejected, never chosen
                 plan.rejected.append(Rejection("draft_fc", rows, backend, path, f"{type(e).__name__}: {e}", folded))
                 continue
@@ -311,11 +274,11 @@ def _qualify_fc(shape: Shape, rows: int, device, timer: Timer, plan: Plan, margi
     _record(plan, "draft_fc", rows, best, stock_us, stock_label, margin)
 
 
-def _fused_error(q: testing.CaptureProblem, normed64: torch.Tensor, sum64: torch.Tensor) -> float:
+def _fused_error(q: problems.CaptureProblem, normed64: torch.Tensor, sum64: torch.Tensor) -> float:
     """Max elementwise relative error of the fused op's three outputs (normed input, new residual,
     captured slot) against the float64 truth."""
-    return max(testing.rel_err(q.hidden, normed64), testing.rel_err(q.residual, sum64),
-               testing.rel_err(q.slot_view, sum64))
+    return max(problems.rel_err(q.hidden, normed64), problems.rel_err(q.residual, sum64),
+               problems.rel_err(q.slot_view, sum64))
 
 
 def _qualify_fused(shape: Shape, rows: int, device, timer: Timer, plan: Plan, margin: float,
@@ -328,7 +291,7 @@ def _qualify_fused(shape: Shape, rows: int, device, timer: Timer, plan: Plan, ma
     module, whose weight and eps the problem uses."""
     import eagle3_ops
 
-    base = testing.capture_problem(rows, shape.hidden, shape.captures, shape.torch_dtype, device, key=("qualify",),
+    base = problems.capture_problem(rows, shape.hidden, shape.captures, shape.torch_dtype, device, key=("qualify",),
                                    slot=0, fused=True)
     if stock_norm is not None:
         base.weight = stock_norm.weight.detach()
@@ -363,7 +326,7 @@ def _qualify_fused(shape: Shape, rows: int, device, timer: Timer, plan: Plan, ma
         differs = [name for name, got, ref in (("normed output", q.hidden, want.hidden),
                                                ("residual", q.residual, want.residual),
                                                ("capture", q.slot_view, want.slot_view))
-                   if not testing.same_bits(got, ref)]
+                   if not problems.same_bits(got, ref)]
         if differs:
             plan.rejected.append(Rejection("fused_add_rmsnorm_capture", rows, backend, None,
                                            f"{', '.join(differs)} not bitwise equal to stock ({stock_label})"))
@@ -444,7 +407,7 @@ def _tolerance(shape: Shape) -> float:
     dt = shape.torch_dtype
     if shape.op == "draft_fc":
         return TOL["draft_fc"][dt]
-    return 2 * max(testing.NORM_TOL[dt], testing.ROUNDING_TOL[dt])
+    return 2 * max(problems.NORM_TOL[dt], problems.ROUNDING_TOL[dt])
 
 
 def _matches(value, hint) -> bool:
@@ -694,4 +657,4 @@ def main(argv=None) -> int:
     return 0
 
 
-__all__ = ["Choice", "DEFAULT_BUCKETS", "MARGIN", "Plan", "Rejection", "Shape", "Timer", "candidates", "qualify"]
+__all__ = ["Choice", "DEFAULT_BUCKETS", "MARGIN", "Plan", "Rejection", "Shape", "candidates", "qualify"]

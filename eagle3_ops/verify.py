@@ -1,118 +1,97 @@
-"""One-time check of an accelerated backend against the reference on a small random problem.
+"""One-time check of an accelerated backend against the float64 truth on a small random problem.
 
 It protects users on GPUs we have never run on (e.g. a new sm_120 board): the first time a backend
-serves an op on a device for a dtype, it runs a small problem in that dtype with odd sizes (vector tail, row gather,
-both norms, bias) and compares with the reference. Outputs are poisoned with NaN first and the
-canary columns/rows around every write must come back unchanged.
+serves an op on a device for a dtype, ``dispatch`` runs the op's self-check (its row in
+``registry.py`` names it): a small problem in that dtype with odd sizes (vector tail, row gather,
+both norms, bias), built, canaried and judged with the same kit and tolerances as the tests and
+qualification (``problems.py``). Outputs are poisoned with NaN first and every element around them
+must come back bitwise unchanged.
+
+A self-check is ``(fn, device, dtype, functions) -> (ok, detail)``: ``fn`` the backend's function for
+the op, ``functions`` all of that backend's functions (draft_fc sizes its workspace with
+``draft_fc_workspace_bytes``). Nothing here imports dispatch: the caller passes what it resolved.
 """
 from __future__ import annotations
 
-from typing import Callable, Tuple
+import dataclasses
+from typing import Callable, Dict, Tuple
 
 import torch
 
-from . import reference
+from . import problems, reference
 
-ATOL_RTOL = 2e-2  # bf16 output: one rounding (2^-8) plus fp32 summation-order differences; generous for
-                  # fp16/fp32 too: this check catches broken kernels, the test suite measures accuracy
-
-
-def _close(a: torch.Tensor, b: torch.Tensor) -> Tuple[bool, str]:
-    a, b = a.float(), b.float()
-    if a.shape != b.shape:
-        return False, f"shape {tuple(a.shape)} != {tuple(b.shape)}"
-    if torch.isnan(a).any() != torch.isnan(b).any() or not torch.equal(torch.isnan(a), torch.isnan(b)):
-        return False, "NaN pattern differs (unwritten output or canary overwritten)"
-    finite = ~torch.isnan(b)
-    err = ((a - b).abs()[finite] / (b.abs()[finite] + 1.0)).max().item() if finite.any() else 0.0
-    return err <= ATOL_RTOL, f"max rel err {err:.3g}"
-
-
-PAD = 8  # canary rows/columns around every output view; the view starts at row PAD // 2
-
-
-def _poisoned(rows: int, cols: int, device, dtype):
-    """(base, view): a NaN-filled base with canary rows above/below and columns right of a
-    [rows, cols] view. Comparing whole bases checks the canaries as well as the written region."""
-    base = torch.full((rows + PAD, cols + PAD), float("nan"), device=device, dtype=dtype)
-    return base, _view(base, rows, cols)
-
-
-def _view(base: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
-    return base[PAD // 2:PAD // 2 + rows, :cols]
-
-
-def _capture_problem(device, dtype, gen, with_norm: bool):
-    T, H, K, slot = 37, 1000 + 24, 3, 1  # H a multiple of 8 (vector path) but not of the block width
-    h = torch.randn(T, H, generator=gen).to(device, dtype)
-    r = torch.randn(T, H, generator=gen).to(device, dtype)
-    base, buf = _poisoned(T + 3, K * H, device, dtype)
-    w = (torch.rand(H, generator=gen) + 0.5).to(device, dtype) if with_norm else None
-    return h, r, base, buf, slot, w
+CAPTURE_SHAPE = dict(T=37, H=1000 + 24, K=3)  # H a multiple of 8 (vector path) but not of the block width
+FC_SHAPE = dict(M=7, H=136, K=3, N=200)
+FC_ROWS = (18, 0, 5, 5, 11, 2, 17)  # both ends of x's 19 rows, a repeat, out of order
 
 
 def _guarded(check):
-    """A crashing kernel fails verification; it must not take the process down."""
-    def run(fn: Callable, device: torch.device, dtype: torch.dtype = torch.bfloat16, backend: str = "") -> Tuple[bool, str]:
+    """A crashing kernel (or a canary that changed: AssertionError) fails the check; it must not
+    take the process down."""
+    def run(fn: Callable, device: torch.device, dtype: torch.dtype = torch.bfloat16,
+            functions: Dict[str, Callable] = None) -> Tuple[bool, str]:
         try:
-            return check(fn, device, dtype, backend)
+            return check(fn, device, dtype, functions or {})
         except Exception as e:
             return False, f"{type(e).__name__}: {e}"
     run.__name__ = run.__qualname__ = check.__name__
+    run.__doc__ = check.__doc__
     return run
 
 
-@_guarded
-def selfcheck_capture(fn, device, dtype, backend):
-    gen = torch.Generator().manual_seed(1234)
-    h, r, base, buf, slot, _ = _capture_problem(device, dtype, gen, with_norm=False)
-    ref_base = base.clone()
-    fn(h, r, buf, slot)
-    reference.capture(h, r, _view(ref_base, *buf.shape), slot)
-    return _close(base, ref_base)
+def _within(checks) -> Tuple[bool, str]:
+    """checks: (what, error, tolerance) -> (all within, a detail naming the worst)."""
+    worst = max(checks, key=lambda c: c[1] / c[2])
+    ok = all(err <= tol for _, err, tol in checks)
+    return ok, f"max rel err {worst[1]:.3g} ({worst[0]}; tolerance {worst[2]:.3g})"
+
+
+def _capture_problem(device, dtype, fused: bool) -> problems.CaptureProblem:
+    return problems.capture_problem(**CAPTURE_SHAPE, dtype=dtype, device=device, key=("selfcheck",), slot=1,
+                                    fused=fused, hidden_pad=3, extra_rows=3)
 
 
 @_guarded
-def selfcheck_fused_add_rmsnorm_capture(fn, device, dtype, backend):
-    gen = torch.Generator().manual_seed(1234)
-    h, r, base, buf, slot, w = _capture_problem(device, dtype, gen, with_norm=True)
-    h2, r2, ref_base = h.clone(), r.clone(), base.clone()
-    fn(h, r, w, 1e-6, buf, slot)
-    reference.fused_add_rmsnorm_capture(h2, r2, w, 1e-6, _view(ref_base, *buf.shape), slot)
-    detail = ""
-    for got, want in ((h, h2), (r, r2), (base, ref_base)):
-        ok, detail = _close(got, want)
-        if not ok:
-            return ok, detail
-    return True, detail
+def selfcheck_capture(fn, device, dtype, functions):
+    """buffer slot == hidden + residual (one rounding), nothing else written."""
+    p = _capture_problem(device, dtype, fused=False)
+    problems.run_canaried(lambda: fn(p.hidden, p.residual, p.buffer, p.slot), p.writes(), poison=[p.slot_view])
+    return _within([("slot", problems.rel_err(p.slot_view, p.sum64()), problems.ROUNDING_TOL[dtype])])
 
 
 @_guarded
-def selfcheck_draft_fc(fn, device, dtype, backend):
-    from .dispatch import function
+def selfcheck_fused_add_rmsnorm_capture(fn, device, dtype, functions):
+    """input <- rmsnorm(input + residual) * weight, residual and slot <- input + residual."""
+    p = _capture_problem(device, dtype, fused=True)
+    sum64, normed64 = p.sum64(), p.normed64()
+    problems.run_canaried(lambda: fn(p.hidden, p.residual, p.weight, p.eps, p.buffer, p.slot), p.writes(),
+                          poison=[p.slot_view])
+    return _within([("normed input", problems.rel_err(p.hidden, normed64), problems.NORM_TOL[dtype]),
+                    ("residual", problems.rel_err(p.residual, sum64), problems.ROUNDING_TOL[dtype]),
+                    ("slot", problems.rel_err(p.slot_view, sum64), problems.ROUNDING_TOL[dtype])])
 
-    gen = torch.Generator().manual_seed(1234)
-    R, K, H, N = 19, 3, 136, 200
-    x = torch.randn(R, K * H, generator=gen).to(device, dtype)
-    w = (torch.randn(N, K * H, generator=gen) / (K * H) ** 0.5).to(device, dtype)
-    b = torch.randn(N, generator=gen).to(device, dtype)
-    rows = torch.tensor([18, 0, 5, 5, 11, 2, 17], device=device, dtype=torch.int32)
-    cn = (torch.rand(K, H, generator=gen) + 0.5).to(device, dtype)
-    inw = (torch.rand(K * H, generator=gen) + 0.5).to(device, dtype)
-    detail = ""
-    # unfolded with everything, plain, and the folded-norm variant (weight prepared with the gains)
-    folded_inw = None if dtype == torch.float16 else inw  # fp16 folds with a chunk norm only (validation)
-    for args, folded in (((b, rows, cn, inw), False), ((None, None, None, None), False),
-                         ((b, rows, cn, folded_inw), True)):
-        M = R if args[1] is None else args[1].numel()
-        base, out = _poisoned(M, N, device, dtype)
-        want = base.clone()
-        weight = reference.fold_norm_weights_ref(w, args[2], args[3]) if folded else w
-        need = function(backend, "draft_fc_workspace_bytes")(x, weight, *args, folded) if backend else 0
+
+@_guarded
+def selfcheck_draft_fc(fn, device, dtype, functions):
+    """Unfolded with everything (bias, row gather, both norms), plain, and the folded-norm variant
+    (weight prepared with the gains; fp16 folds a chunk norm only: validation), each against float64."""
+    full = problems.fc_problem(**FC_SHAPE, dtype=dtype, device=device, key=("selfcheck",), bias=True, rows=True,
+                               chunk=True, inorm=True, extra_rows=12)
+    full = dataclasses.replace(full, rows=torch.tensor(FC_ROWS, dtype=torch.int32, device=device))
+    plain = problems.FcProblem(full.x[:FC_SHAPE["M"]], full.weight)
+    folded_inw = None if dtype == torch.float16 else full.input_norm_weight
+    folded = dataclasses.replace(full, input_norm_weight=folded_inw)
+    workspace_bytes = functions.get("draft_fc_workspace_bytes")
+    results = []
+    for what, p, norm_folded in (("all arguments", full, False), ("plain", plain, False),
+                                 ("folded norms", folded, True)):
+        weight = reference.fold_norm_weights_ref(p.weight, p.chunk_norm_weight, p.input_norm_weight) \
+            if norm_folded else p.weight
+        args = (p.x, weight) + p.args[2:]
+        need = int(workspace_bytes(*args, norm_folded)) if workspace_bytes is not None else 0
         ws = torch.empty(need, dtype=torch.uint8, device=device) if need else None
-        fn(x, weight, *args, 1e-6, out, ws, folded)
-        _view(want, M, N).copy_(reference.draft_fc_ref(x, weight, *args, 1e-6, norm_folded=folded).to(dtype))
-        ok, detail = _close(base, want)
-        if not ok:
-            return ok, detail
-    return True, detail
+        out = p.out()
+        problems.run_canaried(lambda: fn(*args, p.eps, out, ws, norm_folded), [out], poison=[out])
+        truth = reference.draft_fc_ref(*args, p.eps, norm_folded=norm_folded, acc_dtype=torch.float64)
+        results.append((what, problems.rel_err(out, truth, normwise=True), problems.MATMUL_TOL[dtype]))
+    return _within(results)

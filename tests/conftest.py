@@ -1,10 +1,15 @@
 import atexit
 import os
 import shutil
+import sys
 import tempfile
 
 import pytest
 import torch
+
+# The source checkout's root: the maintainer tools (tools/: SASS reading, table and doc generators) are
+# tested here but never shipped in the package.
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 # Without a GPU, Triton kernels run under the Triton interpreter on CPU tensors. The flag is read
 # when a kernel is decorated, so it must be set before any eagle3_ops.triton module is imported.

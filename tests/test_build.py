@@ -7,7 +7,7 @@ instruction counts are the ones cuda_backend plans split-K with, the skinny weig
 the L2 evict-first hint, and — read from the SASS of every skinny kernel on both archs — the weight
 pipeline survives ptxas (at least two ring steps in flight across the hot loop's back-edge) and
 the norm variants run the plain variant's hot loop (within 1.25x of its instructions per step).
-The SASS analyser itself (eagle3_ops/sass.py) is tested on synthetic listings in
+The SASS analyser itself (tools/sass.py) is tested on synthetic listings in
 tests/test_sass_analysis.py, where a collapsed pipeline and a fat norm loop fail these checks."""
 import glob
 import os
@@ -20,7 +20,8 @@ from pathlib import Path
 import pytest
 
 import eagle3_ops
-from eagle3_ops import cuda_backend, sass, skinny_model
+from eagle3_ops import cuda_backend, skinny_model
+from tools import sass
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -384,7 +384,7 @@ def test_the_cache_keeps_a_bounded_number_of_entries(monkeypatch):
 
 # ---- the draft fc sharding decision (draft_fc_hooks), cached through the same functions ---------------------
 def _decision(buckets=(1, 4)):
-    from eagle3_ops.sglang.draft_fc_hooks import ShardingPlan
+    from eagle3_ops.sglang.fc_sharding import ShardingPlan
 
     timings = [(100.0, 40.0, 30.0), (100.0, 60.0, 45.0)][:len(buckets)]
     sharded = [(s + g) * qualify.MARGIN < f for f, s, g in timings]
@@ -405,10 +405,10 @@ BROKEN_DECISIONS = {
 
 
 def test_a_sharding_decision_round_trips_and_a_broken_one_is_one_line(caplog):
-    from eagle3_ops.sglang.draft_fc_hooks import _sharding_from_json
+    from eagle3_ops.sglang.fc_sharding import sharding_from_json
 
     made_for = qualify.entry_made_for("draft_fc_sharding", "cpu", {"shape": [64, 192], "tp": 2, "buckets": [1, 4]})
-    parse = lambda v: _sharding_from_json(v, 0, 2, [1, 4])  # noqa: E731
+    parse = lambda v: sharding_from_json(v, 0, 2, [1, 4])  # noqa: E731
     assert qualify_cache.store(made_for, _decision())
     got = qualify_cache.load(made_for, parse)
     assert got.cached and got.sharded == [True, False] and got.to_json()["timings"] == _decision()["timings"]

@@ -1,11 +1,11 @@
-"""The SASS analyser (eagle3_ops/sass.py) that tests/test_build.py runs on the built kernels, tested
+"""The SASS analyser (tools/sass.py) that tests/test_build.py runs on the built kernels, tested
 on synthetic cuobjdump listings (no nvcc, no GPU: runs everywhere): it finds the hot loop, measures
 the weight pipeline across the back-edge, and compares hot loops; the build's criteria
 (sass.PIPELINE_MIN_STAGES, sass.NORM_LOOP_MAX_RATIO) pass a pipelined loop and FAIL a collapsed
 pipeline and a norm loop with the gains back in it — so the build tests can fail."""
 import pytest
 
-from eagle3_ops import sass
+from tools import sass
 
 
 def listing(*bodies, arch="sm_90a"):

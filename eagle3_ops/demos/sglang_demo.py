@@ -1,15 +1,18 @@
 """The SGLang part of ``python -m eagle3_ops demo``: a tiny random-weight Llama target and EAGLE-3
 draft built from SGLang 0.5.23's own classes, run on CPU (torch_native attention, gloo group of one)
-stock and then with the eagle3_ops plugin, per path: do the outputs match, and how long it took.
+stock and then with the eagle3_ops plugin, per path: do the outputs match.
 
 The paths are the ones the plugin changes: the target's EXTEND (prefill) and TARGET_VERIFY forwards
 (aux states captured into one persistent buffer; where the fused add+RMSNorm qualified bitwise,
 written by it), the draft's first step (fc block as one eagle3::draft_fc) and a draft DECODE step
 (fc not involved: must be unchanged).
+
+It shows no times: on a CPU the plugin's ops run the reference backend (plain PyTorch computing in
+float32) in place of stock SGLang's own modules, so stock-vs-plugin milliseconds of these tiny
+forwards would compare two different computations, not the plugin; the demo says so under its table.
 """
 from __future__ import annotations
 
-import time
 from typing import List
 
 import torch
@@ -17,18 +20,10 @@ import torch
 from .table import print_table
 
 LAYER_IDS = [0, 1, 2]
-
-
-def _alternating_ms(stock_fn, plugin_fn, repeats: int = 5):
-    """Median milliseconds of each, measured alternately after one warm-up call each."""
-    stock_fn(), plugin_fn()
-    times = ([], [])
-    for _ in range(repeats):
-        for fn, out in ((stock_fn, times[0]), (plugin_fn, times[1])):
-            t0 = time.perf_counter()
-            fn()
-            out.append((time.perf_counter() - t0) * 1e3)
-    return tuple(sorted(t)[len(t) // 2] for t in times)
+NO_TIMES = ("(a correctness check, no time column: on a CPU the plugin's ops run the reference backend, plain "
+            "PyTorch computing in float32, in place of stock SGLang's own {dtype} modules, so stock-vs-plugin "
+            "milliseconds here would compare two different computations, not the plugin. GPU speed is measured "
+            "by benchmarks/device_check.sh (benchmarks/NOTES.md))")
 
 
 def _max_rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -75,7 +70,7 @@ def _run(h, capture_state, draft_fc_state, dtype, hidden_size, prompt_len, batch
                                           num_attention_heads=8, num_key_value_heads=4, vocab_size=512)
     dcfg = h.eagle3_draft_config(cfg, layer_ids=LAYER_IDS, fc_norm=True)
     # Two copies of each model with the same weights: one left stock, one patched by the plugin
-    # (through SGLang's own configure call), timed alternately so both see the same machine.
+    # (through SGLang's own configure call).
     stock_target, plugin_target = (h.sglang_model("llama", cfg, dtype, seed=0) for _ in range(2))
     stock_draft, plugin_draft = (h.eagle3_draft(dcfg, dtype, seed=1) for _ in range(2))
     gen = torch.Generator().manual_seed(2)
@@ -91,7 +86,7 @@ def _run(h, capture_state, draft_fc_state, dtype, hidden_size, prompt_len, batch
         ver_fb = h.extend_batch(kv, reqs, chains, mode="TARGET_VERIFY")
         ver = h.run(model, ver_fb, kv)
         ver_out = (ver.hidden_states.clone(), ver.next_token_logits.clone())
-        return (ext_out, ver_out), (lambda: h.run(model, ext_fb, kv), lambda: h.run(model, ver_fb, kv))
+        return ext_out, ver_out
 
     def draft_paths(model, aux):
         kv = h.KVCache(dcfg, dtype)
@@ -106,17 +101,16 @@ def _run(h, capture_state, draft_fc_state, dtype, hidden_size, prompt_len, batch
         dec_fb = h.decode_batch(kv, reqs, ext.next_token_logits.argmax(-1).tolist(), spec_info=step)
         dec = h.run(model, dec_fb, kv)
         dec_out = (dec.hidden_states.clone(), dec.next_token_logits.clone())
-        return (ext_out, dec_out), (lambda: h.run(model, ext_fb, kv), lambda: h.run(model, dec_fb, kv))
+        return ext_out, dec_out
 
     with torch._dynamo.config.patch(disable=True):
         stock_target.set_eagle3_layers_to_capture(LAYER_IDS)  # stock SGLang
         h.configure_capture(plugin_target, LAYER_IDS)  # SGLang's configure call: the plugin patches here
         h.configure_capture(plugin_draft, None, eagle=False)
-        s_out, s_fns = target_paths(stock_target)
-        p_out, p_fns = target_paths(plugin_target)
-        s_dout, s_dfns = draft_paths(stock_draft, s_out[0][0])
-        p_dout, p_dfns = draft_paths(plugin_draft, p_out[0][0].clone())
-        timings = [_alternating_ms(sf, pf) for sf, pf in zip(s_fns + s_dfns, p_fns + p_dfns)]
+        s_out = target_paths(stock_target)
+        p_out = target_paths(plugin_target)
+        s_dout = draft_paths(stock_draft, s_out[0][0])
+        p_dout = draft_paths(plugin_draft, p_out[0][0].clone())
 
     tol = 2e-2 if dtype in (torch.bfloat16, torch.float16) else 1e-5
     state, dstate = capture_state(plugin_target), draft_fc_state(plugin_draft)
@@ -129,14 +123,14 @@ def _run(h, capture_state, draft_fc_state, dtype, hidden_size, prompt_len, batch
         "aux -> buffer, fused add+RMSNorm" if state.stats.get("fused_captures") else
         "aux -> buffer (SGLang's norm: no fused one qualified bitwise here)")
     how_draft = "fc block -> eagle3::draft_fc" if dstate is not None else left_stock
-    for path, stock, plugin, (ts, tp), how in (
-            (f"target EXTEND (T={T_ext})", s_out[0], p_out[0], timings[0], how_target),
-            (f"target TARGET_VERIFY (T={T_ver})", s_out[1], p_out[1], timings[1], how_target),
-            (f"draft EXTEND (T={T_ext}, fc)", s_dout[0], p_dout[0], timings[2], how_draft),
-            (f"draft DECODE (bs={batch})", s_dout[1], p_dout[1], timings[3], "unchanged (no fc)")):
+    for path, stock, plugin, how in (
+            (f"target EXTEND (T={T_ext})", s_out[0], p_out[0], how_target),
+            (f"target TARGET_VERIFY (T={T_ver})", s_out[1], p_out[1], how_target),
+            (f"draft EXTEND (T={T_ext}, fc)", s_dout[0], p_dout[0], how_draft),
+            (f"draft DECODE (bs={batch})", s_dout[1], p_dout[1], "unchanged (no fc)")):
         err = max(_max_rel(plugin[0], stock[0]), _max_rel(plugin[1], stock[1]))
         rows.append({"path": path, "plugin does": how, "outputs match": "yes" if err <= tol else "NO",
-                     "max rel diff": f"{err:.1e}", "stock ms": f"{ts:.2f}", "plugin ms": f"{tp:.2f}"})
+                     "max rel diff": f"{err:.1e}"})
     print(f"SGLang demo (sglang's own LlamaForCausalLM + LlamaForCausalLMEagle3 on CPU, {str(dtype)[6:]}, "
           f"H={hidden_size}, K={len(LAYER_IDS)}): stock vs eagle3_ops plugin")
     print("capture buffer: " + (f"{tuple(state.buffer.buffer.shape)} {str(state.buffer.dtype)[6:]}, one storage "
@@ -145,8 +139,7 @@ def _run(h, capture_state, draft_fc_state, dtype, hidden_size, prompt_len, batch
           + ("; draft fc stats " + str(dstate.stats) if dstate is not None else
              "; draft fc: stock (the plugin left it)"))
     print_table(rows)
-    print("(CPU milliseconds of whole tiny forwards, reference/interpreted ops: a smoke check, not the GPU "
-          "speed-up; the benchmarks measure that)")
+    print(NO_TIMES.format(dtype=str(dtype)[6:]))
     return rows
 
 

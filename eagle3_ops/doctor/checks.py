@@ -40,6 +40,7 @@ from .configs import (CONVENTION_TEXT, DoctorInputError, DraftInfo, TargetInfo,
 from .engines import (ENGINE_NAMES, IDS_LOCATION, EngineWiring, default_boundaries, describe_boundary,
                       ids_for_boundaries, map_ids, resolve_wiring, short_boundary)
 from . import tables
+from .source_reader import layer_fit
 from .rules import TargetRules, draft_class, target_rules
 
 SEVERITIES = ("error", "warning", "info")
@@ -801,10 +802,8 @@ def _head_names(rows: Dict[str, dict]) -> Dict[str, List[str]]:
 
 
 def _layer_fits(rows: Dict[str, dict], tensors: List[str]) -> Optional[Dict[str, dict]]:
-    """Per head class (named by its advised name): how the layer tensors fit it (:func:`.vllm_code.layer_fit`, from
+    """Per head class (named by its advised name): how the layer tensors fit it (:func:`.source_reader.layer_fit`, from
     the tensors the head's own load_weights loads, as the engine table records them). None when no row records it."""
-    from .vllm_code import layer_fit
-
     out = {}
     for cls, names in _head_names(rows).items():
         fit = layer_fit(rows[names[0]].get("layer"), tensors)

@@ -21,7 +21,7 @@ the draft (SGLang; vLLM's V2 runner relays earlier stages' captures for decoders
 ``supports_aux_hidden_states_over_pp``); TensorRT-LLM never reads the draft config's ids
 (``EagleDecodingConfig.eagle3_layers_to_capture``), default ``(1, L//2 - 1, L - 4)`` captured after each
 layer = boundaries ``(2, L//2, L-3)``, -1 = the final state after the last norm. TensorRT-LLM was read
-from its GitHub sources (its 1.2.1 wheel cannot be downloaded here; see tables/README).
+from its GitHub sources at the commit in ``TRTLLM_SOURCE`` (its 1.2.1 wheel cannot be downloaded here).
 """
 from __future__ import annotations
 

@@ -31,7 +31,7 @@ import types
 import warnings
 from typing import Any, Dict, List, Optional, Tuple
 
-from . import source_scan
+from . import source_reader, source_scan
 
 PINNED_VERSION = "0.5.23"
 CHILD_ATTRS = ("model", "language_model", "llm")
@@ -598,23 +598,19 @@ def _resolve_qualname(q: str) -> Optional[type]:
 # ----------------------------------------------------------------------------------------- draft heads
 @functools.lru_cache(maxsize=None)
 def _source_index():
-    """SGLang's installed sources read with ast (the reader vLLM's wheel is read with), for the heads' layers."""
+    """SGLang's installed sources read with ast (source_reader.py; vLLM's wheel is read with it too), for the heads' layers."""
     import sglang
     from pathlib import Path
 
-    from . import vllm_code
-
-    return vllm_code.Index(vllm_code.SourceTree(Path(sglang.__file__).resolve().parent.parent))
+    return source_reader.Index(source_reader.SourceTree(Path(sglang.__file__).resolve().parent.parent))
 
 
 @functools.lru_cache(maxsize=None)
 def head_layer(cls: type) -> dict:
     """The checkpoint tensors the head's ``load_weights`` loads into its decoder layer: its ``__init__`` chain and
-    name mapping read from SGLang's source (:func:`.vllm_code.head_layer`); no model is built (SGLang's layers
+    name mapping read from SGLang's source (:func:`.source_reader.head_layer`); no model is built (SGLang's layers
     need its runtime context and a device)."""
-    from . import vllm_code
-
-    return vllm_code.head_layer(_source_index(), cls.__module__.replace(".", "/") + ".py", cls.__name__)
+    return source_reader.head_layer(_source_index(), cls.__module__.replace(".", "/") + ".py", cls.__name__)
 
 
 def draft_head(cls: type) -> Optional[dict]:
@@ -641,7 +637,7 @@ def draft_head(cls: type) -> Optional[dict]:
 
 
 def table() -> dict:
-    """The whole table for the installed SGLang (what ``tables/generate.py sglang`` writes)."""
+    """The whole table for the installed SGLang (what ``python -m tools.engine_tables sglang`` writes)."""
     reg = registry()
     rows = {arch: describe_class(arch, cls) for arch, cls in sorted(reg.items())}
     heads = {arch: h for arch, cls in sorted(reg.items()) if (h := draft_head(cls)) is not None}

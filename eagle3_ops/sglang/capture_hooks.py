@@ -48,7 +48,7 @@ hidden states, or in capture-only mode, the target is left stock (:func:`hidden_
 The buffer counts against ``--mem-fraction-static``: the plugin installs the capture BEFORE
 ``ModelRunner.alloc_memory_pool`` (:func:`install_before_kv_sizing`, making SGLang's own
 ``set_eagle3_layers_to_capture`` call with the ids it passes later). Its rows default to what SGLang
-itself can put through one forward (:func:`_default_max_tokens`); ``EAGLE3_OPS_SGLANG_MAX_TOKENS``
+itself can put through one forward (``serving.default_max_tokens``); ``EAGLE3_OPS_SGLANG_MAX_TOKENS``
 caps them. A model whose structure the mechanism does not recognise stays stock with one log line
 naming the class and the reason.
 """
@@ -62,28 +62,18 @@ from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 
-from .. import ops
+from .. import ops, qualify, settings
 from ..buffer import AuxCaptureBuffer
+from . import fc_sharding, groups, lockstep, serving
 from .routing import routing_problem, wrap_class_forward
+from .serving import info_once, serving_backends, warn_once
+from .version import ENV_MAX_TOKENS
 
 log = logging.getLogger("eagle3_ops.sglang")
 
 _STATE_ATTR = "_eagle3_ops_capture"
 _installed: "weakref.WeakSet[TargetCaptureState]" = weakref.WeakSet()
 _tls = threading.local()
-_warned: set = set()
-
-
-def _warn_once(key: str, msg: str, *args) -> None:
-    if key not in _warned:
-        _warned.add(key)
-        log.warning(msg, *args)
-
-
-def _info_once(key: str, msg: str, *args) -> None:
-    if key not in _warned:
-        _warned.add(key)
-        log.info(msg, *args)
 
 
 def _compiling() -> bool:
@@ -258,7 +248,7 @@ class TargetCaptureState:
             return f"capture is {t.dtype} on {t.device}, buffer is {buf.dtype} on {buf.device}"
         if t.shape[0] > self.max_tokens:
             return (f"forward has {t.shape[0]} tokens, more than the buffer's {self.max_tokens} rows "
-                    f"(raise {_max_tokens_env()})")
+                    f"(raise {ENV_MAX_TOKENS})")
         if t.shape[-1] > 1 and t.stride(-1) != 1:
             return "capture has a non-contiguous last dim"
         return None
@@ -278,12 +268,6 @@ class TargetCaptureState:
                         del self.norm_slots[other]
                     self.norm_slots[norm] = slot
                 return
-
-
-def _max_tokens_env() -> str:
-    from .version import ENV_MAX_TOKENS
-
-    return ENV_MAX_TOKENS
 
 
 class ForwardCapture:
@@ -312,7 +296,7 @@ class ForwardCapture:
                 self.mode, self.num_tokens = "buffer", value.shape[0]
             else:
                 self.mode = "stock"
-                _warn_once(f"stock:{self.state.model_name}:{why.split(' ')[0]}",
+                warn_once(f"stock:{self.state.model_name}:{why.split(' ')[0]}",
                            "eagle3_ops: %s: stock capture path for this forward: %s", self.state.model_name, why)
         return self.mode
 
@@ -412,7 +396,7 @@ def _finish(cap: ForwardCapture, out):
             _count(state, True)
             return hidden, cap.packed()  # the list holds slot views; hand over the packed view, no cat
     if cap.mode == "buffer" and cap.count != state.num_captures:
-        _warn_once(f"count:{state.model_name}:{cap.count}",
+        warn_once(f"count:{state.model_name}:{cap.count}",
                    "eagle3_ops: %s: this forward captured %d of the %d configured boundaries %s (the model cannot "
                    "capture some of them); it runs SGLang's stock capture", state.model_name, cap.count,
                    state.num_captures, state.layer_ids)
@@ -431,7 +415,7 @@ def _copy_plain_list(cap: ForwardCapture, values: list) -> bool:
         return False
     if any(state.fits(v) is not None or v.dim() != 2 or v.shape[0] != values[0].shape[0] for v in values):
         why = next((state.fits(v) for v in values if state.fits(v) is not None), "captures of different rows")
-        _warn_once(f"stock:{state.model_name}:{str(why).split(' ')[0]}",
+        warn_once(f"stock:{state.model_name}:{str(why).split(' ')[0]}",
                    "eagle3_ops: %s: stock capture path for this forward: %s", state.model_name, why)
         return False
     cap.mode, cap.num_tokens = "buffer", values[0].shape[0]
@@ -546,20 +530,6 @@ def _norm_forward_wrapper(norm, state: TargetCaptureState):
 
 
 # ---- installation ----------------------------------------------------------------------------------
-def serving_backends(ops_needed, device: torch.device, dtype: torch.dtype, site: str) -> Optional[Dict[str, str]]:
-    """{op: backend} for the ops a site needs, or None (one warning) when they cannot be served:
-    the one policy of both sides for a forced ``EAGLE3_OPS_BACKEND`` that cannot serve this device
-    (or an invalid value). The site is then left stock, untouched: the op raising later inside a
-    forward would stop SGLang, and quietly using another backend is what forcing one rules out."""
-    from .. import dispatch
-
-    try:
-        return {op: dispatch.select(op, device, dtype)[0] for op in ops_needed}
-    except (dispatch.BackendUnavailableError, ValueError) as e:
-        _warn_once(f"backend:{site}:{e}", "eagle3_ops: %s left stock: %s", site, e)
-        return None
-
-
 def hidden_states_readback() -> Optional[str]:
     """Why SGLang may copy a target's ``logits_output.hidden_states`` (the aux states) to the host,
     or None when it never does.
@@ -593,57 +563,6 @@ def hidden_states_readback() -> Optional[str]:
     return None
 
 
-def _decode_graph_rows(sa) -> int:
-    """The largest decode/verify CUDA-graph batch (requests): SGLang 0.5.23 keeps it in
-    ``cuda_graph_config.decode`` (``bs``, the captured sizes, and ``max_bs``), published in the exec
-    namespace once the server resolved it, and in the server args before."""
-    configs = []
-    try:
-        from sglang.srt.runtime_context import get_exec
-
-        configs.append(get_exec().graph.cuda_graph_config)
-    except Exception:  # not published (scripts, tests)
-        pass
-    configs.append(getattr(sa, "cuda_graph_config", None))
-    for cfg in configs:
-        decode = getattr(cfg, "decode", None) if cfg is not None else None
-        if decode is None and isinstance(cfg, dict):
-            decode = cfg.get("decode")
-        if decode is None:
-            continue
-        get = decode.get if isinstance(decode, dict) else (lambda k, d=None: getattr(decode, k, d))
-        sizes = [int(b) for b in (get("bs") or []) if isinstance(b, int)]
-        max_bs = get("max_bs")
-        best = max(sizes + ([int(max_bs)] if isinstance(max_bs, int) else []), default=0)
-        if best:
-            return best
-    return 0
-
-
-def _default_max_tokens() -> int:
-    """Rows of the buffer when EAGLE3_OPS_SGLANG_MAX_TOKENS is unset: the most tokens one target forward
-    of this server can capture: SGLang's chunked_prefill_size (else max_prefill_tokens, else 16384),
-    and at least the largest decode/verify CUDA-graph batch, or the most running requests, times the
-    draft tokens per request (a verify forward's rows)."""
-    candidates = []
-    try:
-        from sglang.srt.runtime_context import get_server_args
-
-        sa = get_server_args()
-        chunk = getattr(sa, "chunked_prefill_size", None)
-        if isinstance(chunk, int) and chunk > 0:
-            candidates.append(chunk)
-        else:
-            candidates.append(int(getattr(sa, "max_prefill_tokens", None) or 16384))
-        draft_tokens = int(getattr(sa, "speculative_num_draft_tokens", None) or 1)
-        requests = max(_decode_graph_rows(sa), int(getattr(sa, "max_running_requests", None) or 0))
-        if requests:
-            candidates.append(requests * draft_tokens)
-    except Exception:  # no server args published (scripts, the CPU harness)
-        pass
-    return max(candidates) if candidates else 16384
-
-
 def _prepare_target(owner, name: str, layer_ids, hidden_size: int, max_tokens: Optional[int]):
     """This rank's local part of :func:`install_target_capture`: the serving backends, the buffer's rows,
     the fused-norm candidates and the state with its buffer (allocated here). (None, None) where this
@@ -655,23 +574,20 @@ def _prepare_target(owner, name: str, layer_ids, hidden_size: int, max_tokens: O
     if backend is None:
         return None, None
     if max_tokens is None:
-        from .. import settings
-        from .version import ENV_MAX_TOKENS
-
         try:
             max_tokens = settings.get(ENV_MAX_TOKENS)
         except settings.SettingError as e:
             settings.report_once(e, log)
             return None, None
         if max_tokens is None:
-            max_tokens = _default_max_tokens()
+            max_tokens = serving.default_max_tokens()
     candidates = {}
     for norm, site in _candidate_norms(owner, layer_ids, hidden_size).items():
         why_not = _norm_fusable_statically(norm, dtype)
         if why_not is None:
             candidates[norm] = site
         else:
-            _info_once(f"nofuse:{name}:{why_not}", "eagle3_ops: %s: %s not a fused-norm candidate (%s); a capture "
+            info_once(f"nofuse:{name}:{why_not}", "eagle3_ops: %s: %s not a fused-norm candidate (%s); a capture "
                        "it produces is a copy", name, site, why_not)
     state = TargetCaptureState(name, owner, layer_ids, hidden_size, dtype, device, int(max_tokens))
     state.candidate_norms = candidates
@@ -688,7 +604,7 @@ def install_target_capture(model, max_tokens: Optional[int] = None,
     owner, why = find_capture_owner(model)
     if owner is None:
         if "does not capture" not in why and "did not configure" not in why:
-            _warn_once(f"owner:{name}", "eagle3_ops: %s EAGLE-3 capture left stock: %s", name, why)
+            warn_once(f"owner:{name}", "eagle3_ops: %s EAGLE-3 capture left stock: %s", name, why)
         return None
     inner = owner.inner
     existing = inner.__dict__.get(_STATE_ATTR)
@@ -697,12 +613,12 @@ def install_target_capture(model, max_tokens: Optional[int] = None,
         return existing
     cls = type(inner)
     if "forward" not in cls.__dict__ and not any("forward" in k.__dict__ for k in cls.__mro__[:-1]):
-        _warn_once(f"owner:{name}", "eagle3_ops: %s EAGLE-3 capture left stock: %s has no forward", name,
+        warn_once(f"owner:{name}", "eagle3_ops: %s EAGLE-3 capture left stock: %s has no forward", name,
                    cls.__qualname__)
         return None
     readback = hidden_states_readback()
     if readback is not None:
-        _warn_once(f"readback:{name}", "eagle3_ops: %s EAGLE-3 capture left stock: %s", name, readback)
+        warn_once(f"readback:{name}", "eagle3_ops: %s EAGLE-3 capture left stock: %s", name, readback)
         return None
     layer_ids = configured_boundaries(inner)
     hidden_size = _hidden_size(owner)
@@ -711,7 +627,7 @@ def install_target_capture(model, max_tokens: Optional[int] = None,
         # SGLang counts every configured id as a capture (its packer expects len(layers_to_capture) of them, the
         # draft's fc is sized for them); a buffer with fewer slots would only hide or change SGLang's own error
         start, end = _layer_range(inner)
-        _warn_once(f"owner:{name}", "eagle3_ops: %s EAGLE-3 capture left stock: SGLang configured layers_to_capture "
+        warn_once(f"owner:{name}", "eagle3_ops: %s EAGLE-3 capture left stock: SGLang configured layers_to_capture "
                    "%s (%d captures), but the boundaries of this rank's layers %d..%d give it %d distinct captures "
                    "(%s): %s %s no slot of %s own (outside these layers, or repeated), so SGLang's own capture "
                    "serves and its own error, if any, stands (the live wiring check, unless "
@@ -721,7 +637,7 @@ def install_target_capture(model, max_tokens: Optional[int] = None,
                    "its" if len(lost) == 1 else "their")
         return None
     if not layer_ids or hidden_size is None:
-        _warn_once(f"owner:{name}", "eagle3_ops: %s EAGLE-3 capture left stock: %s", name,
+        warn_once(f"owner:{name}", "eagle3_ops: %s EAGLE-3 capture left stock: %s", name,
                    "no configured boundary on this rank's layers" if not layer_ids else
                    f"cannot tell the hidden size of {cls.__qualname__}")
         return None
@@ -729,27 +645,21 @@ def install_target_capture(model, max_tokens: Optional[int] = None,
     # follows may fail on one rank alone (a backend's verification on its GPU, the buffer's allocation):
     # each rank does its local work, then all vote before anything collective (the fused norm's
     # qualification below), so a failure anywhere means stock everywhere and no rank is left waiting.
-    from .groups import tp_group
-    from .lockstep import all_ranks_agree
-
     state, backend = None, None
     try:
         state, backend = _prepare_target(owner, name, layer_ids, hidden_size, max_tokens)
     except Exception:
         log.exception("eagle3_ops: %s EAGLE-3 capture: preparing it failed on this TP rank; SGLang's stock "
                       "capture serves", name)
-    if not all_ranks_agree(state is not None, tp_group()):
+    if not lockstep.all_ranks_agree(state is not None, groups.tp_group()):
         if state is not None:
             log.warning("eagle3_ops: %s EAGLE-3 capture left stock: its preparation failed on another TP rank "
                         "(every rank keeps SGLang's stock capture)", name)
         return None
     # what the collectives below are shaped by, read from each rank's own environment (nodes may differ)
-    from .. import qualify
-    from .lockstep import same_on_all_ranks
-
     dtype, device, candidates = state.buffer.buffer.dtype, state.buffer.buffer.device, state.candidate_norms
     shaped_by = f"rows={state.max_tokens} qualify={qualify.enabled(device)}"
-    if not same_on_all_ranks(shaped_by, tp_group()):
+    if not lockstep.same_on_all_ranks(shaped_by, groups.tp_group()):
         log.error("eagle3_ops: %s EAGLE-3 capture left stock on every TP rank: the ranks' settings differ (here %s; "
                   "EAGLE3_OPS_SGLANG_MAX_TOKENS / EAGLE3_OPS_QUALIFY must be the same on every node)", name, shaped_by)
         return None
@@ -768,8 +678,6 @@ def install_target_capture(model, max_tokens: Optional[int] = None,
              "(%.1f MiB); pack_aux_hidden_states gets its view (no clone/cat); backend capture=%s; %s", name,
              state.owner_class, layer_ids, state.max_tokens, state.num_captures, hidden_size,
              str(dtype).replace("torch.", ""), device, mib, backend["capture"], _norm_summary(state))
-    from .version import ENV_MAX_TOKENS
-
     size = (f"{mib:.1f} MiB on {device} ({state.max_tokens} tokens x {state.num_captures} x {hidden_size} "
             f"{str(dtype).replace('torch.', '')})")
     if before_kv_sizing:
@@ -811,10 +719,6 @@ def _qualify_norm(state: TargetCaptureState, name: str, dtype: torch.dtype, devi
     site's own norm (SGLang's kernel): per row bucket the fastest candidate whose three outputs are
     bitwise stock's, or SGLang's norm. Every TP rank serves one agreed plan (lockstep.py): each rank
     qualifies locally (a failure is caught), then all vote."""
-    from .. import qualify
-    from .groups import tp_group
-    from .lockstep import agreed_plan
-
     if not qualify.enabled(device):
         return
     shape = qualify.Shape("fused_add_rmsnorm_capture", state.hidden_size, state.num_captures, 0,
@@ -827,7 +731,7 @@ def _qualify_norm(state: TargetCaptureState, name: str, dtype: torch.dtype, devi
     except Exception:
         log.exception("eagle3_ops: %s fused norm: qualification failed on this rank; SGLang's norm serves", name)
         failed = True
-    state.norm_plan = agreed_plan(plan, failed, "fused_add_rmsnorm_capture", device, shape, buckets, tp_group(),
+    state.norm_plan = lockstep.agreed_plan(plan, failed, "fused_add_rmsnorm_capture", device, shape, buckets, groups.tp_group(),
                                   f"{name} fused norm")
     for line in state.norm_plan.table().splitlines():
         log.info("eagle3_ops: %s fused norm %s", name, line)
@@ -847,9 +751,7 @@ def _check_configured_layers(state: TargetCaptureState, inner) -> None:
 def _fc_sharding_note(state: TargetCaptureState) -> str:
     """What the draft fc sharding gave back in this process (it runs before the KV sizing, see
     plugin.py), next to what the buffer costs."""
-    from .draft_fc_hooks import sharded_bytes_released
-
-    freed = sharded_bytes_released()
+    freed = fc_sharding.sharded_bytes_released()
     if not freed:
         return ""
     buf = state.buffer.buffer

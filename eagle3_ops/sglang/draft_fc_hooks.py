@@ -44,9 +44,7 @@ are re-pointed once to rows of one ``[K, H]`` tensor so the op reads them withou
 """
 from __future__ import annotations
 
-import json
 import logging
-import statistics
 import sys
 import weakref
 from dataclasses import dataclass
@@ -54,14 +52,14 @@ from typing import Any, List, Optional, Tuple
 
 import torch
 
-from .. import ops
-from .capture_hooks import _warn_once, serving_backends
+from .. import dispatch, ops, plans, qualify
+from . import fc_sharding, groups, lockstep, serving
 from .routing import forward_owner, routing_problem, wrap_class_forward
+from .serving import serving_backends, warn_once
 
 log = logging.getLogger("eagle3_ops.sglang")
 
 _STATE_ATTR = "_eagle3_ops_draft_fc"
-_sharded_states: "weakref.WeakSet" = weakref.WeakSet()
 _folded_states: "weakref.WeakSet" = weakref.WeakSet()  # states keeping a folded fc weight
 
 # The two EAGLE-3 heads of SGLang 0.5.23 whose fc block this module knows: (module, model class, kind).
@@ -72,61 +70,6 @@ DRAFT_HEADS = (
     ("sglang.srt.models.kimi_k25_eagle3", "Eagle3MLAModel", "column-parallel"),
 )
 DRAFT_MODULE = DRAFT_HEADS[0][0]
-
-
-class ColumnShardedFc(torch.nn.Module):
-    """The draft's fc with only this TP rank's output rows (column-parallel): ``forward(x)`` is
-    ``all_gather(linear(x, weight_rows, bias_rows), dim=-1)``, i.e. the replicated fc's output.
-    Weight reloads (``load_weights`` with the checkpoint's full ``[N, K*H]`` tensor) go through the
-    parameters' ``weight_loader``, which keeps the rank's rows."""
-
-    def __init__(self, fc: torch.nn.Linear, tp_rank: int, tp_size: int):
-        super().__init__()
-        n = fc.out_features // tp_size
-        self.in_features, self.out_features = fc.in_features, fc.out_features
-        self.tp_rank, self.tp_size = tp_rank, tp_size
-        self.row_start, self.rows = tp_rank * n, n
-        self.weight = self._shard_parameter(fc.weight)
-        self.bias = self._shard_parameter(fc.bias) if fc.bias is not None else None
-
-    def _shard_parameter(self, full: torch.nn.Parameter) -> torch.nn.Parameter:
-        rows = full.data.narrow(0, self.row_start, self.rows).clone()  # its own storage: the full one can go
-        param = torch.nn.Parameter(rows, requires_grad=full.requires_grad)
-        param.weight_loader = self._load_rows
-        return param
-
-    def _load_rows(self, param: torch.nn.Parameter, loaded: torch.Tensor) -> None:
-        if loaded.shape[0] == self.out_features and param.shape[0] == self.rows:
-            loaded = loaded.narrow(0, self.row_start, self.rows)
-        if tuple(loaded.shape) != tuple(param.shape):
-            raise ValueError(f"eagle3_ops ColumnShardedFc (TP rank {self.tp_rank}/{self.tp_size}): checkpoint tensor "
-                             f"of shape {tuple(loaded.shape)} fits neither the full fc ({self.out_features} rows) "
-                             f"nor this rank's {tuple(param.shape)}")
-        param.data.copy_(loaded)
-
-    def check_group(self) -> None:
-        """The TP group a forward runs under must be the one the rows were cut for."""
-        from .groups import tp_rank_size
-
-        rank, size = tp_rank_size()
-        if (size, rank) != (self.tp_size, self.tp_rank):
-            raise RuntimeError(f"eagle3_ops: the draft fc was sharded for TP rank {self.tp_rank} of {self.tp_size}, "
-                               f"but this forward runs in a TP group where it is rank {rank} of {size}")
-
-    def gather(self, local: torch.Tensor) -> torch.Tensor:
-        """``[M, N/tp]`` slices of every rank -> ``[M, N]`` (one all-gather, rank order)."""
-        from sglang.srt.distributed.communication_op import tensor_model_parallel_all_gather
-
-        self.check_group()
-        return tensor_model_parallel_all_gather(local, dim=-1)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.gather(torch.nn.functional.linear(x, self.weight, self.bias))
-
-    def extra_repr(self) -> str:
-        return (f"in_features={self.in_features}, out_features={self.out_features} (rows {self.row_start}.."
-                f"{self.row_start + self.rows} on TP rank {self.tp_rank}/{self.tp_size}), "
-                f"bias={self.bias is not None}")
 
 
 @dataclass
@@ -226,7 +169,7 @@ class DraftFcState:
         self.plan = None  # qualify.Plan: (backend, path) or stock per row bucket (None: not qualified)
         # ShardingPlan when qualification chose sharded rows for some row buckets only (the replicated
         # weight stays; those buckets compute this rank's rows of it + one all-gather)
-        self.partial_sharding: Optional["ShardingPlan"] = None
+        self.partial_sharding: Optional[fc_sharding.ShardingPlan] = None
         # fc.weight with the norm weights folded in (eagle3_ops.fold_norm_weights), kept only when
         # qualification chose a folded candidate for some bucket; re-folded after every load_weights
         self.folded_weight: Optional[torch.Tensor] = None
@@ -283,7 +226,7 @@ class DraftFcState:
         weight, bias, gather = (self.folded_weight if folded else self.fc.weight), self.fc.bias, None
         if self.column_parallel:
             gather = self.inner._fc_gatherer
-        elif isinstance(self.fc, ColumnShardedFc):
+        elif isinstance(self.fc, fc_sharding.ColumnShardedFc):
             gather = self.fc.gather
         elif self.partial_sharding is not None and self.partial_sharding.sharded_for(rows):
             weight, bias, gather = self.partial_sharding.rows_of(weight, bias)
@@ -295,8 +238,6 @@ class DraftFcState:
         if call is None:
             return 0
         choice, weight, bias, _, folded = call
-        from .. import dispatch, plans
-
         x = torch.empty((rows, self.fc.weight.shape[1]), dtype=weight.dtype, device="meta")
         with dispatch.using(choice.backend if choice else None), plans.forced_path(choice.path if choice else None):
             return int(ops.draft_fc_workspace_bytes(x, weight, bias, None, self.chunk_weight(),
@@ -346,13 +287,11 @@ def _run_draft_forward(state: DraftFcState, original, inner, args, kwargs):
     have = state.workspace.numel() if state.workspace is not None else 0
     if call is None or need > have:
         if call is not None:  # never grow a scratch buffer in a forward (it may be a graph capture)
-            _warn_once(f"ws:{state.name}:{h.shape[0]}", "eagle3_ops: draft %s fc: %d rows need %d bytes of scratch, the "
+            warn_once(f"ws:{state.name}:{h.shape[0]}", "eagle3_ops: draft %s fc: %d rows need %d bytes of scratch, the "
                        "plugin's workspace has %d; SGLang's stock fc serves them", state.name, h.shape[0], need, have)
         state.stats["stock_calls"] += 1
         return original(inner, *args, **kwargs)
     choice, weight, bias, gather, folded = call
-    from .. import dispatch, plans
-
     with dispatch.using(choice.backend if choice else None), plans.forced_path(choice.path if choice else None):
         x = ops.draft_fc(h, weight, bias, None, state.chunk_weight(), state.input_norm_weight, state.eps,
                          workspace=state.workspace if need else None, norm_folded=folded)
@@ -380,21 +319,17 @@ def install_draft_fc(model) -> Optional[DraftFcState]:
     name = type(model).__name__
     head, why = find_draft_head(inner)
     if head is None:
-        _warn_once(f"draft:{name}", "eagle3_ops: draft %s fc runs stock: %s", name, why)
+        warn_once(f"draft:{name}", "eagle3_ops: draft %s fc runs stock: %s", name, why)
         return None
-    from .. import qualify
-    from .capture_hooks import _default_max_tokens
-    from .groups import tp_group
-    from .lockstep import agreed_plan, all_ranks_agree
 
     # Everything above depends only on the model and the settings: the same on every TP rank. From
     # here on a rank may fail alone (its backend's self-check, memory, a timing): each step's local
     # work runs first, then every rank votes.
-    group = tp_group()
+    group = groups.tp_group()
     tp = int(group.world_size) if group is not None else 1
     device = head.fc.weight.device
-    shard = _shard_plan(inner, head, name) if head.kind == "replicated" else None
-    max_tokens = _default_max_tokens()
+    shard = fc_sharding.shard_plan(inner, head, name) if head.kind == "replicated" else None
+    max_tokens = serving.default_max_tokens()
     buckets = qualify.buckets_up_to(max_tokens)
     qualifying = qualify.enabled(device)
 
@@ -407,7 +342,7 @@ def install_draft_fc(model) -> Optional[DraftFcState]:
             state.name = name
     except Exception:
         log.exception("eagle3_ops: draft %s fc: could not prepare the fused fc on this rank", name)
-    if not all_ranks_agree(state is not None, group):
+    if not lockstep.all_ranks_agree(state is not None, group):
         if tp > 1:  # (at TP = 1 serving_backends, or the exception above, has said why)
             log.warning("eagle3_ops: draft %s fc stays stock on every TP rank: %s", name,
                         "this rank cannot run it fused" if state is None else "another TP rank cannot run it fused")
@@ -416,7 +351,7 @@ def install_draft_fc(model) -> Optional[DraftFcState]:
     # 2. sharded or replicated (a replicated fc under TP > 1): measured, cached, the same on every rank
     sharding = None
     if shard is not None:
-        sharding, ok = _decide_sharding(state, name, *shard, buckets, qualifying, group)
+        sharding, ok = fc_sharding.decide_sharding(state, name, *shard, buckets, qualifying, group)
         if not ok:
             log.warning("eagle3_ops: draft %s fc stays stock on every TP rank: the sharding could not be decided on "
                         "every rank", name)
@@ -431,7 +366,7 @@ def install_draft_fc(model) -> Optional[DraftFcState]:
         except Exception:
             log.exception("eagle3_ops: draft %s fc: qualification failed on this rank", name)
             failed = True
-        state.plan = agreed_plan(plan, failed, "draft_fc", device, _site_shape(state, shard if shard_everywhere
+        state.plan = lockstep.agreed_plan(plan, failed, "draft_fc", device, _site_shape(state, shard if shard_everywhere
                                                                                 else None), buckets, group,
                                  f"draft {name} fc")
         for line in state.plan.table().splitlines():
@@ -441,7 +376,7 @@ def install_draft_fc(model) -> Optional[DraftFcState]:
     prepared, sharded_fc, nbytes = False, None, 0
     try:
         if shard_everywhere:
-            sharded_fc = ColumnShardedFc(state.fc, *shard)
+            sharded_fc = fc_sharding.ColumnShardedFc(state.fc, *shard)
         elif sharding is not None and sharding.anywhere:
             state.partial_sharding = sharding
         replicated = state.fc
@@ -456,14 +391,14 @@ def install_draft_fc(model) -> Optional[DraftFcState]:
         prepared = True
     except Exception:
         log.exception("eagle3_ops: draft %s fc: could not allocate what the fused fc needs on this rank", name)
-    if not all_ranks_agree(prepared, group):
+    if not lockstep.all_ranks_agree(prepared, group):
         log.warning("eagle3_ops: draft %s fc stays stock on every TP rank: %s", name,
                     "its install failed on this rank" if not prepared else "its install failed on another TP rank")
         return None
 
     # 5. commit: from here on nothing can fail on one rank alone
     if sharded_fc is not None:
-        _commit_sharded_fc(state, name, sharded_fc, tp)
+        fc_sharding.commit_sharded_fc(state, name, sharded_fc, tp)
     wrap_class_forward(head.owner, _STATE_ATTR, _run_draft_forward)
     inner.__dict__[_STATE_ATTR] = state
     if state.folded_weight is not None:
@@ -528,8 +463,6 @@ def refold_all() -> List[str]:
 def _site_shape(state: DraftFcState, shard: Optional[Tuple[int, int]] = None):
     """The qualify.Shape of this draft's fc site: the rows this rank computes (its N/tp when the fc is,
     or will be, sharded; the column-parallel head's local rows)."""
-    from .. import qualify
-
     weight = state.fc.weight
     K = state.head.num_aux
     n = weight.shape[0] // shard[1] if shard is not None else weight.shape[0]
@@ -541,8 +474,6 @@ def _qualify_site(state: DraftFcState, name: str, buckets, shard: Optional[Tuple
     """Qualification (eagle3_ops/qualify.py) of the fused fc at this draft's own shapes and weights (the
     rows this rank will compute): per row bucket the fastest correct (backend, path), or SGLang's
     stock fc block where none beats it. Runs eagerly at install (before graph capture)."""
-    from .. import qualify
-
     weight, bias = state.fc.weight, state.fc.bias
     if shard is not None:
         n = weight.shape[0] // shard[1]
@@ -551,297 +482,6 @@ def _qualify_site(state: DraftFcState, name: str, buckets, shard: Optional[Tuple
     tensors = {"weight": weight, "bias": bias, "chunk_norm_weight": state.chunk_norm_weight,
                "input_norm_weight": state.input_norm_weight, "eps": state.eps}
     return qualify.qualify(_site_shape(state, shard), weight.device, buckets, tensors=tensors)
-
-
-# ---- the sharding decision (a replicated fc at TP > 1) ------------------------------------------------
-# Replaces qualify.Timer for the fc timings of the sharding decision (tests: scripted, rank-dependent).
-SHARDING_TIMER = None
-# Replaces the measured all-gather time: (rows, measured us) -> us (tests: scripted, or raising).
-SHARDING_GATHER_TIME = None
-GATHER_REPS = 5  # timed all-gathers per bucket (after one warm-up); the same count on every rank
-
-
-def _timed_all_gathers(view: torch.Tensor, reps: int) -> List[float]:
-    """Exactly ``reps + 1`` all-gathers of ``view`` through the TP group (the first a warm-up), and the
-    microseconds of each timed one (CUDA events on a GPU, perf_counter on the CPU). The collective is
-    called every time whatever happens to the timing around it, so every rank issues the same number."""
-    import time
-
-    from sglang.srt.distributed.communication_op import tensor_model_parallel_all_gather
-
-    cuda = view.device.type == "cuda"
-    times: List[float] = []
-    for i in range(reps + 1):
-        start = end = None
-        try:
-            if cuda:
-                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                start.record()
-            else:
-                start = time.perf_counter()
-        except Exception:
-            start = None
-        tensor_model_parallel_all_gather(view, dim=-1)
-        try:
-            if start is None:
-                continue
-            if cuda:
-                end.record()
-                end.synchronize()
-                us = start.elapsed_time(end) * 1e3
-            else:
-                us = (time.perf_counter() - start) * 1e6
-            if i:
-                times.append(us)
-        except Exception:
-            continue
-    return times
-
-
-class ShardingPlan:
-    """The TP > 1 decision per row bucket: this rank's rows of the fc + one all-gather (sharded) or
-    the replicated fc, from timings every rank measured and agreed on (the max over ranks)."""
-
-    def __init__(self, tp_rank: int, tp_size: int, rows: list, sharded: list, timings: list, cached: bool = False):
-        self.tp_rank, self.tp_size = tp_rank, tp_size
-        self.rows, self.sharded, self.timings = rows, sharded, timings  # timings: (full, shard, gather) us
-        self.cached = cached
-
-    @property
-    def everywhere(self) -> bool:
-        return all(self.sharded)
-
-    @property
-    def anywhere(self) -> bool:
-        return any(self.sharded)
-
-    def sharded_for(self, m: int) -> bool:
-        """The decision of the smallest bucket holding m rows (the largest bucket above it)."""
-        for rows, sharded in zip(self.rows, self.sharded):
-            if m <= rows:
-                return sharded
-        return self.sharded[-1]
-
-    def rows_of(self, weight: torch.Tensor, bias: Optional[torch.Tensor]):
-        """(this rank's weight rows, bias rows, the all-gather) as views of the replicated tensors."""
-        from sglang.srt.distributed.communication_op import tensor_model_parallel_all_gather
-
-        from .groups import tp_rank_size
-
-        n = weight.shape[0] // self.tp_size
-        rank, size = tp_rank_size()
-        if (size, rank) != (self.tp_size, self.tp_rank):
-            raise RuntimeError(f"eagle3_ops: the draft fc sharding was decided for TP rank {self.tp_rank} of "
-                               f"{self.tp_size}, but this forward runs where it is rank {rank} of {size}")
-        rows = weight.narrow(0, self.tp_rank * n, n)
-        bias_rows = bias.narrow(0, self.tp_rank * n, n) if bias is not None else None
-        return rows, bias_rows, lambda local: tensor_model_parallel_all_gather(local, dim=-1)
-
-    def to_json(self) -> dict:
-        return {"kind": "draft_fc_sharding", "rows": list(self.rows), "sharded": list(self.sharded),
-                "timings": [list(t) for t in self.timings]}
-
-    def table(self) -> str:
-        lines = [f"{'rows':>6} | {'replicated us':>13} | {'rows us':>9} | {'all-gather us':>13} | serves"]
-        for rows, sharded, (full, shard, gather) in zip(self.rows, self.sharded, self.timings):
-            lines.append(f"{rows:>6} | {full:>13.1f} | {shard:>9.1f} | {gather:>13.1f} | "
-                         f"{'sharded' if sharded else 'replicated'}")
-        return "\n".join(lines)
-
-
-def _sharding_made_for(state: DraftFcState, tp_size: int, buckets) -> dict:
-    from .. import qualify
-
-    return qualify.entry_made_for("draft_fc_sharding", state.fc.weight.device, {
-        "shape": list(state.fc.weight.shape), "dtype": str(state.fc.weight.dtype), "bias": state.fc.bias is not None,
-        "chunk_norm": state.fc_norm is not None, "input_norm": state.input_norm is not None, "tp": tp_size,
-        "buckets": list(buckets), "margin": qualify.MARGIN})
-
-
-def _sharding_from_json(data, tp_rank: int, tp_size: int, buckets) -> ShardingPlan:
-    """A cached decision for these buckets; raises qualify_cache.BadEntry (qualify_cache.load logs
-    one line) for anything else: another shape's, a timing that is not a finite non-negative
-    number, a verdict that does not follow from its timings."""
-    from .. import qualify
-    from ..qualify_cache import BadEntry
-
-    if not isinstance(data, dict) or set(data) != {"kind", "rows", "sharded", "timings"} or \
-            data["kind"] != "draft_fc_sharding":
-        raise BadEntry("not a draft fc sharding decision")
-    rows, sharded, timings = data["rows"], data["sharded"], data["timings"]
-    if rows != list(buckets) or not isinstance(sharded, list) or not isinstance(timings, list) or \
-            len(sharded) != len(rows) or len(timings) != len(rows):
-        raise BadEntry(f"not a decision for the buckets {list(buckets)}")
-    for s, t in zip(sharded, timings):
-        if not isinstance(s, bool) or not isinstance(t, list) or len(t) != 3 or \
-                not all(isinstance(v, (int, float)) and not isinstance(v, bool) and 0 <= v < float("inf") for v in t):
-            raise BadEntry(f"a bucket's verdict {str(s)[:20]!r} or timings {str(t)[:60]!r} are not a flag and three "
-                           f"times")
-        full, shard, gather = t
-        if s != ((shard + gather) * qualify.MARGIN < full):
-            raise BadEntry("a verdict that does not follow from its timings")
-    return ShardingPlan(tp_rank, tp_size, list(rows), list(sharded), [tuple(map(float, t)) for t in timings],
-                        cached=True)
-
-
-def _decide_sharding(state: DraftFcState, name: str, tp_rank: int, tp_size: int, buckets, qualifying: bool,
-                     group) -> Tuple[Optional[ShardingPlan], bool]:
-    """(plan, ok). Per row bucket: the fused fc on the replicated weight, on this rank's rows, and the
-    all-gather of [M, N/tp] through the draft's TP group, each timed on every rank; the max of each
-    timing over the ranks decides (so every rank decides the same); a bucket is sharded when rows +
-    all-gather beat replicated by qualify.MARGIN. Cached per device, shapes and TP size (used only when
-    every rank holds the same cached decision). ``(None, True)`` when qualification is off (sharded for
-    every bucket: the memory it frees is certain, the speed unmeasured); ``ok`` False when a rank failed
-    (every rank then keeps the fc stock)."""
-    from .. import qualify, qualify_cache, testing
-    from .lockstep import all_ranks_agree, max_over_ranks, same_on_all_ranks
-
-    if not qualifying:
-        return None, True
-    made_for = _sharding_made_for(state, tp_size, buckets)
-    cached = qualify_cache.load(made_for, lambda value: _sharding_from_json(value, tp_rank, tp_size, buckets))
-    hit = cached is not None
-    if all_ranks_agree(hit, group) and same_on_all_ranks(json.dumps(cached.to_json()) if hit else "", group):
-        _log_sharding(cached, name, tp_size)
-        return cached, True
-
-    fc = state.fc
-    weight, bias = fc.weight, fc.bias
-    n = weight.shape[0] // tp_size
-    rows_w = weight.narrow(0, tp_rank * n, n)
-    rows_b = bias.narrow(0, tp_rank * n, n) if bias is not None else None
-    chunk, input_norm_weight = state.chunk_norm_weight, state.input_norm_weight
-    # local work (may fail on this rank): the fc timings, and everything the timed all-gathers need
-    measured, local, timer = [], None, None
-    try:
-        timer = SHARDING_TIMER(weight.device) if SHARDING_TIMER is not None else qualify.Timer(weight.device)
-        with torch.no_grad():
-            for m in buckets:
-                gen = testing.generator(weight.device, "sharding", m, weight.shape[1])
-                x = testing.randn((m, weight.shape[1]), weight.dtype, weight.device, gen, scale=3.0)
-                measured.append([
-                    timer(lambda: ops.draft_fc(x, weight, bias, None, chunk, input_norm_weight, state.eps)),
-                    timer(lambda: ops.draft_fc(x, rows_w, rows_b, None, chunk, input_norm_weight, state.eps)),
-                ])
-                del x
-            local = torch.zeros((buckets[-1], n), dtype=weight.dtype, device=weight.device)
-            probe = torch.empty((buckets[-1], n * tp_size), dtype=weight.dtype, device=weight.device)
-            del probe  # the largest all-gather output fits (the caching allocator keeps the block)
-        ready = True
-    except Exception:
-        log.exception("eagle3_ops: draft %s fc: timing the sharded and replicated fc failed on this rank", name)
-        ready = False
-    if not all_ranks_agree(ready, group):
-        return None, False
-    # the timed all-gathers: collectives every rank reaches the same number of times, whatever fails
-    # around them on this rank (the timing is read after each; a failure there is caught and voted on)
-    gather_ok = True
-    with torch.no_grad():
-        for m, row in zip(buckets, measured):
-            times = _timed_all_gathers(local[:m], GATHER_REPS)
-            try:
-                us = statistics.median(times) if times else float("nan")
-                row.append(float(SHARDING_GATHER_TIME(m, us) if SHARDING_GATHER_TIME is not None else us))
-                if not row[-1] == row[-1]:  # NaN: an event that failed
-                    raise RuntimeError("no all-gather timing")
-            except Exception:
-                if gather_ok:
-                    log.exception("eagle3_ops: draft %s fc: timing the all-gather failed on this rank", name)
-                gather_ok = False
-                row.append(float("inf"))
-    del local
-    if not all_ranks_agree(gather_ok, group):
-        return None, False
-    flat = max_over_ranks([v for row in measured for v in row], group)
-    timings = [tuple(flat[3 * i:3 * i + 3]) for i in range(len(buckets))]
-    sharded = [(shard + gather) * qualify.MARGIN < full for full, shard, gather in timings]
-    plan = ShardingPlan(tp_rank, tp_size, list(buckets), sharded, timings)
-    qualify_cache.store(made_for, plan.to_json())
-    _log_sharding(plan, name, tp_size)
-    return plan, True
-
-
-def _log_sharding(plan: ShardingPlan, name: str, tp_size: int) -> None:
-    from .. import qualify
-
-    verdict = ("sharded for every bucket" if plan.everywhere else "replicated for every bucket (stock)"
-               if not plan.anywhere else "sharded for some buckets: the replicated weight stays (no memory "
-               "released), those buckets read this rank's rows of it")
-    log.info("eagle3_ops: draft %s fc at TP=%d: %s (%s; max over ranks of each timing; sharded needs rows + "
-             "all-gather %.0f%% faster than replicated)", name, tp_size, verdict,
-             "cached" if plan.cached else "measured now", (qualify.MARGIN - 1) * 100)
-    for line in plan.table().splitlines():
-        log.info("eagle3_ops: draft %s fc sharding %s", name, line)
-
-
-def _shard_plan(inner, head: DraftHead, name: str):
-    """(tp_rank, tp_size) to shard the replicated draft fc over, or None to keep it replicated (one log
-    line when TP > 1 and it stays replicated)."""
-    from ..settings import SettingError, get, report_once
-    from .groups import layer_group, same_group, tp_group
-    from .version import ENV_SHARD_FC
-
-    fc = head.fc
-    group = tp_group()
-    if group is None:  # no model-parallel groups in this process (a script): nothing to shard over
-        return None
-    tp_size, tp_rank = int(group.world_size), int(group.rank_in_group)
-    if tp_size <= 1:
-        return None
-    try:
-        enabled = get(ENV_SHARD_FC)
-    except SettingError as e:
-        report_once(e, log)
-        return None
-    if not enabled:
-        log.info("eagle3_ops: draft %s fc stays replicated on each of the %d TP ranks (%s=0)", name, tp_size,
-                 ENV_SHARD_FC)
-        return None
-    if fc.out_features % tp_size:
-        log.info("eagle3_ops: draft %s fc stays replicated: its %d output rows do not split evenly over %d TP "
-                 "ranks", name, fc.out_features, tp_size)
-        return None
-    # The draft's own parallel layers were built in the TP group SGLang gives the draft (their
-    # ``tp_group``); the fc rows must be cut for that group, the one its forwards run in.
-    qkv = getattr(getattr(getattr(inner, "layers", [None])[0], "self_attn", None), "qkv_proj", None)
-    known, built = layer_group(qkv)
-    if known and not same_group(built, group):
-        b_rank, b_size = (0, 1) if built is None else (int(built.rank_in_group), int(built.world_size))
-        log.info("eagle3_ops: draft %s fc stays replicated: its layers were built for TP rank %d of %d (another "
-                 "group than the one it is configured in, where this is rank %d of %d)", name, b_rank, b_size,
-                 tp_rank, tp_size)
-        return None
-    return tp_rank, tp_size
-
-
-def _commit_sharded_fc(state: DraftFcState, name: str, sharded: ColumnShardedFc, tp_size: int) -> None:
-    """Swap the prepared sharded fc in and release the replicated weight (every rank voted for it)."""
-    inner, full = state.inner, state.fc
-    full_bytes = sum(p.numel() * p.element_size() for p in full.parameters())
-    gone = [weakref.ref(p) for p in full.parameters()]
-    inner.fc = sharded
-    state.fc = sharded
-    state.head.fc = sharded
-    del full
-    shard_bytes = sum(p.numel() * p.element_size() for p in sharded.parameters())
-    released = all(ref() is None for ref in gone)
-    log.info("eagle3_ops: draft %s fc sharded over %d TP ranks: this rank (%d) keeps rows %d..%d (%.1f MiB of "
-             "%.1f MiB); each draft extend reads %.1f MiB of fc weight instead of %.1f MiB and adds one all-gather "
-             "of [M, %d] along the last dim through the draft's TP group; %s", name, tp_size, sharded.tp_rank,
-             sharded.row_start, sharded.row_start + sharded.rows, shard_bytes / 2**20, full_bytes / 2**20,
-             shard_bytes / 2**20, full_bytes / 2**20, sharded.out_features,
-             f"the replicated weight ({full_bytes / 2**20:.1f} MiB) was released" if released else
-             "the replicated weight is still referenced elsewhere and was NOT released")
-    state.sharding = {"tp_rank": sharded.tp_rank, "tp_size": tp_size, "released": released,
-                      "bytes_before": full_bytes, "bytes_after": shard_bytes}
-    _sharded_states.add(state)
-
-
-def sharded_bytes_released() -> int:
-    """Bytes of replicated draft fc weights released in this process so far (for the capture
-    buffer's log line: what sharding gave back, next to what the buffer costs)."""
-    return sum(s.sharding["bytes_before"] - s.sharding["bytes_after"] for s in list(_sharded_states)
-               if s.sharding and s.sharding["released"])
 
 
 def check_routing(model) -> Optional[str]:

@@ -2,10 +2,11 @@
 
 - The committed SGLang table equals what the installed SGLang (the pinned 0.5.23, a test dependency)
   says for every class of its registry: a new SGLang release shows up here as a failing test (rerun
-  ``python -m eagle3_ops.doctor.tables.generate sglang``), not as a wrong answer.
+  ``python -m tools.engine_tables sglang``), not as a wrong answer.
 - The table's rule for a class is what the class's own code does with ids the probes never used.
 - With SGLang absent or another version, the doctor reads the table and says so.
-- The README's rule table is rendered from the same data.
+- The rule table in docs/doctor.md is rendered from the same data (tools/doctor_rule_table.py; README.md holds
+  no generated block).
 """
 from __future__ import annotations
 
@@ -15,7 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from eagle3_ops.doctor import rules, sglang_code, source_scan, tables, vllm_code
+from eagle3_ops.doctor import rules, sglang_code, source_reader, source_scan, tables
+from tools import vllm_tables
 from eagle3_ops.doctor.configs import target_from_config
 from machine import needs_sglang
 
@@ -123,8 +125,8 @@ def test_vllm_capture_sites_are_read_from_the_decoder_loop():
     if self.end_layer in self.aux_hidden_state_layers:
         aux.append(hidden_states + residual)
 '''
-    assert {c["boundary"] for c in vllm_code.capture_sites([llama])} == {"start", "after"}
-    sites = {c["boundary"]: c["value"] for c in vllm_code.capture_sites([deepseek])}
+    assert {c["boundary"] for c in vllm_tables.capture_sites([llama])} == {"start", "after"}
+    sites = {c["boundary"]: c["value"] for c in vllm_tables.capture_sites([deepseek])}
     assert sites == {"entry": "hidden+residual-unguarded", "end": "hidden+residual-unguarded"}
 
 
@@ -153,13 +155,18 @@ def test_sglang_capture_sites_tell_residual_from_branch_output():
     assert row["capture"]["entry"] == "hidden-only" and row["capture"]["final"] == "after-loop"
 
 
-def test_readme_rule_table_is_rendered_from_the_tables():
-    from eagle3_ops.doctor.tables.readme import BEGIN, END, render
+def test_the_docs_rule_table_is_rendered_from_the_tables():
+    """The rule table lives in docs/doctor.md (generated text goes into docs/, never into README.md)."""
+    from tools.doctor_rule_table import BEGIN, DOC, END, render
 
-    text = (ROOT / "README.md").read_text()
+    assert DOC == ROOT / "docs" / "doctor.md"
+    text = DOC.read_text()
+    assert text.count(BEGIN) == 1 and text.count(END) == 1, DOC
     block = re.search(re.escape(BEGIN) + r"\n(.*?)\n" + re.escape(END), text, re.S)
-    assert block is not None, "README has no generated rule table"
-    assert block.group(1) == render().strip("\n"), "rerun: python -m eagle3_ops.doctor.tables.readme --write"
+    assert block is not None, "docs/doctor.md has no generated rule table"
+    assert block.group(1) == render().strip("\n"), "rerun: python -m tools.doctor_rule_table --write"
+    readme = (ROOT / "README.md").read_text()
+    assert "<!-- doctor-rules:" not in readme and "| id -> boundary |" not in readme
 
 
 # ------------------------------------------------------------------------------------- vLLM's whole registry
@@ -234,7 +241,7 @@ def test_vllm_registry_reader_on_a_synthetic_registry():
     """The generator's registry reading, without the wheel: every dict _VLLM_MODELS merges, in merge order, with
     comprehension spreads evaluated, entries it cannot read recorded (never dropped silently), dicts not merged
     left out."""
-    order, dicts, unread = vllm_code.registry_dicts(SYNTHETIC_REGISTRY)
+    order, dicts, unread = vllm_tables.registry_dicts(SYNTHETIC_REGISTRY)
     assert order == ["_TEXT_GENERATION_MODELS", "_EMBEDDING_MODELS", "_TRANSFORMERS_SUPPORTED_MODELS", "_ODD_MODELS"]
     assert list(dicts["_EMBEDDING_MODELS"]) == ["LlamaModel", "LlamaForCausalLM", "MistralForCausalLM"]
     assert dicts["_TRANSFORMERS_SUPPORTED_MODELS"]["FooForCausalLM"] == ("transformers", "TransformersForCausalLM")
@@ -385,12 +392,12 @@ class Eagle3LlamaForCausalLM(_Base):
 
 
 def test_vllm_generator_on_synthetic_sources(tmp_path):
-    """vllm_code.table on a small source tree (no wheel): the merged registry's every architecture gets a row, a
+    """vllm_tables.table on a small source tree (no wheel): the merged registry's every architecture gets a row, a
     registry entry naming the Transformers backend package resolves to its class there (transformers/__init__.py)
     and its captures are read from Base.set_aux_hidden_state_layers; a draft head's layer tensors come from its
     __init__ chain (ModuleList element 0, a linear layer's create_weights, a base named through the runtime side
     of TYPE_CHECKING) and its load_weights' name mapping."""
-    t = vllm_code.table(_tree(tmp_path, SYNTHETIC_MODELS))
+    t = vllm_tables.table(_tree(tmp_path, SYNTHETIC_MODELS))
     assert t["version"] == "9.9.9" and t["registry"]["unread"] == {}
     assert set(t["targets"]) == {"LlamaForCausalLM", "MistralForCausalLM", "FooForCausalLM", "BarForCausalLM",
                                  "Eagle3LlamaForCausalLM"}
@@ -408,10 +415,10 @@ def test_vllm_generator_on_synthetic_sources(tmp_path):
     assert params["model.layers.0.extra.weight"]["conditional"] is True  # built only `if config.extra`
     assert not any(p.endswith(".bias") for p in params)  # bias=False: register_parameter("bias", None)
     layer = t["draft_heads"]["Eagle3LlamaForCausalLM"]["layer"]
-    fit = vllm_code.layer_fit(layer, ["q_proj.weight", "k_proj.weight", "mlp.gate_up_proj.weight",
+    fit = source_reader.layer_fit(layer, ["q_proj.weight", "k_proj.weight", "mlp.gate_up_proj.weight",
                                       "mlp.down_proj.weight"])
     assert fit["fits"], fit
-    fit = vllm_code.layer_fit(layer, ["q_proj.weight", "k_proj.weight", "mlp.router.weight", "mlp.down_proj.weight"])
+    fit = source_reader.layer_fit(layer, ["q_proj.weight", "k_proj.weight", "mlp.router.weight", "mlp.down_proj.weight"])
     assert not fit["fits"] and fit["unloaded"] == ["mlp.router.weight"]
     assert fit["missing"] == ["model.layers.0.mlp.gate_up_proj.weight"]
 

@@ -4,7 +4,7 @@ fixture forces that backend (EAGLE3_OPS_BACKEND) for the test and returns the to
 the data on. GPU targets carry the ``gpu`` mark (tests/conftest.py skips them without CUDA)."""
 import pytest
 
-from eagle3_ops import testing
+import op_testing as testing
 
 
 @pytest.fixture

@@ -28,8 +28,9 @@ import triton
 import triton.language as tl
 
 import eagle3_ops
-from eagle3_ops import dispatch, ops, plans, reference, testing, workspace
-from eagle3_ops.testing import MATMUL_TOL, VARIANTS, assert_close, fc_problem, params, same_bits
+from eagle3_ops import dispatch, ops, plans, reference, registry, workspace
+import op_testing as testing
+from op_testing import MATMUL_TOL, VARIANTS, assert_close, fc_problem, params, same_bits
 from eagle3_ops.triton import _interpreter_shim as shim
 from eagle3_ops.triton import capture as triton_capture
 from eagle3_ops.triton import draft_fc as triton_fc
@@ -723,8 +724,8 @@ def test_backend_first_used_in_graph_capture_that_later_fails_raises(fresh_verif
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda d=None: "stub GPU")
     assert dispatch._passes_verification("capture", "cuda", gpu, _broken_capture)
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
-    failing = dataclasses.replace(ops.OPS["capture"], selfcheck=lambda *a, **k: (False, "max rel err 1"))
-    monkeypatch.setitem(ops.OPS, "capture", failing)
+    failing = dataclasses.replace(registry.OPS["capture"], selfcheck=lambda *a, **k: (False, "max rel err 1"))
+    monkeypatch.setitem(registry.OPS, "capture", failing)
     with pytest.raises(dispatch.BackendUnavailableError, match="after CUDA graphs were captured"):
         dispatch._passes_verification("capture", "cuda", gpu, _broken_capture)
 

@@ -18,8 +18,9 @@ except ImportError:
     given = None
 
 import eagle3_ops
-from eagle3_ops import reference, testing
-from eagle3_ops.testing import (DTYPES, ROUNDING_TOL, TARGETS, TRITON_TARGETS,
+from eagle3_ops import reference
+import op_testing as testing
+from op_testing import (DTYPES, ROUNDING_TOL, TARGETS, TRITON_TARGETS,
                                 assert_close, capture_problem, params, same_bits)
 from eagle3_ops.validation import Eagle3ArgumentError
 

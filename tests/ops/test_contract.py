@@ -3,6 +3,7 @@ backend: aliasing and self-overlapping outputs, forward-only autograd (eager and
 int/eps arguments, caller-owned workspace, threads, the backend table, and the CLI on an unusable
 EAGLE3_OPS_BACKEND. Each probe is what issue 11 reproduced; each must raise ValueError naming the
 argument before anything is written."""
+import dataclasses
 import sys
 import threading
 
@@ -12,7 +13,7 @@ import torch
 import eagle3_ops
 import machine
 import spawn
-from eagle3_ops import dispatch, ops, validation
+from eagle3_ops import dispatch, ops, registry, validation
 
 CPU_BACKENDS = ["reference", "triton"]  # triton: the interpreter on CPU (tests/conftest.py sets it)
 
@@ -233,12 +234,19 @@ def test_threads_with_different_m_do_not_share_scratch(monkeypatch):
 
 # ---- the backend table ----------------------------------------------------------------------------------
 def test_every_backend_implements_every_op():
-    for backend in ops.BACKEND_MODULES:
-        fns = ops.resolve(backend)
-        for name, spec in ops.OPS.items():
-            assert callable(fns[name])
+    for backend in registry.BACKENDS:
+        fns = dispatch.resolve(backend)
+        for name, spec in registry.OPS.items():
+            assert callable(fns[spec.function])
             if spec.workspace_bytes:
-                assert callable(fns[f"{name}_workspace_bytes"])
+                assert callable(fns[f"{spec.function}_workspace_bytes"])
+            assert set(spec.backends) == set(registry.BACKENDS), name
+    # every op of the registry is defined with torch and has its impl, fake and autograd kernel
+    for name, spec in registry.OPS.items():
+        overload = getattr(torch.ops.eagle3, name).default
+        assert str(overload._schema).endswith(spec.schema.split("(", 1)[1]), (name, str(overload._schema))
+        for key in ("CPU", "CUDA", "Autograd", "Meta"):
+            assert torch._C._dispatch_has_kernel_for_dispatch_key(overload.name(), key), (name, key)
 
 
 def test_a_missing_backend_function_is_an_import_error(monkeypatch):
@@ -247,9 +255,11 @@ def test_a_missing_backend_function_is_an_import_error(monkeypatch):
     fake = types.ModuleType("eagle3_ops_fake_backend")
     fake.capture = lambda *a: None
     monkeypatch.setitem(sys.modules, "eagle3_ops_fake_backend", fake)
-    monkeypatch.setitem(ops.BACKEND_MODULES, "reference", "eagle3_ops_fake_backend")
+    for name, spec in registry.OPS.items():
+        monkeypatch.setitem(registry.OPS, name, dataclasses.replace(
+            spec, backends={**spec.backends, "reference": "eagle3_ops_fake_backend"}))
     with pytest.raises(ImportError, match="eagle3_ops_fake_backend.fused_add_rmsnorm_capture"):
-        ops.resolve("reference")
+        dispatch.resolve("reference")
 
 
 # ---- the CLI with an unusable EAGLE3_OPS_BACKEND ----------------------------------------------------------

@@ -16,7 +16,8 @@ import math
 import pytest
 import torch
 
-from eagle3_ops import reference, skinny_model, testing
+from eagle3_ops import reference, skinny_model
+import op_testing as testing
 
 BF16 = torch.bfloat16
 

@@ -21,8 +21,9 @@ except ImportError:
     given = None
 
 import eagle3_ops
-from eagle3_ops import plans, reference, testing, workspace
-from eagle3_ops.testing import (DTYPES, FC_PATHS, MATMUL_TOL, TARGETS, VARIANTS, assert_close, fc_problem, params,
+from eagle3_ops import plans, reference, workspace
+import op_testing as testing
+from op_testing import (DTYPES, FC_PATHS, MATMUL_TOL, TARGETS, VARIANTS, assert_close, fc_problem, params,
                                 rel_err, same_bits)
 
 BF16 = torch.bfloat16

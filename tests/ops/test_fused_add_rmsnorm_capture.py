@@ -20,8 +20,9 @@ import pytest
 import torch
 
 import eagle3_ops
-from eagle3_ops import reference, testing
-from eagle3_ops.testing import (DTYPES, NORM_TOL, ROUNDING_TOL, TARGETS, TRITON_TARGETS, assert_close,
+from eagle3_ops import reference
+import op_testing as testing
+from op_testing import (DTYPES, NORM_TOL, ROUNDING_TOL, TARGETS, TRITON_TARGETS, assert_close,
                                 capture_problem, params, same_bits)
 
 GPU_T = (1, 3, 64, 1000, 8192)

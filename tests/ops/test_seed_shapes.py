@@ -15,8 +15,9 @@ import pytest
 import torch
 
 import eagle3_ops
-from eagle3_ops import plans, testing
-from eagle3_ops.testing import (CUDA, FC_PATHS, MATMUL_TOL, NORM_TOL, ROUNDING_TOL, TRITON_CUDA, VARIANTS,
+from eagle3_ops import plans
+import op_testing as testing
+from op_testing import (CUDA, FC_PATHS, MATMUL_TOL, NORM_TOL, ROUNDING_TOL, TRITON_CUDA, VARIANTS,
                                 assert_close, capture_problem, fc_problem, params, same_bits)
 
 pytestmark = pytest.mark.seed

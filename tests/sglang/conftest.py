@@ -63,9 +63,9 @@ def _no_dynamo_in_sglang():
 def _fresh_warn_once():
     """The plugin warns once per process per reason; each test starts with a clean slate."""
     from eagle3_ops import settings
-    from eagle3_ops.sglang import capture_hooks
+    from eagle3_ops.sglang import serving
 
-    capture_hooks._warned.clear()
+    serving._warned.clear()
     settings._reported.clear()
     yield
 
@@ -78,12 +78,12 @@ def fused_norm_qualified(monkeypatch, tmp_path):
     captures, where it is bitwise stock's, and the fused draft fc. A private qualification cache; the
     capture buffer and the draft's largest M at 64 rows (qualification stays quick)."""
     from eagle3_ops import qualify
-    from eagle3_ops.sglang import capture_hooks
+    from eagle3_ops.sglang import serving
 
     monkeypatch.setenv("EAGLE3_OPS_QUALIFY", "on")
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     monkeypatch.setenv("EAGLE3_OPS_SGLANG_MAX_TOKENS", "64")
-    monkeypatch.setattr(capture_hooks, "_default_max_tokens", lambda: 64)
+    monkeypatch.setattr(serving, "default_max_tokens", lambda: 64)
 
     def timer(device, reps=10):
         def time(fn):

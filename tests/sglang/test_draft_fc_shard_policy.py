@@ -77,7 +77,7 @@ def test_fc_sharded_rows_and_reload(sglang_cpu, monkeypatch):
     full_weight = draft.model.fc.weight.detach().clone()
     state = _configure_in_group(h, monkeypatch, draft, 2, 1)
     fc = draft.model.fc
-    from eagle3_ops.sglang.draft_fc_hooks import ColumnShardedFc
+    from eagle3_ops.sglang.fc_sharding import ColumnShardedFc
 
     assert isinstance(fc, ColumnShardedFc) and state.sharding["released"]
     assert torch.equal(fc.weight, full_weight[32:]) and fc.weight.shape == (32, 192)

@@ -14,7 +14,7 @@ def test_workspace_is_sized_for_the_chosen_path_and_never_grown_in_a_forward(sgl
                                                                               caplog):
     h = sglang_cpu
     from eagle3_ops import qualify, workspace
-    from eagle3_ops.sglang import capture_hooks
+    from eagle3_ops.sglang import serving
     from eagle3_ops.sglang.draft_fc_hooks import draft_fc_state
     from test_draft_fc import _draft_steps
 
@@ -22,7 +22,7 @@ def test_workspace_is_sized_for_the_chosen_path_and_never_grown_in_a_forward(sgl
     monkeypatch.setenv("EAGLE3_OPS_BACKEND", "triton")
     monkeypatch.setenv("EAGLE3_OPS_QUALIFY", "on")
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
-    monkeypatch.setattr(capture_hooks, "_default_max_tokens", lambda: 16)  # buckets 1, 4, 16
+    monkeypatch.setattr(serving, "default_max_tokens", lambda: 16)  # buckets 1, 4, 16
 
     def timer(device, reps=10):
         def time(fn):

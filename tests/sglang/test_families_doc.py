@@ -1,5 +1,5 @@
-"""docs/sglang_families.md and README's family list are what tests/sglang/families.py generates, and its
-registry names real tests of real SGLang EAGLE-3 classes."""
+"""docs/sglang_families.md and the family list in docs/sglang.md are what tests/sglang/families.py generates
+(README.md holds no generated block), and its registry names real tests of real SGLang EAGLE-3 classes."""
 import importlib
 import sys
 from pathlib import Path
@@ -7,11 +7,14 @@ from pathlib import Path
 import families
 
 
-def test_the_families_document_and_readme_list_are_up_to_date():
+def test_the_families_document_and_the_sglang_doc_list_are_up_to_date():
     assert families.DOC.read_text() == families.document(), "run: python tests/sglang/families.py --write"
-    text = families.README.read_text()
+    text = families.SGLANG_DOC.read_text()
+    assert text.count(families.BEGIN) == 1 and text.count(families.END) == 1, families.SGLANG_DOC
     a, b = text.index(families.BEGIN), text.index(families.END) + len(families.END)
-    assert text[a:b] == families.readme_block(), "run: python tests/sglang/families.py --write"
+    assert text[a:b] == families.family_block(), "run: python tests/sglang/families.py --write"
+    readme = families.README.read_text()  # generated text goes into docs/, never into README.md
+    assert families.BEGIN not in readme and "<!-- families:" not in readme
 
 
 def _param_ids(fn):

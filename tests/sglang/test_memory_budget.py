@@ -98,7 +98,7 @@ def test_draft_fc_installed_and_sharded_before_kv_sizing(sglang_cpu, monkeypatch
 
     import sglang.srt.distributed.parallel_state as ps
 
-    from eagle3_ops.sglang import draft_fc_hooks, plugin
+    from eagle3_ops.sglang import draft_fc_hooks, fc_sharding, plugin
     from eagle3_ops.sglang.capture_hooks import capture_state
 
     h = sglang_cpu
@@ -112,7 +112,7 @@ def test_draft_fc_installed_and_sharded_before_kv_sizing(sglang_cpu, monkeypatch
     group = Group()
     monkeypatch.setattr(ps, "get_tp_group", lambda: group)
     monkeypatch.setattr(draft.model.layers[0].self_attn.qkv_proj, "tp_group", group)
-    monkeypatch.setattr(draft_fc_hooks, "_sharded_states", weakref.WeakSet())
+    monkeypatch.setattr(fc_sharding, "_sharded_states", weakref.WeakSet())
     from eagle3_ops.sglang import lockstep
 
     monkeypatch.setattr(lockstep, "all_ranks_agree", lambda ok, group: ok)  # one process plays one rank
@@ -141,7 +141,7 @@ def test_buffer_rows_come_from_sglangs_own_graph_settings(monkeypatch):
     import sglang.srt.runtime_context as rc
     from sglang.srt.model_executor.cuda_graph_config import CudaGraphConfig, PhaseConfig
 
-    from eagle3_ops.sglang.capture_hooks import _default_max_tokens
+    from eagle3_ops.sglang.serving import default_max_tokens
 
     def serve(**kw):
         args = dict(chunked_prefill_size=512, max_prefill_tokens=16384, speculative_num_draft_tokens=4,
@@ -149,7 +149,7 @@ def test_buffer_rows_come_from_sglangs_own_graph_settings(monkeypatch):
         args.update(kw)
         monkeypatch.setattr(rc, "get_server_args", lambda: types.SimpleNamespace(**args))
         monkeypatch.setattr(rc, "get_exec", lambda: (_ for _ in ()).throw(ValueError("not published")))
-        return _default_max_tokens()
+        return default_max_tokens()
 
     # DP-attention-sized verify batches: 256 requests x 4 draft tokens > the 512-token chunk
     assert serve(cuda_graph_config=CudaGraphConfig(decode=PhaseConfig(backend="full", max_bs=256))) == 1024
@@ -164,4 +164,4 @@ def test_buffer_rows_come_from_sglangs_own_graph_settings(monkeypatch):
     monkeypatch.setattr(rc, "get_server_args", lambda: types.SimpleNamespace(
         chunked_prefill_size=512, max_prefill_tokens=16384, speculative_num_draft_tokens=4,
         max_running_requests=None, cuda_graph_config=None))
-    assert _default_max_tokens() == 1280
+    assert default_max_tokens() == 1280

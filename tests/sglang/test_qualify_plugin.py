@@ -36,11 +36,11 @@ def qualifying(monkeypatch, tmp_path):
     monkeypatch.setenv("EAGLE3_OPS_QUALIFY", "on")
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     monkeypatch.setenv("EAGLE3_OPS_SGLANG_MAX_TOKENS", "64")
-    from eagle3_ops.sglang import capture_hooks
+    from eagle3_ops.sglang import serving
 
     # the draft's largest M (SGLang's chunked_prefill_size in a server; 16384 without server args,
     # which the Triton interpreter would take minutes over)
-    monkeypatch.setattr(capture_hooks, "_default_max_tokens", lambda: 64)
+    monkeypatch.setattr(serving, "default_max_tokens", lambda: 64)
 
     def use(stock, cand, folded=None):
         timer = _Timer(stock, cand, folded)

@@ -256,8 +256,10 @@ def draft_variant(rank, outdir, variant, dtype, dcfg, ckpt, aux, gathers):
     """Install the draft fc under ``variant`` (patches undone afterwards) and run it; what it saw."""
     import torch
 
+    import functools
+
     from eagle3_ops import qualify
-    from eagle3_ops.sglang import draft_fc_hooks
+    from eagle3_ops.sglang import draft_fc_hooks, fc_sharding, serving
     from test_draft_fc import _draft_steps
 
     draft = _build_draft(dcfg, dtype, ckpt)
@@ -265,11 +267,7 @@ def draft_variant(rank, outdir, variant, dtype, dcfg, ckpt, aux, gathers):
     install_gathers = None
     if variant != "stock":
         p = Patches()
-        p.set(draft_fc_hooks, "SHARDING_TIMER", None)
-        p.set(draft_fc_hooks, "SHARDING_GATHER_TIME", None)
-        from eagle3_ops.sglang import capture_hooks
-
-        p.set(capture_hooks, "_default_max_tokens", lambda: 64)  # buckets 1, 4, 16, 64
+        p.set(serving, "default_max_tokens", lambda: 64)  # buckets 1, 4, 16, 64
         fail = variant[len("fails-at-"):] if variant.startswith("fails-at-") else None
         fail_here = fail if rank == 1 else None
         qualified = variant.startswith(("qualified", "rank0", "rank1")) or fail in (
@@ -280,8 +278,9 @@ def draft_variant(rank, outdir, variant, dtype, dcfg, ckpt, aux, gathers):
             cache = "qualified" if variant in ("qualified", "qualified-cached") else variant
             p.env("EAGLE3_OPS_QUALIFY", "on")
             p.env("XDG_CACHE_HOME", os.path.join(outdir, f"cache-draft-{rank}-{cache}-{dtype}"))
-            p.set(draft_fc_hooks, "SHARDING_TIMER", lambda device: fc_timer(rank, fail_here))
-            p.set(draft_fc_hooks, "SHARDING_GATHER_TIME", gather_time(rank, fail_here == "gather-timing"))
+            p.set(fc_sharding, "decide_sharding", functools.partial(
+                fc_sharding.decide_sharding, make_timer=lambda device: fc_timer(rank, fail_here),
+                gather_us=gather_time(rank, fail_here == "gather-timing")))
             winners = {"rank0-decides": (0,), "rank1-rejects": (0,)}.get(variant, (0, 1))
             p.set(qualify, "Timer", site_timer(winners, rank, folded_wins=fail == "fold"))
         if variant == "rank1-rejects" and rank == 1:
@@ -303,7 +302,7 @@ def draft_variant(rank, outdir, variant, dtype, dcfg, ckpt, aux, gathers):
         elif fail_here == "site":
             p.set(draft_fc_hooks, "_qualify_site", boom)
         elif fail_here == "rows":
-            p.set(draft_fc_hooks, "ColumnShardedFc", boom)
+            p.set(fc_sharding, "ColumnShardedFc", boom)
         elif fail_here == "workspace":
             p.set(draft_fc_hooks.DraftFcState, "allocate_workspace", boom)
         elif fail_here == "fold":
@@ -326,7 +325,7 @@ def draft_variant(rank, outdir, variant, dtype, dcfg, ckpt, aux, gathers):
         fc = draft.model.fc
         rec["fc_class"] = type(fc).__name__
         rec["fc_weight_shape"] = tuple(fc.weight.shape)
-        if isinstance(fc, draft_fc_hooks.ColumnShardedFc):
+        if isinstance(fc, fc_sharding.ColumnShardedFc):
             rows = slice(fc.row_start, fc.row_start + fc.rows)
             rec["rows"] = (fc.row_start, fc.rows)
             rec["rows_match_checkpoint"] = (torch.equal(fc.weight, ckpt["model.fc.weight"][rows].to(dtype))

@@ -1,8 +1,8 @@
 """Pinned engine tables: what each engine's own code says about EAGLE-3, per target class.
 
-Each ``<engine>-<version>.json`` is written by ``python -m eagle3_ops.doctor.tables.generate`` from
-the engine's code (the installed SGLang, the vLLM wheel, TensorRT-LLM's sources) and never edited by
-hand; ``tests/doctor/test_engine_tables.py`` checks the SGLang table against the installed SGLang.
+Each ``<engine>-<version>.json`` is written by the maintainer tool ``python -m tools.engine_tables`` (a
+source checkout's, not shipped) from the engine's code (the installed SGLang, the vLLM wheel) and never
+edited by hand; ``tests/doctor/test_engine_tables.py`` checks the SGLang table against the installed SGLang.
 """
 from __future__ import annotations
 
@@ -12,7 +12,9 @@ from pathlib import Path
 from typing import Optional
 
 HERE = Path(__file__).resolve().parent
+# TensorRT-LLM: the version its engine-wide rules (engines.py) were read for; it has no per-class table
 PINNED = {"sglang": "0.5.23", "vllm": "0.33.0", "trtllm": "1.2.1"}
+TABLES = ("sglang", "vllm")  # the engines with a generated table (tools/engine_tables.py)
 
 
 def table_path(engine: str, version: Optional[str] = None) -> Path:

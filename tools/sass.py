@@ -1,6 +1,7 @@
 """Reading the built kernels' SASS and resources (``cuobjdump -sass`` / ``-res-usage`` text): what
 ``tests/test_build.py`` checks in CI and what the static model (``benchmarks/static_model.py``)
-reads. Pure text analysis: no torch, no GPU, no CUDA toolkit (the caller runs cuobjdump).
+reads. Pure text analysis: no torch, no GPU, no CUDA toolkit (the caller runs cuobjdump). A maintainer
+tool (``tools/``): nothing in the eagle3_ops package imports it.
 
 * :func:`parse_sass` splits a listing into functions of :class:`Instr` (address, predicate,
   opcode, operands).

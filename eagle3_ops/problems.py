@@ -1,31 +1,28 @@
-"""What the op tests (``tests/ops``) and the benchmarks (``benchmarks/``) share: one problem
-builder per op, one canary runner, one error metric, and the (backend, device) targets.
+"""The problems the product itself runs, and the yardsticks it judges them with: the backends'
+self-checks (``verify.py``), qualification (``qualify.py``) and the draft fc sharding decision
+(``sglang/fc_sharding.py``). The op tests and the benchmarks build on the same kit (``tests/op_testing.py``
+adds the test-only parts: targets, pytest parameters, graph replay).
 
-Nothing here is used by the ops themselves; pytest is imported only by :func:`params` (so the
-module imports without it).
-
-* **Targets.** A :class:`Target` is a (backend, device) pair: ``reference`` and ``triton`` on the
-  CPU (Triton under ``TRITON_INTERPRET=1``, the interpreter), and ``cuda``, ``triton`` and
-  ``reference`` on a CUDA device. :func:`params` turns targets and their cases into pytest
-  parameters; the CUDA ones carry the ``gpu`` mark (skipped without a GPU, run by
-  ``benchmarks/device_check.sh``), and every test that has them has CPU targets on the same code.
-* **Problems.** :func:`capture_problem` (also the fused op's, with ``fused=True``) and
-  :func:`fc_problem` make fresh random data (never zeros) in the layouts the tests need: row-padded
-  and offset views, poisoned buffers (random garbage times 1000 with NaNs) around every output.
-  ``truth()`` is the float64 answer.
-* **Canaries.** :func:`run_canaried` poisons the outputs with NaN, runs the op, and checks that
-  every element of the outputs' base tensors outside the outputs is bitwise unchanged.
-* **Error metric.** :func:`rel_err`: relative error against the float64 truth, elementwise
-  (a value rounded once: within :data:`ROUNDING_TOL` / :data:`NORM_TOL`) or normwise (matrix
+* **Data.** :func:`generator` (seeded from a key, stable across processes), :func:`randn`,
+  :func:`positive` (norm weights), :func:`strided` (views with canary padding), :func:`poisoned`
+  (garbage x1000 with NaNs around every output).
+* **Problems.** :func:`capture_problem` (also the fused op's, ``fused=True``) and :func:`fc_problem`:
+  fresh random data (never zeros) in the layouts the kernels must handle; their float64 truths
+  (``sum64``/``normed64``, ``truth()``).
+* **Canaries.** :func:`run_canaried` poisons the outputs with NaN, runs the op, and checks that every
+  element of the outputs' base tensors outside the outputs is bitwise unchanged.
+* **Error metric and tolerances.** :func:`rel_err`: relative error against the float64 truth,
+  elementwise (a value rounded once: :data:`ROUNDING_TOL` / :data:`NORM_TOL`) or normwise (matrix
   products, where fp32 accumulation order differs between backends: :data:`MATMUL_TOL`). NaN where
   the truth is finite (an unwritten, poisoned element) is an infinite error.
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import zlib
 from dataclasses import dataclass
-from typing import Callable, Iterable, Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 import torch
 
@@ -40,105 +37,7 @@ ROUNDING_TOL = {torch.bfloat16: 2.0 ** -8, torch.float16: 2.0 ** -11, torch.floa
 NORM_TOL = {dt: torch.finfo(dt).eps + 4e-6 for dt in DTYPES}
 # Normwise (max |err| / max |truth|) relative error of matrix products.
 MATMUL_TOL = {torch.bfloat16: 1e-2, torch.float16: 2e-3, torch.float32: 2e-5}
-# draft_fc argument variants: the keyword flags of fc_problem.
-VARIANTS = {
-    "plain": dict(),
-    "bias": dict(bias=True),
-    "rows": dict(rows=True),
-    "chunk_norm": dict(chunk=True),
-    "input_norm": dict(inorm=True),
-    "all": dict(bias=True, rows=True, chunk=True, inorm=True),
-}
 EPS = 1e-6
-
-
-# ---- targets ---------------------------------------------------------------------------------------
-@dataclass(frozen=True)
-class Target:
-    """One (backend, device) pair an op test runs on."""
-
-    backend: str
-    device: str  # "cpu" or "cuda"
-
-    @property
-    def gpu(self) -> bool:
-        return self.device == "cuda"
-
-    @property
-    def interpreted(self) -> bool:
-        """Triton kernels run by the Triton interpreter (on CPU tensors)."""
-        return self.backend == "triton" and self.device == "cpu"
-
-    @property
-    def id(self) -> str:
-        return f"{self.backend}-{self.device}"
-
-    def __str__(self) -> str:
-        return self.id
-
-    def torch_device(self) -> torch.device:
-        if self.device == "cuda":
-            return torch.device("cuda", torch.cuda.current_device())
-        return torch.device("cpu")
-
-
-REFERENCE_CPU = Target("reference", "cpu")
-TRITON_CPU = Target("triton", "cpu")
-CUDA = Target("cuda", "cuda")
-TRITON_CUDA = Target("triton", "cuda")
-REFERENCE_CUDA = Target("reference", "cuda")
-CPU_TARGETS = (REFERENCE_CPU, TRITON_CPU)
-GPU_TARGETS = (CUDA, TRITON_CUDA, REFERENCE_CUDA)
-TARGETS = CPU_TARGETS + GPU_TARGETS
-TRITON_TARGETS = (TRITON_CPU, TRITON_CUDA)
-# The draft_fc paths each backend can be forced onto (plans.forced_path); None = the table decides.
-FC_PATHS = {"reference": (None,), "triton": ("skinny", "tiled", "cublas"), "cuda": ("skinny", "cublas")}
-
-
-def _case_id(case) -> str:
-    return "-".join(str(v).replace("torch.", "") if isinstance(v, torch.dtype) else str(v) for v in case)
-
-
-def params(targets: Iterable[Target] = TARGETS, cases=None) -> list:
-    """pytest parameters ``(target, *case)``, one per target and case. ``cases``: None (the
-    parameters are the targets alone), a list of tuples, or a callable ``target -> list of tuples``
-    (per-target shapes: the interpreter is slow, a GPU takes model-sized ones). GPU targets get the
-    ``gpu`` mark."""
-    import pytest
-
-    out = []
-    for target in targets:
-        marks = (pytest.mark.gpu,) if target.gpu else ()
-        if cases is None:
-            out.append(pytest.param(target, marks=marks, id=target.id))
-            continue
-        for case in (cases(target) if callable(cases) else cases):
-            case = tuple(case) if isinstance(case, (tuple, list)) else (case,)
-            out.append(pytest.param(target, *case, marks=marks, id=f"{target.id}-{_case_id(case)}"))
-    return out
-
-
-def unusable_reason(target: Target) -> Optional[str]:
-    """Why ``target`` cannot run in this process (a reason to skip), or None. Only what a
-    machine legitimately lacks: the interpreter where a GPU compiles Triton instead, an extension
-    built for other GPU archs. A forced backend that should serve and cannot is a failure of the
-    test, not a skip."""
-    if target.device == "cuda" and not torch.cuda.is_available():
-        return "needs a CUDA device"
-    if target.interpreted:
-        from .triton import _interpreter_shim as shim
-        from .triton import capture as triton_capture
-
-        if not shim.interpreted(triton_capture._capture_kernel):
-            return "Triton on CPU tensors needs the interpreter (TRITON_INTERPRET=1, set by tests/conftest.py without a GPU)"
-    if target.backend == "cuda" and target.device == "cuda":
-        from . import cuda_backend
-
-        archs = cuda_backend.compiled_archs()
-        major, minor = torch.cuda.get_device_capability()
-        if archs and not any(a.rstrip("a") == f"sm_{major}{minor}" for a in archs):
-            return f"the CUDA extension is not built for sm_{major}{minor} (built: {','.join(archs)})"
-    return None
 
 
 # ---- data ------------------------------------------------------------------------------------------
@@ -195,12 +94,6 @@ def rel_err(got: torch.Tensor, want: torch.Tensor, normwise: bool = False) -> fl
     # relative to the dtype's normal range: a subnormal result is only as exact as its spacing
     tiny = torch.finfo(got.dtype).tiny if got.dtype.is_floating_point else 1e-300
     return (err / w[ok].abs().clamp_min(tiny)).max().item()
-
-
-def assert_close(got: torch.Tensor, want: torch.Tensor, tol: float, normwise: bool = False, what: str = "output"):
-    err = rel_err(got, want, normwise)
-    kind = "max |err| / max |truth|" if normwise else "max elementwise relative error"
-    assert err <= tol, f"{what}: {kind} {err:.3g} > {tol:.3g} (inf: NaN where the truth is finite, i.e. unwritten)"
 
 
 def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -298,23 +191,11 @@ class CaptureProblem:
             nb = bases[id(b)]
             return nb.as_strided(t.shape, t.stride(), t.storage_offset())
 
-        return CaptureProblem(cl(self.hidden), cl(self.residual), cl(self.buffer), self.slot, self.weight, self.eps)
+        return dataclasses.replace(self, hidden=cl(self.hidden), residual=cl(self.residual), buffer=cl(self.buffer))
 
-    def run(self, fn=None) -> None:
-        """Runs the op (the public face by default, or ``fn`` with the op's arguments)."""
-        import eagle3_ops
-
-        if self.weight is None:
-            (fn or eagle3_ops.capture)(self.hidden, self.residual, self.buffer, self.slot)
-        else:
-            (fn or eagle3_ops.fused_add_rmsnorm_capture)(self.hidden, self.residual, self.weight, self.eps,
-                                                        self.buffer, self.slot)
-
-    def run_canaried(self, fn=None) -> None:
-        """:meth:`run` with canaries around every write (slot poisoned first; the fused op also
-        writes hidden and residual, whose padding columns are canaries)."""
-        writes = [self.slot_view] + ([self.hidden, self.residual] if self.weight is not None else [])
-        run_canaried(lambda: self.run(fn), writes, poison=[self.slot_view])
+    def writes(self) -> list:
+        """The views the op writes: the slot (and, fused, hidden and residual): the canaried outputs."""
+        return [self.slot_view] + ([self.hidden, self.residual] if self.weight is not None else [])
 
 
 def capture_problem(T: int, H: int, K: int, dtype, device, *, key=(), slot: Optional[int] = None,
@@ -378,31 +259,6 @@ class FcProblem:
         """A fresh canaried output view [M, N] (see :func:`canaried_out`)."""
         return canaried_out(self.M, self.N, self.dtype, self.x.device, gen)
 
-    def run_out(self, out: torch.Tensor, backend: Optional[str] = None, **kw) -> torch.Tensor:
-        """``draft_fc_out`` into ``out`` with canaries (out poisoned first); returns out. With
-        ``backend``: that backend's function directly (:func:`run_backend_draft_fc`)."""
-        import eagle3_ops
-
-        if backend is None:
-            fn = lambda: eagle3_ops.draft_fc_out(*self.args, self.eps, out, **kw)  # noqa: E731
-        else:
-            fn = lambda: run_backend_draft_fc(backend, self, out)  # noqa: E731
-        run_canaried(fn, [out], poison=[out])
-        return out
-
-    def strided_1d(self, input_norm_weight: bool = False) -> "FcProblem":
-        """The same problem with bias and rows (and with ``input_norm_weight``, that one too: only
-        the backends called directly see it, validation refuses it) as stride-2 views (validation
-        accepts any stride for bias and rows; the kernels must not assume stride 1)."""
-        def spread(t):
-            if t is None:
-                return None
-            wide = torch.stack([t, t.flip(0)], dim=1).reshape(-1)
-            return wide[::2]
-        inw = spread(self.input_norm_weight) if input_norm_weight else self.input_norm_weight
-        return FcProblem(self.x, self.weight, spread(self.bias), spread(self.rows), self.chunk_norm_weight, inw,
-                         self.eps)
-
 
 @functools.lru_cache(maxsize=2)
 def _cached_weight(N: int, KH: int, dtype, device_str: str) -> torch.Tensor:
@@ -431,74 +287,3 @@ def fc_problem(M: int, H: int, K: int, dtype, device, *, key=(), N: Optional[int
     cn = positive((K, H), dtype, device, gen) if chunk else None
     inw = positive((K * H,), dtype, device, gen) if inorm else None
     return FcProblem(x, w, b, r, cn, inw)
-
-
-# ---- backends directly ---------------------------------------------------------------------------------
-def backend_function(backend: str, op: str) -> Callable:
-    """The function of ``backend`` that implements ``op`` (the op's own name; ``draft_fc`` writes
-    into ``out`` and takes a workspace) or ``<op>_workspace_bytes``."""
-    from . import dispatch
-
-    return dispatch.function(backend, op)
-
-
-def run_backend_draft_fc(backend: str, p: FcProblem, out: torch.Tensor) -> None:
-    """``backend``'s draft_fc on ``p`` into ``out``, bypassing the face (no validation: e.g. host
-    row indices out of range reach the kernels), with a workspace of exactly the size the backend
-    asks for (the kernels' Carver raises if they need more)."""
-    need = int(backend_function(backend, "draft_fc_workspace_bytes")(*p.args))
-    ws = torch.empty(need, dtype=torch.uint8, device=p.x.device) if need else None
-    backend_function(backend, "draft_fc")(*p.args, p.eps, out, ws)
-
-
-# ---- allocation counting and graph replay -------------------------------------------------------------
-def allocation_count(device: torch.device) -> int:
-    """Allocations so far: the CUDA caching allocator's count on a GPU (cache hits included); on the
-    CPU, where torch does not count, the face's scratch allocations (``workspace.allocations``)."""
-    device = torch.device(device)
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-        return torch.cuda.memory_stats(device).get("allocation.all.allocated", 0)
-    from . import workspace
-
-    return workspace.allocations
-
-
-class Replay:
-    """``fn`` recorded once and replayed: a CUDA graph on a GPU (after an eager warm-up on a side
-    stream, as torch's graph docs do; captured on ``stream`` if given), on the CPU a plain call (the
-    CPU twin of a graph test checks the same sequence of calls and results)."""
-
-    def __init__(self, fn: Callable[[], object], device: torch.device, stream=None, warmup: bool = True):
-        self.fn = fn
-        self.device = torch.device(device)
-        self.graph = None
-        self.allocations_during_capture = 0
-        if self.device.type != "cuda":
-            return
-        if warmup:
-            side = torch.cuda.Stream()
-            side.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(side):
-                fn()
-            torch.cuda.current_stream().wait_stream(side)
-            torch.cuda.synchronize()
-        self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph, stream=stream):
-            before = torch.cuda.memory_stats().get("allocation.all.allocated", 0)
-            fn()
-            self.allocations_during_capture = torch.cuda.memory_stats().get("allocation.all.allocated", 0) - before
-
-    def replay(self) -> None:
-        if self.graph is None:
-            self.fn()
-        else:
-            self.graph.replay()
-            torch.cuda.synchronize()
-
-
-__all__ = ["CPU_TARGETS", "CaptureProblem", "DTYPES", "EPS", "FC_PATHS", "FcProblem", "GPU_TARGETS", "MATMUL_TOL",
-           "NORM_TOL", "ROUNDING_TOL", "Replay", "TARGETS", "TRITON_TARGETS", "Target", "VARIANTS",
-           "allocation_count", "assert_close", "backend_function", "canaried_out", "capture_problem",
-           "fc_problem", "generator", "params", "poisoned", "positive", "randn", "rel_err", "run_backend_draft_fc",
-           "run_canaried", "same_bits", "strided", "unusable_reason"]

@@ -1,9 +1,11 @@
-"""The README's rule table, rendered from the pinned tables (never typed by hand).
+"""The doctor's engine rule table in docs/doctor.md, rendered from the pinned tables (never typed by hand).
+A maintainer tool (a source checkout's tools/, not the eagle3_ops package); generated text goes into docs/,
+never into README.md.
 
-    python -m eagle3_ops.doctor.tables.readme           # print it
-    python -m eagle3_ops.doctor.tables.readme --write   # replace the block in README.md
+    python -m tools.doctor_rule_table           # print it
+    python -m tools.doctor_rule_table --write   # replace the block in docs/doctor.md
 
-``tests/doctor/test_engine_tables.py`` checks the README holds exactly this rendering.
+``tests/doctor/test_engine_tables.py`` checks docs/doctor.md holds exactly this rendering.
 """
 from __future__ import annotations
 
@@ -11,11 +13,12 @@ import sys
 from collections import defaultdict
 from pathlib import Path
 
-from . import PINNED, load
+from eagle3_ops.doctor.tables import PINNED, load
 
-BEGIN = "<!-- doctor-rules:begin (python -m eagle3_ops.doctor.tables.readme --write) -->"
+BEGIN = "<!-- doctor-rules:begin (python -m tools.doctor_rule_table --write) -->"
 END = "<!-- doctor-rules:end -->"
-README = Path(__file__).resolve().parents[3] / "README.md"
+ROOT = Path(__file__).resolve().parents[1]  # the source checkout this tool lives in
+DOC = ROOT / "docs" / "doctor.md"
 
 _RULE = {"id+1": "id + 1", "id+1-if-first-is-1": "id + 1 if the first id is 1, else id",
          "id-if-max-is-L": "id if the largest id is L, else id + 1", "id": "id", None: "not named (see the class)"}
@@ -92,14 +95,14 @@ def main(argv=None) -> int:
     if "--write" not in argv:
         sys.stdout.write(text)
         return 0
-    readme = README.read_text()
-    if BEGIN not in readme or END not in readme:
-        print(f"README.md has no {BEGIN} ... {END} block", file=sys.stderr)
+    doc = DOC.read_text()
+    if BEGIN not in doc or END not in doc:
+        print(f"{DOC} has no {BEGIN} ... {END} block", file=sys.stderr)
         return 1
-    head, rest = readme.split(BEGIN, 1)
+    head, rest = doc.split(BEGIN, 1)
     _, tail = rest.split(END, 1)
-    README.write_text(head + BEGIN + "\n" + text + END + tail)
-    print(f"wrote the rule table into {README}")
+    DOC.write_text(head + BEGIN + "\n" + text + END + tail)
+    print(f"wrote the rule table into {DOC}")
     return 0
 
 
