@@ -26,9 +26,11 @@ from typing import List, Union
 
 import torch
 
-from .configs import DoctorInputError, check_file
+from .configs import NESTED_TEXT_KEYS, DoctorInputError, check_file
 
 FORMAT = "eagle3_ops.doctor.states/1"
+_LAYER_NAME = re.compile(r"(?:^|\.)(?:layers|h|blocks)\.(\d+)\.")
+_SIZE_FIELDS = ("num_hidden_layers", "hidden_size", "vocab_size", "num_attention_heads", "intermediate_size")
 
 
 def read_prompts(path) -> List[Union[str, List[int]]]:
@@ -58,6 +60,68 @@ def read_prompts(path) -> List[Union[str, List[int]]]:
     if not out:
         raise DoctorInputError(f"prompts: {p} holds no prompts")
     return out
+
+
+def _positive(cfg_path: Path, field: str, v) -> None:
+    if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v <= 0):
+        raise DoctorInputError(f"capture-states: {field} in {cfg_path} must be a positive integer, found {v!r}")
+
+
+def check_target_config(model_dir: Path, cfg: dict, effective=None) -> None:
+    """Before any model is built: the config's sizes are positive integers, and the layer count, hidden size and
+    vocabulary the model would be built with (``effective``: the config object transformers reads, defaults
+    included) fit the checkpoint's own tensors (their names and shapes, read from the safetensors headers of the
+    files the checkpoint consists of), so a config asking for far more layers than the checkpoint holds is refused at
+    once, naming the field and the numbers, instead of building a model until memory runs out."""
+    from .configs import checkpoint_files, read_weight_headers
+
+    cfg_path = model_dir / "config.json"
+    text, prefix = cfg, ""
+    if "num_hidden_layers" not in cfg:
+        for k in NESTED_TEXT_KEYS:
+            if isinstance(cfg.get(k), dict):
+                text, prefix = cfg[k], f"{k}."
+                break
+    for field in _SIZE_FIELDS:
+        _positive(cfg_path, prefix + field, text.get(field))
+    if effective is not None:
+        for field in _SIZE_FIELDS:
+            _positive(cfg_path, prefix + field, getattr(effective, field, None))
+    values = {f: (getattr(effective, f, None) if effective is not None else None) or text.get(f)
+              for f in ("num_hidden_layers", "hidden_size", "vocab_size")}
+    chosen = checkpoint_files(model_dir, "capture-states")
+    if not chosen.files:
+        return  # transformers says what is missing
+    weights = read_weight_headers(model_dir, chosen.files, what="capture-states")
+    files = ", ".join(Path(f).name for f in chosen.files[:3]) + (f" and {len(chosen.files) - 3} more"
+                                                                 if len(chosen.files) > 3 else "")
+    layers = {int(m.group(1)) for info in weights.values() for m in [_LAYER_NAME.search(info.raw_name)] if m}
+    n = values["num_hidden_layers"]
+    if layers and isinstance(n, int) and n > max(layers) + 1:
+        held = max(layers) + 1
+        raise DoctorInputError(f"capture-states: {prefix}num_hidden_layers = {n} in {cfg_path}, but the checkpoint "
+                               f"({files}) holds layers 0..{held - 1} only ({held} layers): expected at most {held}")
+    emb = next((info for info in weights.values() if info.raw_name.endswith(("embed_tokens.weight", "wte.weight"))
+                and len(info.shape) == 2), None)
+    if emb is not None:
+        rows, width = emb.shape
+        for field, want in (("hidden_size", width), ("vocab_size", rows)):
+            v = values[field]
+            if isinstance(v, int) and v != want:
+                raise DoctorInputError(f"capture-states: {prefix}{field} = {v} in {cfg_path}, but the checkpoint's "
+                                       f"{emb.raw_name} ({Path(emb.file).name}) is {list(emb.shape)}: expected {want}")
+
+
+def _effective_config(model_dir: Path, trust_remote_code: bool):
+    """The config transformers builds the model from (defaults applied), or None where it cannot be read here
+    (loading the model then says why)."""
+    try:
+        from transformers import AutoConfig
+
+        cfg = AutoConfig.from_pretrained(str(model_dir), trust_remote_code=bool(trust_remote_code))
+        return cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
+    except Exception:  # noqa: BLE001 - remote code not allowed, an unknown model type: _load_model reports it
+        return None
 
 
 def _decoder_layers(model):
@@ -145,10 +209,15 @@ def capture_states(model_dir, prompts, out_path, *, dtype: str = "bfloat16", max
         raise DoctorInputError(f"capture-states: no config.json in {model_dir}")
     check_file(cfg_path, "capture-states", "a config.json file")
     try:
-        has_auto_map = "auto_map" in json.loads(cfg_path.read_text())
+        raw_cfg = json.loads(cfg_path.read_text())
     except (OSError, ValueError, TypeError):
-        has_auto_map = False  # transformers reports the broken config below
+        raw_cfg = None  # transformers reports the broken config below
+    has_auto_map = isinstance(raw_cfg, dict) and "auto_map" in raw_cfg
     transformers.utils.logging.disable_progress_bar()
+    if isinstance(raw_cfg, dict):
+        with _quiet_transformers(transformers):
+            effective = _effective_config(model_dir, trust_remote_code)
+        check_target_config(model_dir, raw_cfg, effective)
     torch_dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[dtype]
     try:
         with _quiet_transformers(transformers):

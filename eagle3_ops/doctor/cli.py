@@ -116,6 +116,10 @@ def _doctor_parser() -> argparse.ArgumentParser:
                    help="where SGLang's rules come from: auto (default) = the installed SGLang when it is the pinned "
                         "version, else the pinned table; installed = the installed SGLang whatever its version; "
                         "table = the pinned table (fast: imports no SGLang)")
+    p.add_argument("--draft-snapshot", default=None, metavar="FILE",
+                   help="a snapshot of DRAFT_DIR (JSON) the live wiring check wrote at server start-up: the draft "
+                        "config is read from it instead of DRAFT_DIR/config.json, and the weight files it lists are "
+                        "the ones read, refused if they changed since")
     p.add_argument("--capture-point", choices=("auto", "after-allreduce", "before-allreduce"), default="auto",
                    help="where captures are taken relative to the TP all-reduce (for custom capture hooks); "
                         "auto: the engine's stock path")
@@ -205,7 +209,17 @@ def build_report(args):
     _check_numbers(args)
     use_sglang = sglang_mode(args.engine_code)[0]
     target = parse_target(args.target, use_sglang=use_sglang)
-    draft = parse_draft(args.draft, use_sglang=use_sglang)
+    snapshot = None
+    if getattr(args, "draft_snapshot", None):  # the live check: the draft as the server read it at start-up
+        from .configs import changed_since_start, draft_from_config, read_snapshot, snapshot_changes
+
+        snapshot = read_snapshot(args.draft_snapshot, args.draft)
+        changes = snapshot_changes(snapshot, roles=("index", "weights"))
+        if changes:
+            raise DoctorInputError(changed_since_start(snapshot, changes))
+        draft = draft_from_config(snapshot["config"], snapshot["dir"], use_sglang=use_sglang)
+    else:
+        draft = parse_draft(args.draft, use_sglang=use_sglang)
     if args.pp > target.num_layers:
         raise _UsageError(f"--pp {args.pp} exceeds the target's {target.num_layers} layers")
     if args.pp_partition is not None:
@@ -213,7 +227,12 @@ def build_report(args):
                 or min(args.pp_partition) < 1:
             raise _UsageError(f"--pp-partition {args.pp_partition} must list {args.pp} positive layer counts "
                               f"summing to {target.num_layers}")
-    weights = read_weight_headers(draft.path)
+    if snapshot is not None:
+        from .configs import snapshot_weight_files
+
+        weights = read_weight_headers(draft.path, files=snapshot_weight_files(snapshot))
+    else:
+        weights = read_weight_headers(draft.path)
     opts = Options(engine=args.engine, tp=args.tp, pp=args.pp, pp_partition=args.pp_partition,
                    trained_convention=args.trained_convention, trained_ids=args.trained_ids,
                    vllm_runner=args.vllm_runner, trtllm_layers=args.trtllm_layers,
@@ -224,6 +243,10 @@ def build_report(args):
 
         run_replay(report, weights, args.replay, margin=args.replay_margin, max_tokens=args.replay_max_tokens,
                    device=args.device, sweep=args.replay_sweep, draft_code=args.replay_draft)
+    if snapshot is not None:  # read while it changed: what was scored is not what the server loaded
+        changes = snapshot_changes(snapshot, roles=("index", "weights"))
+        if changes:
+            raise DoctorInputError(changed_since_start(snapshot, changes))
     return report
 
 

@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import glob
 import json
 import os
 import stat
@@ -73,16 +72,35 @@ _FILE_KINDS = ((stat.S_ISFIFO, "a FIFO"), (stat.S_ISSOCK, "a socket"), (stat.S_I
                (stat.S_ISBLK, "a block device"))
 
 
+def _os_why(e: OSError) -> str:
+    """``permission denied (EACCES)``: the system's words, lower case, and the errno's name."""
+    from ..files import errno_name
+
+    name = errno_name(e)
+    words = (e.strerror or str(e)).lower()
+    return f"{words} ({name})" if name else words
+
+
+def _missing(p: Path) -> str:
+    """Why ``p`` (which os.stat cannot find) is not there: a dangling symlink says where it points."""
+    if os.path.islink(p):
+        try:
+            return f"{p} is a dangling symlink (-> {os.readlink(p)}): the file it points to does not exist (ENOENT)"
+        except OSError:
+            pass
+    return f"{p} does not exist"
+
+
 def check_file(path, what: str, expected: str = "a file") -> Path:
-    """Refuse, with one clear line, a path that is missing, a directory, not a regular file (opening a FIFO
-    would block forever) or unreadable. Returns the path."""
+    """Refuse, with one clear line, a path that is missing (or a dangling symlink), a directory, not a regular
+    file (opening a FIFO would block forever) or unreadable (the errno's name said). Returns the path."""
     p = Path(path)
     try:
         mode = os.stat(p).st_mode
     except FileNotFoundError:
-        raise DoctorInputError(f"{what}: {p} does not exist") from None
+        raise DoctorInputError(f"{what}: {_missing(p)}") from None
     except OSError as e:
-        raise DoctorInputError(f"{what}: cannot read {p}: {(e.strerror or str(e)).lower()}") from None
+        raise DoctorInputError(f"{what}: cannot read {p}: {_os_why(e)}") from None
     if stat.S_ISDIR(mode):
         raise DoctorInputError(f"{what}: {p} is a directory; expected {expected}")
     if not stat.S_ISREG(mode):
@@ -91,7 +109,7 @@ def check_file(path, what: str, expected: str = "a file") -> Path:
     try:
         os.close(os.open(p, os.O_RDONLY))
     except OSError as e:
-        raise DoctorInputError(f"{what}: cannot read {p}: {(e.strerror or str(e)).lower()}") from None
+        raise DoctorInputError(f"{what}: cannot read {p}: {_os_why(e)}") from None
     return p
 
 
@@ -101,20 +119,24 @@ def read_config(path, what: str) -> Tuple[Path, dict]:
     try:
         is_dir = p.is_dir()
     except OSError as e:
-        raise DoctorInputError(f"{what}: cannot read {p}: {(e.strerror or str(e)).lower()}") from None
+        raise DoctorInputError(f"{what}: cannot read {p}: {_os_why(e)}") from None
     cfg_path = p / "config.json" if is_dir else p
     model_dir = p if is_dir else p.parent
     if is_dir and not os.path.lexists(cfg_path):
         try:
-            os.listdir(p)
+            os.lstat(cfg_path)
+        except FileNotFoundError:
+            raise DoctorInputError(f"{what}: no config.json in {p}") from None
         except OSError as e:  # an unsearchable directory hides its files: say so, not "no config.json"
-            raise DoctorInputError(f"{what}: cannot read {p}: {(e.strerror or str(e)).lower()}") from None
+            raise DoctorInputError(f"{what}: cannot read {cfg_path}: {_os_why(e)}") from None
         raise DoctorInputError(f"{what}: no config.json in {p}")
     check_file(cfg_path, what, "a model directory or its config.json")
     try:
         text = cfg_path.read_text()
-    except (OSError, UnicodeDecodeError) as e:
-        raise DoctorInputError(f"{what}: cannot read {cfg_path}: {e}") from None
+    except OSError as e:
+        raise DoctorInputError(f"{what}: cannot read {cfg_path}: {_os_why(e)}") from None
+    except UnicodeDecodeError as e:
+        raise DoctorInputError(f"{what}: {cfg_path} is not UTF-8 text ({e})") from None
     try:
         cfg = json.loads(text)
     except json.JSONDecodeError as e:
@@ -436,44 +458,102 @@ class TensorInfo:
     file: str
 
 
-def _weight_files(model_dir: Path) -> List[str]:
-    index = model_dir / "model.safetensors.index.json"
+INDEX_NAME = "model.safetensors.index.json"
+# what SGLang's loader leaves out of a *.bin checkpoint (weight_utils.filter_files_not_needed_for_inference)
+_NOT_WEIGHTS = ("training_args.bin", "optimizer.bin", "optimizer.pt", "scheduler.pt", "scaler.pt")
+
+
+@dataclasses.dataclass
+class CheckpointFiles:
+    """The files a checkpoint folder's weights are read from, chosen as SGLang's loader chooses them."""
+    folder: Path
+    files: List[str]          # the weight files, in order
+    index: Optional[str]      # model.safetensors.index.json, when it decides
+    rule: str                 # in words: how they were chosen
+    left_out: List[str]       # weight-like files in the folder that are not read (names)
+
+    def describe(self) -> str:
+        names = ", ".join(Path(f).name for f in self.files[:4]) + (f" and {len(self.files) - 4} more"
+                                                                  if len(self.files) > 4 else "")
+        out = f"{names} ({self.rule})"
+        if self.left_out:
+            out += (f"; not read: {', '.join(self.left_out[:4])}" + (f" and {len(self.left_out) - 4} more"
+                                                                    if len(self.left_out) > 4 else ""))
+        return out
+
+
+def _list_folder(model_dir: Path, what: str) -> List[str]:
+    try:
+        with os.scandir(model_dir) as it:
+            return sorted(e.name for e in it)
+    except OSError as e:  # entered but not listed (chmod -r), gone, a symlink loop: the folder's own cause
+        raise DoctorInputError(f"{what}: cannot list the folder {model_dir}: {_os_why(e)}; without "
+                               f"{INDEX_NAME} the checkpoint is every *.safetensors file in it, so the folder must "
+                               f"be readable (read permission for the user that runs this)") from None
+
+
+def checkpoint_files(model_dir, what: str = "draft") -> CheckpointFiles:
+    """The weight files of a checkpoint folder, as SGLang's loader picks them: with ``model.safetensors.index.json``
+    exactly the shards its weight_map names (nothing else in the folder is opened, so a stale shard or a dangling
+    ``pytorch_model.bin`` beside them does not matter); without it every ``*.safetensors`` file in the folder; with
+    none, every ``*.bin`` (not training_args.bin, optimizer.bin). Raises DoctorInputError (one line) where the index
+    is unreadable, names a file that is not there, or the folder cannot be listed."""
+    model_dir = Path(model_dir)
+    index = model_dir / INDEX_NAME
     if os.path.lexists(index):
-        check_file(index, "draft", "a JSON index of the safetensors shards")
+        check_file(index, what, "a JSON index of the safetensors shards")
         try:
             data = json.loads(index.read_text())
-        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-            raise DoctorInputError(f"draft: cannot read {index}: {e}") from None
+        except OSError as e:
+            raise DoctorInputError(f"{what}: cannot read {index}: {_os_why(e)}") from None
+        except (UnicodeDecodeError, json.JSONDecodeError) as e:
+            raise DoctorInputError(f"{what}: cannot read {index}: {e}") from None
         if not isinstance(data, dict):
-            raise DoctorInputError(f"draft: {index} must hold a JSON object, found {type(data).__name__}")
+            raise DoctorInputError(f"{what}: {index} must hold a JSON object, found {type(data).__name__}")
         weight_map = data.get("weight_map")
         if not isinstance(weight_map, dict) or not all(isinstance(f, str) for f in weight_map.values()):
             found = "none" if weight_map is None else type(weight_map).__name__
-            raise DoctorInputError(f"draft: in {index}, weight_map must be a JSON object mapping tensor names to "
+            raise DoctorInputError(f"{what}: in {index}, weight_map must be a JSON object mapping tensor names to "
                                    f"files, found {found}")
-        files = sorted({str(model_dir / f) for f in weight_map.values()})
+        names = sorted(set(weight_map.values()))
+        outside = [f for f in names if os.path.isabs(f) or ".." in Path(f).parts or not f.strip()]
+        if outside:
+            raise DoctorInputError(f"{what}: {index} names files outside its folder: {', '.join(map(repr, outside))}; "
+                                   f"expected shard names in {model_dir}")
+        files = [str(model_dir / f) for f in names]
         missing = [f for f in files if not os.path.lexists(f)]
         if missing:
-            raise DoctorInputError(f"draft: {index.name} lists missing files: {', '.join(missing)}")
-        return files
-    files = sorted(glob.glob(str(model_dir / "*.safetensors")))
-    if files:
-        return files
-    return sorted(glob.glob(str(model_dir / "pytorch_model*.bin")))
+            raise DoctorInputError(f"{what}: {index.name} lists missing files: {', '.join(missing)}")
+        return CheckpointFiles(model_dir, files, str(index), f"the {len(files)} shard(s) {INDEX_NAME} names", [])
+    listed = [n for n in _list_folder(model_dir, what) if not n.startswith(".")]
+    st = [n for n in listed if n.endswith(".safetensors")]
+    if st:
+        other = [n for n in listed if n.endswith((".bin", ".pt", ".pth"))]
+        return CheckpointFiles(model_dir, [str(model_dir / n) for n in st], None,
+                               f"every *.safetensors file in the folder: it has no {INDEX_NAME}", other)
+    bins = [n for n in listed if n.endswith(".bin") and n not in _NOT_WEIGHTS]
+    return CheckpointFiles(model_dir, [str(model_dir / n) for n in bins], None,
+                           "every *.bin file in the folder: it has no *.safetensors", [])
 
 
-def read_weight_headers(model_dir) -> Dict[str, TensorInfo]:
-    """Names, shapes and dtypes of every tensor of a checkpoint directory, without loading data."""
+def _weight_files(model_dir: Path, what: str = "draft") -> List[str]:
+    return checkpoint_files(model_dir, what).files
+
+
+def read_weight_headers(model_dir, files: Optional[List[str]] = None, what: str = "draft") -> Dict[str, TensorInfo]:
+    """Names, shapes and dtypes of every tensor of a checkpoint directory, without loading data; ``files``: the
+    weight files to read (default: :func:`checkpoint_files`), and no other file is opened."""
     model_dir = Path(model_dir)
-    files = _weight_files(model_dir)
+    if files is None:
+        files = checkpoint_files(model_dir, what).files
     if not files:
-        raise DoctorInputError(f"draft: no weights in {model_dir} (expected model.safetensors, sharded "
-                               f"*.safetensors with model.safetensors.index.json, or pytorch_model.bin)")
+        raise DoctorInputError(f"{what}: no weights in {model_dir} (expected model.safetensors, sharded "
+                               f"*.safetensors with {INDEX_NAME}, or pytorch_model.bin)")
     out: Dict[str, TensorInfo] = {}
     for f in files:
-        check_file(f, "draft", "a weights file")  # a FIFO would hang safe_open / torch.load
-        if f.endswith(".bin"):
-            out.update(_bin_headers(f))
+        check_file(f, what, "a weights file")  # a FIFO would hang safe_open / torch.load
+        if f.endswith((".bin", ".pt", ".pth")):
+            out.update(_bin_headers(f, what))
             continue
         try:
             from safetensors import safe_open
@@ -486,18 +566,148 @@ def read_weight_headers(model_dir) -> Dict[str, TensorInfo]:
         except DoctorInputError:
             raise
         except Exception as e:  # safetensors raises its own error types for corrupt headers
-            raise DoctorInputError(f"draft: cannot read safetensors header of {f}: {e}") from None
+            raise DoctorInputError(f"{what}: cannot read safetensors header of {f}: {e}") from None
     return out
 
 
-def _bin_headers(f: str) -> Dict[str, TensorInfo]:
+# ------------------------------------------------------------------------------------- draft snapshots
+SNAPSHOT_FORMAT = "eagle3_ops.draft-snapshot/1"
+
+
+def _identity(path: str, role: str) -> dict:
+    """What identifies a file's content without reading it: where it is (and where a symlink leads), its size,
+    its modification and change times, its inode. Raises DoctorInputError where it cannot be read."""
+    try:
+        st = os.stat(path)
+    except FileNotFoundError:
+        raise DoctorInputError(f"draft: {_missing(Path(path))}") from None
+    except OSError as e:
+        raise DoctorInputError(f"draft: cannot read {path}: {_os_why(e)}") from None
+    return {"path": str(path), "role": role, "real": os.path.realpath(path), "size": int(st.st_size),
+            "mtime_ns": int(st.st_mtime_ns), "ctime_ns": int(st.st_ctime_ns), "ino": int(st.st_ino),
+            "dev": int(st.st_dev)}
+
+
+def _sha256(path: str) -> str:
+    import hashlib
+
+    with open(path, "rb") as f:
+        return hashlib.sha256(f.read()).hexdigest()
+
+
+def draft_snapshot(model_dir) -> dict:
+    """One reading of a draft checkpoint, fixed: its config.json as read now (the dict and its hash), the weight
+    files (:func:`checkpoint_files`) and the index with their identities (paths, sizes, mtimes, inodes; the index
+    also hashed). What a server serves is what this says; :func:`snapshot_changes` tells whether the folder still
+    holds it. Raises DoctorInputError (one line naming the file) where a file it needs cannot be read."""
+    model_dir = Path(model_dir)
+    cfg_dir, cfg = read_config(model_dir, "draft")
+    chosen = checkpoint_files(cfg_dir)
+    if not chosen.files:
+        raise DoctorInputError(f"draft: no weights in {cfg_dir} (expected model.safetensors, sharded "
+                               f"*.safetensors with {INDEX_NAME}, or pytorch_model.bin)")
+    cfg_path = str(cfg_dir / "config.json")
+    files = [_identity(cfg_path, "config")]
+    try:
+        files[0]["sha256"] = _sha256(cfg_path)
+    except OSError as e:
+        raise DoctorInputError(f"draft: cannot read {cfg_path}: {_os_why(e)}") from None
+    if chosen.index is not None:
+        files.append(dict(_identity(chosen.index, "index"), sha256=_sha256(chosen.index)))
+    for f in chosen.files:
+        check_file(f, "draft", "a weights file")
+        files.append(_identity(f, "weights"))
+    return {"format": SNAPSHOT_FORMAT, "dir": str(cfg_dir), "config": cfg, "files": files, "rule": chosen.rule,
+            "left_out": chosen.left_out, "describe": chosen.describe()}
+
+
+def snapshot_weight_files(snapshot: dict) -> List[str]:
+    return [f["path"] for f in snapshot["files"] if f["role"] == "weights"]
+
+
+def snapshot_bytes(snapshot: dict) -> int:
+    return sum(int(f["size"]) for f in snapshot["files"] if f["role"] == "weights")
+
+
+def _when(ns: int) -> str:
+    import time
+
+    return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(ns / 1e9))
+
+
+def snapshot_changes(snapshot: dict, roles=("config", "index", "weights")) -> List[str]:
+    """How the files of ``snapshot`` (of ``roles``) differ on disk now, in words (empty: unchanged)."""
+    out = []
+    for f in snapshot["files"]:
+        if f["role"] not in roles:
+            continue
+        path = f["path"]
+        try:
+            st = os.stat(path)
+        except FileNotFoundError:
+            out.append(f"{path} is gone" + (" (a dangling symlink now)" if os.path.islink(path) else ""))
+            continue
+        except OSError as e:
+            out.append(f"{path} cannot be read now ({_os_why(e)})")
+            continue
+        if os.path.realpath(path) != f["real"]:
+            out.append(f"{path} now leads to {os.path.realpath(path)} (was {f['real']})")
+        elif (st.st_ino, st.st_dev) != (f["ino"], f["dev"]):
+            size = "the same size" if st.st_size == f["size"] else f"size {f['size']} -> {st.st_size} bytes"
+            out.append(f"{path} was replaced by another file ({size}, modified {_when(st.st_mtime_ns)})")
+        elif st.st_size != f["size"]:
+            out.append(f"{path} changed size ({f['size']} -> {st.st_size} bytes, modified {_when(st.st_mtime_ns)})")
+        elif (st.st_mtime_ns, st.st_ctime_ns) != (f["mtime_ns"], f["ctime_ns"]):
+            if "sha256" in f:
+                try:
+                    if _sha256(path) == f["sha256"]:
+                        continue  # rewritten with the same content
+                except OSError as e:
+                    out.append(f"{path} cannot be read now ({_os_why(e)})")
+                    continue
+            out.append(f"{path} was modified at {_when(max(st.st_mtime_ns, st.st_ctime_ns))} (size unchanged)")
+    return out
+
+
+def read_snapshot(path, draft_dir=None) -> dict:
+    """A snapshot written by the live wiring check (``doctor --draft-snapshot``), checked against its format."""
+    p = check_file(path, "draft-snapshot", "a draft snapshot (JSON) written by the live wiring check")
+    try:
+        data = json.loads(p.read_text())
+    except OSError as e:
+        raise DoctorInputError(f"draft-snapshot: cannot read {p}: {_os_why(e)}") from None
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise DoctorInputError(f"draft-snapshot: {p} is not valid JSON ({e})") from None
+    keys = {"path": str, "role": str, "real": str, "size": int, "mtime_ns": int, "ctime_ns": int, "ino": int,
+            "dev": int}
+    ok = (isinstance(data, dict) and data.get("format") == SNAPSHOT_FORMAT and isinstance(data.get("dir"), str)
+          and isinstance(data.get("config"), dict) and isinstance(data.get("files"), list) and data["files"]
+          and all(isinstance(f, dict) and all(isinstance(f.get(k), t) for k, t in keys.items()) for f in data["files"])
+          and any(f["role"] == "weights" for f in data["files"]))
+    if not ok:
+        raise DoctorInputError(f"draft-snapshot: {p} is not a draft snapshot of format {SNAPSHOT_FORMAT!r} (expected "
+                               f"format, dir, config and files with path, role, size, mtime_ns, ino per file)")
+    if draft_dir is not None and os.path.realpath(str(draft_dir)) != os.path.realpath(data["dir"]):
+        raise DoctorInputError(f"draft-snapshot: {p} is a snapshot of {data['dir']}, not of --draft {draft_dir}")
+    return data
+
+
+def changed_since_start(snapshot: dict, changes: List[str]) -> str:
+    """The line for a draft whose weights changed on disk since the server read them."""
+    return (f"the draft in {snapshot['dir']} changed since the server started: {'; '.join(changes)}; restart to "
+            f"check it (the server serves what it loaded at start-up, which is no longer on disk to score)")
+
+
+def _bin_headers(f: str, what: str = "draft") -> Dict[str, TensorInfo]:
     import torch
 
-    check_file(f, "draft", "a weights file")
+    check_file(f, what, "a weights file")
     try:
         sd = torch.load(f, map_location="cpu", mmap=True, weights_only=True)
     except Exception as e:
-        raise DoctorInputError(f"draft: cannot read {f}: {e}") from None
+        raise DoctorInputError(f"{what}: cannot read {f}: {e}") from None
+    if not isinstance(sd, dict):
+        raise DoctorInputError(f"{what}: {f} holds a {type(sd).__name__}, not a dict of tensors")
     out = {}
     for raw, t in sd.items():
         if hasattr(t, "shape"):

@@ -63,7 +63,8 @@ def load_states(path, target) -> States:
     p = check_file(path, "replay", "a STATES .safetensors file (capture-states, or the SGLang plugin's "
                                    "EAGLE3_OPS_DUMP_STATES)")
     try:
-        f = read_states(p, num_layers=target.num_layers, hidden_size=target.hidden_size)
+        f = read_states(p, num_layers=target.num_layers, hidden_size=target.hidden_size,
+                        vocab_size=getattr(target, "vocab_size", None))
     except StatesError as e:
         raise DoctorInputError(f"replay: {e}") from None
     return States.from_file(f)

@@ -153,7 +153,72 @@ class StatesError(Exception):
     """The file cannot be used (the message says why)."""
 
 
-def read_states(path, *, num_layers: int, hidden_size: int) -> StatesFile:
+_FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
+_INT_DTYPES = (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8)
+_NUMBER = re.compile(r"[0-9]+")
+_FIELDS = ("input_ids", "next_token", "hidden_states", "last_layer_output")
+EXPECTED_NAMES = ("prompt.N.input_ids, prompt.N.next_token and prompt.N.boundary.B (format /2), or "
+                  "prompt.N.hidden_states and prompt.N.last_layer_output (format /1)")
+
+
+def _whole(text: str) -> Optional[int]:
+    """``text`` as a whole number written the plain way (ASCII digits, no sign, no leading zero), else None."""
+    if not _NUMBER.fullmatch(text) or (len(text) > 1 and text[0] == "0"):
+        return None
+    return int(text)
+
+
+def _parse_name(p: Path, key: str):
+    """(prompt index, field, boundary or None) of a STATES tensor name; StatesError naming it otherwise."""
+    parts = key.split(".")
+    if len(parts) < 3 or parts[0] != "prompt":
+        raise StatesError(f"{p}: tensor {key!r} is not a STATES tensor (expected {EXPECTED_NAMES})")
+    i = _whole(parts[1])
+    if i is None:
+        raise StatesError(f"{p}: tensor {key!r}: the prompt index {parts[1]!r} is not a whole number (expected "
+                          f"prompt.N.<field> with N = 0, 1, 2, ...)")
+    field = ".".join(parts[2:])
+    if field in _FIELDS:
+        return i, field, None
+    if parts[2] == "boundary" and len(parts) == 4:
+        b = _whole(parts[3])
+        if b is None:
+            raise StatesError(f"{p}: tensor {key!r}: the boundary {parts[3]!r} is not a whole number (expected "
+                              f"prompt.N.boundary.B with B a layer boundary 0..L)")
+        return i, "boundary", b
+    raise StatesError(f"{p}: tensor {key!r} is not a STATES tensor (expected {EXPECTED_NAMES})")
+
+
+def _meta_int(p: Path, meta: dict, key: str) -> Optional[int]:
+    raw = meta.get(key)
+    if raw is None:
+        return None
+    v = _whole(str(raw).strip())
+    if v is None:
+        raise StatesError(f"{p}: metadata {key}={raw!r} is not a whole number")
+    return v
+
+
+def _check_tensor(p: Path, key: str, t: torch.Tensor, shape, kind: str, why: str) -> None:
+    """``t`` (tensor ``key``) has ``shape`` and a dtype of ``kind`` ("int" token ids, "float" hidden states)."""
+    if tuple(t.shape) != tuple(shape):
+        raise StatesError(f"{p}: tensor {key} has shape {list(t.shape)}, expected {list(shape)} ({why})")
+    allowed = _INT_DTYPES if kind == "int" else _FLOAT_DTYPES
+    if t.dtype not in allowed:
+        words = "integer token ids (int64)" if kind == "int" else "floating-point hidden states (float32, bfloat16 " \
+                                                                  "or float16)"
+        raise StatesError(f"{p}: tensor {key} has dtype {str(t.dtype).replace('torch.', '')}, expected {words}")
+    if kind == "int" and t.numel() and int(t.min()) < 0:
+        raise StatesError(f"{p}: tensor {key} holds token id {int(t.min())}, expected ids >= 0")
+
+
+def read_states(path, *, num_layers: int, hidden_size: int, vocab_size: Optional[int] = None) -> StatesFile:
+    """Read a STATES file, checked against its format before anything is used: tensor names (prompt.N.field with
+    whole-number N and B), the prompt indices (0..N-1, each with its input_ids), shapes (input_ids [T], next_token
+    [T] like its input_ids, boundary.B [T, H] for B in 0..L, hidden_states [L+1, T, H]), dtypes (integer ids,
+    floating-point states), token ids (>= 0, below ``vocab_size`` where given), finite values, and the metadata
+    (format, num_layers, hidden_size, boundaries, num_prompts). A fault raises StatesError naming the file, the
+    tensor or field, and what was expected."""
     p = Path(path)
     try:
         from safetensors import safe_open
@@ -168,37 +233,82 @@ def read_states(path, *, num_layers: int, hidden_size: int) -> StatesFile:
     if fmt not in (None, FORMAT, FORMAT_V1):
         raise StatesError(f"{p} has format {fmt!r}, expected {FORMAT!r}")
     L, H = int(num_layers), int(hidden_size)
-    if meta.get("num_layers") not in (None, str(L)) or meta.get("hidden_size") not in (None, str(H)):
+    got_l, got_h = _meta_int(p, meta, "num_layers"), _meta_int(p, meta, "hidden_size")
+    if got_l not in (None, L) or got_h not in (None, H):
         raise StatesError(f"{p} was recorded from a model with {meta.get('num_layers')} layers and hidden size "
                           f"{meta.get('hidden_size')}; the target has {L} and {H} (states from another model?)")
-    idx = sorted({int(k.split(".")[1]) for k in keys if k.startswith("prompt.") and k.endswith(".input_ids")})
-    if not idx:
+    by_prompt: Dict[int, Dict[str, object]] = {}
+    for k in sorted(keys):
+        i, field, b = _parse_name(p, k)
+        entry = by_prompt.setdefault(i, {"boundaries": {}})
+        if field == "boundary":
+            if not 0 <= b <= L:
+                raise StatesError(f"{p}: tensor {k}: boundary {b} does not exist (expected 0..{L}: the target has {L} "
+                                  f"layers; states from another model?)")
+            entry["boundaries"][b] = k
+        else:
+            entry[field] = k
+    if not by_prompt:
         raise StatesError(f"{p} holds no prompt.N.input_ids tensors (make it with capture-states or the SGLang "
                           f"plugin's {ENV_DUMP_STATES})")
+    idx = sorted(by_prompt)
+    for i in idx:
+        if "input_ids" not in by_prompt[i]:
+            held = sorted(k for k in keys if k.startswith(f"prompt.{i}."))
+            raise StatesError(f"{p}: prompt {i} has tensors ({', '.join(held[:3])}{', ...' if len(held) > 3 else ''}) "
+                              f"but no prompt.{i}.input_ids")
+    if idx != list(range(len(idx))):
+        gaps = sorted(set(range(idx[-1] + 1)) - set(idx))
+        raise StatesError(f"{p}: the prompt indices are {idx[:8]}{' ...' if len(idx) > 8 else ''}, expected 0.."
+                          f"{len(idx) - 1} (missing prompt.{gaps[0]}.input_ids)")
+    n_meta = _meta_int(p, meta, "num_prompts")
+    if n_meta is not None and n_meta != len(idx):
+        raise StatesError(f"{p}: metadata num_prompts={n_meta}, but the file holds {len(idx)} prompts (prompt.0.."
+                          f"prompt.{len(idx) - 1})")
+    listed = None
+    if (meta.get("boundaries") or "").strip():
+        listed = []
+        for x in meta["boundaries"].split(","):
+            b = _whole(x.strip())
+            if b is None or b > L:
+                raise StatesError(f"{p}: metadata boundaries={meta['boundaries']!r}: {x.strip()!r} is not a boundary "
+                                  f"0..{L}")
+            listed.append(b)
     prompts = []
     for i in idx:
-        ids = tensors[f"prompt.{i}.input_ids"].long().reshape(-1)
+        e = by_prompt[i]
+        ids_key = e["input_ids"]
+        ids = tensors[ids_key]
+        if ids.dim() != 1 or ids.numel() == 0:
+            raise StatesError(f"{p}: tensor {ids_key} has shape {list(ids.shape)}, expected [T] with T >= 1 (the "
+                              f"prompt's token ids)")
         T = ids.numel()
+        _check_tensor(p, ids_key, ids, (T,), "int", "the prompt's token ids")
         got: Dict[int, torch.Tensor] = {}
-        hs = tensors.get(f"prompt.{i}.hidden_states")
-        if hs is not None:  # format /1: every boundary; index L is after the final norm
-            if hs.dim() != 3 or hs.shape[0] != L + 1 or hs.shape[1] != T or hs.shape[2] != H:
-                raise StatesError(f"prompt {i} hidden_states has shape {list(hs.shape)}; the target needs "
-                                  f"[{L + 1}, {T}, {H}] (states from another model?)")
+        hs_key = e.get("hidden_states")
+        if hs_key is not None:  # format /1: every boundary; index L is after the final norm
+            hs = tensors[hs_key]
+            _check_tensor(p, hs_key, hs, (L + 1, T, H), "float",
+                          f"boundaries 0..{L} x the {T} tokens of {ids_key} x hidden {H}; states from another model?")
             got = {b: hs[b] for b in range(L)}
-            last = tensors.get(f"prompt.{i}.last_layer_output")
-            got[L] = last if last is not None else hs[L]
-        prefix = f"prompt.{i}.boundary."
-        for k in keys:
-            if k.startswith(prefix):
-                b = int(k[len(prefix):])
-                t = tensors[k]
-                if t.dim() != 2 or t.shape != (T, H) or not 0 <= b <= L:
-                    raise StatesError(f"prompt {i} boundary {b} has shape {list(t.shape)}; the target needs "
-                                      f"[{T}, {H}] for boundaries 0..{L} (states from another model?)")
-                got[b] = t
+            got[L] = hs[L]
+        last_key = e.get("last_layer_output")
+        if last_key is not None:
+            _check_tensor(p, last_key, tensors[last_key], (T, H), "float",
+                          f"the {T} tokens of {ids_key} x hidden {H}")
+            got[L] = tensors[last_key]
+        for b, k in sorted(e["boundaries"].items()):
+            _check_tensor(p, k, tensors[k], (T, H), "float",
+                          f"the {T} tokens of {ids_key} x hidden {H}; states from another model?")
+            got[b] = tensors[k]
         if not got:
-            raise StatesError(f"prompt {i} has input_ids but no hidden states")
+            raise StatesError(f"{p}: prompt {i} has input_ids but no hidden states (expected prompt.{i}.boundary.B or "
+                              f"prompt.{i}.hidden_states)")
+        if listed is not None and fmt == FORMAT:
+            lacking = [b for b in listed if b not in got]
+            if lacking:
+                raise StatesError(f"{p}: prompt {i} has no prompt.{i}.boundary.{lacking[0]}, which the metadata "
+                                  f"boundaries={meta['boundaries']!r} say every prompt holds")
         values = {}
         for b, t in got.items():
             v = t.float()
@@ -208,9 +318,20 @@ def read_states(path, *, num_layers: int, hidden_size: int) -> StatesFile:
                                   f"{v.numel()} NaN/inf); record it again (float16 overflows in large models: use "
                                   f"--dtype bfloat16 or float32)")
             values[b] = v
-        nxt = tensors.get(f"prompt.{i}.next_token")
-        prompts.append({"input_ids": ids, "next_token": nxt.long().reshape(-1) if nxt is not None else None,
-                        "boundaries": values})
+        nxt = None
+        nxt_key = e.get("next_token")
+        if nxt_key is not None:
+            nxt = tensors[nxt_key]
+            _check_tensor(p, nxt_key, nxt, (T,), "int", f"the target's next token after each of the {T} tokens of "
+                                                        f"{ids_key}")
+            nxt = nxt.long()
+        ids = ids.long()
+        if vocab_size is not None:
+            for key, t in ((ids_key, ids), (nxt_key, nxt)):
+                if t is not None and t.numel() and int(t.max()) >= int(vocab_size):
+                    raise StatesError(f"{p}: tensor {key} holds token id {int(t.max())}, expected ids below the "
+                                      f"target's vocabulary size {vocab_size} (states from another model?)")
+        prompts.append({"input_ids": ids, "next_token": nxt, "boundaries": values})
     common = set(prompts[0]["boundaries"])
     for pr in prompts[1:]:
         common &= set(pr["boundaries"])
@@ -218,4 +339,3 @@ def read_states(path, *, num_layers: int, hidden_size: int) -> StatesFile:
         raise StatesError(f"{p}: no boundary is held by every prompt")
     source = meta.get("source", "capture-states (Hugging Face)" if fmt != FORMAT else "unknown")
     return StatesFile(p, L, H, sorted(common), prompts, source)
-

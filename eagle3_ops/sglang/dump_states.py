@@ -55,8 +55,9 @@ from typing import Dict, List, Optional, Tuple
 
 import torch
 
-from ..doctor.states import (ENV_DUMP_BOUNDARIES, ENV_DUMP_STATES, ENV_DUMP_TOKENS, DumpSettings, needed_boundaries,
-                             write_states)
+from ..doctor.states import (ENV_DUMP_BOUNDARIES, ENV_DUMP_STATES, ENV_DUMP_TOKENS, DumpSettings, StatesError,
+                             needed_boundaries, write_states)
+from ..files import os_error_words
 from ..settings import SettingError, report_once
 from .capture_hooks import find_capture_owner
 
@@ -205,8 +206,11 @@ class StatesRecorder:
 
     def __init__(self, lm, inner, settings: DumpSettings, boundaries: List[int], tp_rank: int, tp_size: int,
                  *, min_prompt_tokens: int = 2, min_forward_tokens: int = 0, close_after: Optional[int] = None,
-                 on_written=None, label: str = ENV_DUMP_STATES):
+                 on_written=None, label: str = ENV_DUMP_STATES, advice=None):
         self.lm, self.inner, self.settings = lm, inner, settings
+        # advice(kind, folder): what the user of this feature can change when its file does not fit ("memory",
+        # "disk", "fsize", "permission", "other"); the states dump's variables unless the feature gives its own
+        self.advice = advice if advice is not None else (lambda kind, folder: dump_advice(kind, folder, settings))
         self.min_prompt_tokens, self.min_forward_tokens = max(2, int(min_prompt_tokens)), int(min_forward_tokens)
         self.on_written, self.label = on_written, label
         # the recording closes after the forward that brings it to this many tokens (default: the budget);
@@ -301,11 +305,13 @@ class StatesRecorder:
     def stop_keeping(self, error: BaseException) -> None:
         """This rank can keep no values: it drops them and goes on taking part in the next-token
         all-gathers, so the other ranks are never left waiting; the recording then ends with nothing
-        written, and the reason is in :attr:`failure`."""
+        written, and the reason is in :attr:`failure` (the states dump says it here; another feature, whose
+        ``on_written`` follows, says it in its own line)."""
         if self.failure is None:
-            log.error("eagle3_ops: %s: recording failed on this rank (%s: %s); %s", self.label, type(error).__name__,
-                      error, _off(self.label))
-            self.failure = f"recording failed ({type(error).__name__}: {error})"
+            self.failure = f"recording failed on TP rank {self.tp_rank} ({_cause(error)})"
+            if self.label == ENV_DUMP_STATES or self.on_written is None:
+                log.error("eagle3_ops: %s: %s; %s", self.label, self.failure, _off(self.label))
+            log.debug("eagle3_ops: %s: the recording's failure", self.label, exc_info=error)
         self.keep_values = False
         with self.lock:
             self.prompts = []
@@ -384,6 +390,18 @@ class StatesRecorder:
         return torch.cat(out) if out else torch.zeros(0, dtype=torch.long)
 
     # ---- output --------------------------------------------------------------------------------------
+    def _write_failure(self, e: BaseException) -> str:
+        """Why the file could not be written, in one clause: the path, the OS error's name and words, and what
+        the user of this feature can change (:attr:`advice`); a real bug says so (its traceback at DEBUG)."""
+        path = self.settings.path
+        if isinstance(e, OSError):
+            folder = Path(e.filename).parent if e.filename else self.settings.target.parent
+            return f"could not write {path}: {os_error_words(e)}; {self.advice(error_kind(e), folder)}"
+        if isinstance(e, StatesError):  # the target became a directory, a FIFO, ... since start-up
+            return f"could not write {path}: {e}"
+        log.debug("eagle3_ops: %s: writing %s failed", self.label, path, exc_info=e)
+        return f"could not write {path}: {_cause(e)}{_bug_note(e)}"
+
     def write(self, in_forward: bool = False) -> Optional[str]:
         """Close the recording and write its file: in a thread of its own when called from a forward and
         :attr:`background_write` is set (serving goes on meanwhile; :meth:`wait` joins it), else here."""
@@ -413,8 +431,10 @@ class StatesRecorder:
         if self.on_written is not None:
             try:
                 self.on_written(written)
-            except Exception:  # never stop SGLang
-                log.exception("eagle3_ops: %s: the follow-up of the recording failed", self.label)
+            except Exception as e:  # never stop SGLang (e.g. no thread can be started: a process limit)
+                log.warning("eagle3_ops: %s: the follow-up of the recording failed (%s); serving is unaffected%s",
+                            self.label, _cause(e), _bug_note(e))
+                log.debug("eagle3_ops: %s: the follow-up's traceback", self.label, exc_info=e)
         return written
 
     def _write(self, prompts) -> Optional[str]:
@@ -430,8 +450,10 @@ class StatesRecorder:
                                    meta={"source": "sglang (eagle3_ops plugin: post all-reduce, TP rank 0)",
                                          "layers_to_capture": ",".join(map(str, self.configured)),
                                          "model": type(self.lm).__name__})
-        except Exception as e:  # never stop SGLang
-            log.error("eagle3_ops: %s: could not write %s: %s", self.label, self.settings.path, e)
+        except Exception as e:  # never stop SGLang: the cause (the OS error's name, the path) and what to change
+            self.failure = self._write_failure(e)
+            if self.label == ENV_DUMP_STATES or self.on_written is None:
+                log.error("eagle3_ops: %s: %s", self.label, self.failure)
             return None
         if self.label != ENV_DUMP_STATES:
             return str(self.settings.path)
@@ -546,16 +568,80 @@ def _available_bytes(folder: Path) -> Tuple[Optional[int], Optional[int]]:
     return memory, disk
 
 
-def _room_problem(settings: DumpSettings, nbytes: int) -> Optional[str]:
-    """Why this machine cannot hold the recording (host memory) or its file (disk), or None."""
-    memory, disk = _available_bytes(settings.target.parent)
+def _file_size_limit() -> Optional[int]:
+    """This process's file-size limit (``ulimit -f``, RLIMIT_FSIZE) in bytes, or None (unlimited)."""
+    try:
+        import resource
+
+        soft = resource.getrlimit(resource.RLIMIT_FSIZE)[0]
+    except (ImportError, OSError, ValueError, AttributeError):
+        return None
+    return None if soft == resource.RLIM_INFINITY or soft < 0 else int(soft)
+
+
+def error_kind(e: BaseException) -> str:
+    """Which advice fits an OS error: "disk" (full, quota), "fsize" (the file-size limit), "permission",
+    "other"."""
+    import errno
+
+    code = getattr(e, "errno", None)
+    if code in (errno.ENOSPC, errno.EDQUOT):
+        return "disk"
+    if code == errno.EFBIG:
+        return "fsize"
+    if code in (errno.EACCES, errno.EPERM, errno.EROFS):
+        return "permission"
+    return "other"
+
+
+def dump_advice(kind: str, folder: Path, settings: DumpSettings) -> str:
+    """What a user of the states dump can change when its recording does not fit (its own variables)."""
+    if kind == "memory":
+        return f"lower {ENV_DUMP_TOKENS}" + (f" or leave {ENV_DUMP_BOUNDARIES} at auto"
+                                              if settings.boundaries == "all" else "")
+    if kind == "disk":
+        return (f"free space in {folder}, lower {ENV_DUMP_TOKENS}, or set {ENV_DUMP_STATES} to a file on a disk with "
+                f"room")
+    if kind == "fsize":
+        return f"raise the server's file-size limit (ulimit -f) or lower {ENV_DUMP_TOKENS}"
+    if kind == "permission":
+        return f"set {ENV_DUMP_STATES} to a file in a folder this server's user can write"
+    return f"set {ENV_DUMP_STATES} to a file on another disk"
+
+
+def _cause(e: BaseException) -> str:
+    """An exception in words: an OS error by its errno's name, memory as memory."""
+    if isinstance(e, OSError):
+        return os_error_words(e) + (f": {e.filename}" if e.filename else "")
+    text = f"{type(e).__name__}: {e}"
+    if isinstance(e, MemoryError) or "out of memory" in str(e).lower() or "can't allocate memory" in str(e):
+        return f"out of memory ({text})"
+    return text
+
+
+def _bug_note(e: BaseException) -> str:
+    """For an error no user's machine explains (not an OS error, not memory): say it is a bug, where its
+    traceback is."""
+    if isinstance(e, (OSError, MemoryError, StatesError)) or "out of memory" in str(e).lower():
+        return ""
+    return " (an internal error of eagle3_ops: please report it; its traceback is logged at DEBUG level)"
+
+
+def _room_problem(settings: DumpSettings, nbytes: int, advice=None) -> Optional[str]:
+    """Why this machine cannot hold the recording (host memory), its file (disk) or a file that large (the
+    process's file-size limit), or None. ``advice(kind, folder)``: what to change (default: the dump's)."""
+    advice = advice or (lambda kind, folder: dump_advice(kind, folder, settings))
+    folder = settings.target.parent
+    memory, disk = _available_bytes(folder)
     need = f"recording up to {settings.tokens} prefill tokens needs up to {nbytes / 2**20:.1f} MiB"
-    fix = f"lower {ENV_DUMP_TOKENS}" + (f" or leave {ENV_DUMP_BOUNDARIES} at auto" if settings.boundaries == "all"
-                                         else "")
     if memory is not None and nbytes > memory:
-        return f"{need} of host memory and {memory / 2**20:.1f} MiB is available ({fix})"
+        return f"{need} of host memory and {memory / 2**20:.1f} MiB is available ({advice('memory', folder)})"
     if disk is not None and nbytes > disk:
-        return f"{need} of disk and {settings.target.parent} has {disk / 2**20:.1f} MiB free ({fix})"
+        return f"{need} of disk and {folder} has {disk / 2**20:.1f} MiB free ({advice('disk', folder)})"
+    limit = _file_size_limit()
+    if limit is not None and nbytes > limit:
+        return (f"{need} in one file and this process's file-size limit (ulimit -f, RLIMIT_FSIZE) is "
+                f"{limit / 2**20:.1f} MiB: writing it would fail with EFBIG ({advice('fsize', folder)})")
     return None
 
 
@@ -622,10 +708,13 @@ def _off(label: str) -> str:
 
 
 def install_recorder(model, settings: Optional[DumpSettings], *, boundaries: Optional[List[int]] = None,
-                     label: str = ENV_DUMP_STATES, atexit_write: bool = False, **recorder_kw) -> Optional[StatesRecorder]:
+                     label: str = ENV_DUMP_STATES, atexit_write: bool = False, on_refused=None,
+                     **recorder_kw) -> Optional[StatesRecorder]:
     """A recorder on ``model`` (one per model: the states dump or the live wiring check) at ``boundaries``
     (default: what ``settings.boundaries`` names), or None with one log line. Every TP rank calls this;
-    they agree (every rank records or none). ``settings`` None: this rank refused its settings."""
+    they agree (every rank records or none). ``settings`` None: this rank refused its settings.
+    ``on_refused(why)``: where this rank cannot record (the machine's room, an error), the caller says it in its
+    own line instead of this module."""
     lm, inner = _recorded_modules(model)
     if inner is None:
         return None
@@ -635,12 +724,18 @@ def install_recorder(model, settings: Optional[DumpSettings], *, boundaries: Opt
     if refused is not None:
         log.warning("eagle3_ops: %s: not %s (%s); %s", label, *refused, _off(label))
         return None
-    recorder = None
+    recorder, refusal = None, []
     if settings is not None:
         try:
-            recorder = _prepare(model, lm, inner, settings, boundaries, label, recorder_kw)
-        except Exception:  # never skip the agreement below: the other ranks wait in it
-            log.exception("eagle3_ops: %s: could not set up the recording; %s", label, _off(label))
+            recorder = _prepare(model, lm, inner, settings, boundaries, label, recorder_kw,
+                                refusal.append if on_refused is not None else None)
+        except Exception as e:  # never skip the agreement below: the other ranks wait in it
+            why = f"could not set up the recording ({_cause(e)}){_bug_note(e)}"
+            log.debug("eagle3_ops: %s: setting up the recording failed", label, exc_info=e)
+            if on_refused is not None:
+                refusal.append(why)
+            else:
+                log.error("eagle3_ops: %s: %s; %s", label, why, _off(label))
     from .groups import tp_group
     from .lockstep import all_ranks_agree
 
@@ -648,7 +743,11 @@ def install_recorder(model, settings: Optional[DumpSettings], *, boundaries: Opt
         if recorder is not None:
             for h in recorder.handles:
                 h.remove()
-            log.error("eagle3_ops: %s: another TP rank cannot record (see its log); %s", label, _off(label))
+            refusal.append("another TP rank cannot record (see its log)")
+            if on_refused is None:
+                log.error("eagle3_ops: %s: another TP rank cannot record (see its log); %s", label, _off(label))
+        if on_refused is not None:
+            on_refused(refusal[0] if refusal else "its states cannot be recorded here")
         return None
     inner.__dict__[_STATE_ATTR] = recorder
     recorder.model = model
@@ -660,8 +759,9 @@ def install_recorder(model, settings: Optional[DumpSettings], *, boundaries: Opt
 
 
 def _prepare(model, lm, inner, settings: DumpSettings, boundaries: Optional[List[int]], label: str,
-             recorder_kw: dict) -> Optional[StatesRecorder]:
-    """The recorder with its hooks registered (not yet active anywhere else), or None with one line."""
+             recorder_kw: dict, refused=None) -> Optional[StatesRecorder]:
+    """The recorder with its hooks registered (not yet active anywhere else), or None with one line (or, with
+    ``refused``, the reason handed to it)."""
     from .groups import tp_rank_size
 
     tp_rank, tp_size = tp_rank_size()  # (0, 1) in a process without model-parallel groups
@@ -688,6 +788,9 @@ def _prepare(model, lm, inner, settings: DumpSettings, boundaries: Optional[List
         recorder.boundaries.append(b)
     recorder.unreachable = unreachable
     if not recorder.boundaries:
+        if refused is not None:
+            refused(f"no boundary of {type(model).__name__} can be recorded on this rank")
+            return None
         log.warning("eagle3_ops: %s: no boundary of %s can be recorded on this rank; %s", label,
                     type(model).__name__, _off(label))
         return None
@@ -695,10 +798,13 @@ def _prepare(model, lm, inner, settings: DumpSettings, boundaries: Optional[List
     # values, plus token ids and next tokens (int64 each) per token
     nbytes = settings.tokens * (len(recorder.boundaries) * recorder.hidden_size * itemsize + 16)
     recorder.max_bytes = nbytes
-    problem = _room_problem(settings, nbytes) if tp_rank == 0 else None  # only rank 0 keeps values
+    problem = _room_problem(settings, nbytes, recorder.advice) if tp_rank == 0 else None  # rank 0 keeps values
     if problem is not None:
         for h in recorder.handles:
             h.remove()
+        if refused is not None:
+            refused(problem)
+            return None
         log.error("eagle3_ops: %s=%s: %s; %s", label, settings.path, problem, _off(label))
         return None
     if label == ENV_DUMP_STATES:

@@ -173,9 +173,12 @@ def _start_wiring_check(model) -> None:
     from .wiring_check import start
 
     try:
-        start(model)
-    except Exception:  # never stop SGLang
-        log.exception("eagle3_ops: the live wiring check could not start; serving is unaffected")
+        start(model)  # never raises for what a user's machine can do (it says the cause in one line)
+    except Exception as e:  # a bug in eagle3_ops: one line, the traceback at DEBUG; never stop SGLang
+        log.error("eagle3_ops: the live wiring check could not start (%s: %s: an internal error of eagle3_ops: "
+                  "please report it; its traceback is logged at DEBUG level); serving is unaffected",
+                  type(e).__name__, e)
+        log.debug("eagle3_ops: the live wiring check could not start", exc_info=True)
 
 
 def _around_can_run_graph(original, *args, **kwargs):

@@ -28,7 +28,18 @@ off), with SGLang's default flags:
    the draft tensors it needs and of the draft's embedding only the recorded tokens' rows. Serving goes
    on; one verdict line follows (OK, or a WARNING with the wiring that predicts the target best, its
    agreement against the served one's, the config change the doctor verifies, and the offline command),
-   and the same as JSON (:func:`result_path`). Where the check cannot run, one line says why.
+   and the same as JSON (:func:`result_path`). Where the check cannot run, one line says why: the true cause
+   (an OS error by its name and path: ENOSPC, EFBIG, EACCES, ELOOP, ...) and advice for this check's own
+   settings (``EAGLE3_OPS_WIRING_CHECK``, the cache folder ``XDG_CACHE_HOME`` moves), never a traceback for a
+   condition of the machine (a bug of eagle3_ops is said as one, its traceback at DEBUG level).
+
+   **One snapshot of the draft**: at start-up the draft's config.json is read once and the files its weights
+   are read from are fixed (``doctor.configs.draft_snapshot``: with ``model.safetensors.index.json`` exactly
+   the shards it names, else every ``*.safetensors`` as SGLang loads them; their paths, sizes, mtimes and
+   inodes). The doctor's verdict at start-up, the replay (``--draft-snapshot``: the config as read then, the
+   same files) and the fix all come from that reading; weights changed on disk since are said ("the draft in
+   DIR changed since the server started: ...; restart to check it"), never scored as the served ones, and a
+   config.json edited since is named in the verdict, which stays about the config the server serves.
 4. **Observed against predicted**: once SGLang has verified :data:`ACCEPTANCE_STEPS` request steps,
    one line compares its first-draft-token acceptance with the replay's top-1 agreement of the served
    wiring; a large gap with the wiring right points at something else (tokenizer, vocabulary map,
@@ -44,6 +55,7 @@ it costs one list check per hooked call.
 """
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import os
@@ -56,6 +68,8 @@ from pathlib import Path
 from typing import Any, Dict, List, Optional
 
 import torch
+
+from ..files import os_error_words
 
 log = logging.getLogger("eagle3_ops.sglang")
 
@@ -127,9 +141,22 @@ class WiringCheck:
         self.first_accepted = 0       # of them, with the first draft token accepted
         self.acceptance_logged = False
         self.thread: Optional[threading.Thread] = None
-        # rank 0 alone keeps files (other ranks record nothing to disk)
-        self.workdir = _workdir(model_name) if tp_rank == 0 else Path(tempfile.gettempdir()) / "eagle3_ops-unused"
+        self.snapshot: Optional[dict] = None     # the draft as read at start-up (doctor.configs.draft_snapshot)
+        self.workdir_note: Optional[str] = None  # why the recording is not in the cache folder, if it is not
+        self._workdir: Optional[Path] = None
         self.lock = threading.Lock()
+
+    @property
+    def workdir(self) -> Path:
+        """This check's folder for the recording, the target's config and the draft snapshot (made on first use:
+        beside the qualification cache, else the system's temporary folder, :attr:`workdir_note` saying why).
+        Rank 0 alone keeps files (other ranks record nothing to disk)."""
+        if self._workdir is None:
+            if self.tp_rank == 0:
+                self._workdir, self.workdir_note = _workdir(self.model_name)
+            else:
+                self._workdir = Path(tempfile.gettempdir()) / "eagle3_ops-unused"
+        return self._workdir
 
     @property
     def talks(self) -> bool:
@@ -147,7 +174,11 @@ class WiringCheck:
         self.phase = "scoring"
         thread = threading.Thread(target=self._score, args=(Path(path),), name="eagle3_ops-wiring-check",
                                   daemon=True)
-        thread.start()
+        try:
+            thread.start()
+        except RuntimeError as e:  # "can't start new thread": the process is at its thread limit
+            self._fail(f"the replay's thread could not be started ({e}): the server process is at its thread limit")
+            return
         self.thread = thread  # assigned once started, so whoever sees it can join it
 
     def wait(self, timeout: Optional[float] = None) -> None:
@@ -160,57 +191,120 @@ class WiringCheck:
     def _fail(self, why: str) -> None:
         self.phase = "failed"
         self.acceptance_logged = True  # nothing to compare with: stop counting
-        log.warning("eagle3_ops: %s: %s could not be checked: %s; serving is unaffected", LABEL, self.model_name, why)
-        _write_result({"model": self.model_name, "verdict": "not checked", "why": why}, self.model_name)
+        path = result_path(self.model_name)
+        unsaved = _write_result({"model": self.model_name, "verdict": "not checked", "why": why}, self.model_name,
+                                say=False)
+        log.warning("eagle3_ops: %s: %s could not be checked: %s; serving is unaffected%s", LABEL, self.model_name,
+                    why, f" (the result could not be saved either: {unsaved})" if unsaved else "")
+        if not unsaved:
+            log.info("eagle3_ops: %s: result written to %s", LABEL, path)
 
     # ---- the background replay ---------------------------------------------------------------------
-    def command(self, states: Path, target_dir: Path) -> List[str]:
+    def command(self, states: Path, target_dir: Path, snapshot: Optional[Path] = None) -> List[str]:
         from ..doctor.rules import sglang_mode
 
         code = "table" if sglang_mode("auto")[0] else "installed"
         return [sys.executable, "-m", "eagle3_ops", "doctor", "--draft", str(self.draft_dir), "--target",
                 str(target_dir), "--replay", str(states), "--json", "--engine-code", code,
-                *(["--tp", str(self.tp_size)] if self.tp_size > 1 else [])]
+                *(["--tp", str(self.tp_size)] if self.tp_size > 1 else []),
+                *(["--draft-snapshot", str(snapshot)] if snapshot is not None else [])]
 
     def _score(self, states: Path) -> None:
         try:
-            target_dir = self.workdir / "target"  # the target's config as the server read it (kept for the offline command)
+            self._replay(states)
+        except Exception as e:  # never stop SGLang: the cause in one line; a real bug's traceback at DEBUG
+            log.debug("eagle3_ops: %s: the replay of %s failed", LABEL, states, exc_info=e)
+            self._fail(_cause_text(e))
+
+    def _replay(self, states: Path) -> None:
+        from ..doctor.configs import changed_since_start, snapshot_changes
+
+        if self.snapshot is not None:  # what the server loaded must still be on disk to be scored as served
+            changes = snapshot_changes(self.snapshot, roles=("index", "weights"))
+            if changes:
+                self._fail(changed_since_start(self.snapshot, changes))
+                return
+        target_dir = self.workdir / "target"  # the target's config as the server read it (kept for the offline command)
+        snapshot_file = self.workdir / "draft-snapshot.json" if self.snapshot is not None else None
+        writing = target_dir / "config.json"
+        try:
             target_dir.mkdir(parents=True, exist_ok=True)
-            (target_dir / "config.json").write_text(json.dumps(self.target_config, default=str))
-            cmd = self.command(states, target_dir)
-            t0 = time.monotonic()
+            writing.write_text(json.dumps(self.target_config, default=str))
+            if snapshot_file is not None:  # the draft as read at start-up: the replay scores that, nothing newer
+                writing = snapshot_file
+                snapshot_file.write_text(json.dumps(self.snapshot, default=str))
+        except OSError as e:
+            self._fail(_cache_write_failure(writing, e))
+            return
+        cmd = self.command(states, target_dir, snapshot_file)
+        t0 = time.monotonic()
+        try:
             proc = subprocess.Popen(limited(cmd, self.memory_limit(states), TIME_LIMIT_S * THREADS + 60),
                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=_child_env())
-            try:
-                out, err = proc.communicate(timeout=TIME_LIMIT_S)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.communicate()
-                self._fail(f"the replay did not finish in {TIME_LIMIT_S} s (the time bound); check offline: "
-                           f"{_shell(self._offline_command(states))}")
+        except OSError as e:  # EAGAIN (a process limit), ENOMEM
+            self._fail(f"the replay process could not be started: {os_error_words(e)}; check offline: "
+                       f"{_shell(self._offline_command(states))}")
+            return
+        try:
+            out, err = proc.communicate(timeout=TIME_LIMIT_S)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.communicate()
+            self._fail(f"the replay did not finish in {TIME_LIMIT_S} s (the time bound); check offline: "
+                       f"{_shell(self._offline_command(states))}")
+            return
+        seconds = time.monotonic() - t0
+        report = _parse(out)
+        if proc.returncode not in (0, 1) or report is None:
+            lines = [ln.strip() for ln in err.decode(errors="replace").strip().splitlines() if ln.strip()]
+            changed = next((ln for ln in lines if "changed since the server started" in ln), None)
+            if changed is not None:  # the draft changed while the replay read it
+                self._fail(changed[len("error: "):] if changed.startswith("error: ") else changed)
                 return
-            seconds = time.monotonic() - t0
-            report = _parse(out)
-            if proc.returncode not in (0, 1) or report is None:
-                lines = [ln for ln in err.decode(errors="replace").strip().splitlines() if ln.strip()]
-                self._fail(f"the replay stopped (exit {proc.returncode}): {lines[-1] if lines else 'no message'}")
-                return
-            self._conclude(report, states, seconds)
-        except Exception as e:  # never stop SGLang
-            log.exception("eagle3_ops: %s failed", LABEL)
-            self._fail(f"{type(e).__name__}: {e}")
+            self._fail(f"the replay stopped (exit {proc.returncode}): {lines[-1] if lines else 'no message'}")
+            return
+        self._conclude(report, states, seconds)
 
     def memory_limit(self, states: Path) -> int:
         """Address space for the replay process: torch itself, the draft tensors it loads (at most the
-        checkpoint), the states, and room to compute."""
-        draft_bytes = sum(f.stat().st_size for f in self.draft_dir.glob("*.safetensors")) + \
-            sum(f.stat().st_size for f in self.draft_dir.glob("pytorch_model*.bin"))
+        checkpoint's weight files, as fixed at start-up), the states, and room to compute."""
+        from ..doctor.configs import checkpoint_files, snapshot_bytes
+
+        if self.snapshot is not None:
+            draft_bytes = snapshot_bytes(self.snapshot)
+        else:
+            draft_bytes = 0
+            try:
+                for f in checkpoint_files(self.draft_dir).files:
+                    draft_bytes += os.stat(f).st_size
+            except Exception:  # noqa: BLE001 - the replay reports an unreadable checkpoint itself
+                pass
         return int(8 * 2**30 + 3 * draft_bytes + 3 * states.stat().st_size)
 
     def _offline_command(self, states: Path) -> List[str]:
-        """The command that ran, as a user types it (without --json)."""
+        """The command that ran, as a user types it (without --json; on the draft as it is on disk then)."""
         cmd = self.command(states, self.workdir / "target")
         return ["python", *[c for c in cmd[1:] if c != "--json"]]
+
+    def _config_change(self) -> Optional[dict]:
+        """Where the draft's config.json changed since start-up: {"text": in words, "ids": the ids it holds now
+        or None}; None when unchanged (or not known)."""
+        from ..doctor.configs import snapshot_changes
+
+        if self.snapshot is None or not snapshot_changes(self.snapshot, roles=("config",)):
+            return None
+        path = Path(self.snapshot["dir"]) / "config.json"
+        served = self.report.wiring.ids if self.report is not None and self.report.wiring is not None else None
+        try:
+            now = json.loads(path.read_text())
+            ids = (now.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids") \
+                if isinstance(now, dict) and isinstance(now.get("eagle_config") or {}, dict) else None
+            holds = f"it now holds eagle_config.eagle_aux_hidden_state_layer_ids = {ids}"
+        except (OSError, ValueError) as e:
+            ids, holds = None, f"it cannot be read now ({_cause_text(e)})"
+        return {"ids": ids, "text": f"{path} changed since the server started ({holds}); this verdict is about the "
+                                    f"config the server read at start-up (ids {served}), which it serves until it "
+                                    f"restarts"}
 
     def _conclude(self, report: dict, states: Path, seconds: float) -> None:
         replay = report.get("replay")
@@ -223,9 +317,16 @@ class WiringCheck:
         conf, best = replay.get("configured"), replay.get("best") or {}
         n = int(replay.get("tokens", 0))
         offline = _shell(self._offline_command(states))
+        changed = self._config_change()
+        note = f" Note: {changed['text']}." if changed else ""
         result = {"model": self.model_name, "served": self.served, "tokens": n, "states": str(states),
                   "seconds": round(seconds, 1), "replay_command": offline, "draft_code": replay.get("draft_code"),
                   "candidates": replay.get("candidates", [])[:12]}
+        if self.snapshot is not None:
+            result["draft_files"] = [f["path"] for f in self.snapshot["files"] if f["role"] == "weights"]
+            result["draft_files_rule"] = self.snapshot.get("rule")
+        if changed:
+            result["draft_config_changed"] = changed["text"]
         if conf is None:
             self._fail("the served wiring could not be scored (see the doctor's errors: "
                        + "; ".join(c for c in codes if c.startswith("E_")) + ")")
@@ -233,7 +334,7 @@ class WiringCheck:
         predicted = float(conf["accuracy"])
         if "E_REPLAY_BETTER_WIRING" in codes:
             gain, se = float(replay.get("gain", 0.0)), float(replay.get("gain_stderr", 0.0))
-            fix = self._fix(best["boundaries"])
+            fix = self._fix(best["boundaries"], changed)
             feedable = next((c for c in replay.get("candidates", []) if c.get("ids") is not None), None)
             if fix["ids"] is None and feedable is not None and feedable["boundaries"] != conf["boundaries"]:
                 fix["text"] += (f" The best wiring SGLang can feed is {feedable.get('label')} {feedable['boundaries']} "
@@ -241,19 +342,19 @@ class WiringCheck:
                                 f"to {feedable['ids']} to serve it.")
             result.update(verdict="WARNING", best=best, configured=conf, gain=gain, gain_stderr=se, fix=fix)
             log.warning("eagle3_ops: %s: WARNING: %s's draft predicts the target best with %s %s (%s): %.1f%% top-1 "
-                        "agreement, against %.1f%% for the served %s (+%.1f ± %.1f points, %d positions). %s "
+                        "agreement, against %.1f%% for the served %s (+%.1f ± %.1f points, %d positions). %s%s "
                         "Reproduce offline: %s", LABEL, self.model_name, best.get("label"), best["boundaries"],
                         boundaries_in_words(best["boundaries"], L), 100 * best["accuracy"], 100 * conf["accuracy"],
-                        conf["boundaries"], 100 * gain, 100 * se, n, fix["text"], offline)
+                        conf["boundaries"], 100 * gain, 100 * se, n, fix["text"], note, offline)
         else:
             runner = next((c for c in replay.get("candidates", []) if c.get("boundaries") != conf["boundaries"]), None)
             result.update(verdict="OK", configured=conf, runner_up=runner)
             log.info("eagle3_ops: %s: OK: no wiring predicts %s's target clearly better than the one served (by the "
                      "doctor's margin: 2 points and 3 standard errors): the served %s (%s) scores %.1f%% top-1 "
-                     "agreement on %d positions%s (%.0f s)", LABEL, self.model_name,
+                     "agreement on %d positions%s (%.0f s)%s", LABEL, self.model_name,
                      conf["boundaries"], boundaries_in_words(conf["boundaries"], L), 100 * conf["accuracy"], n,
                      f"; the best alternative, {runner['label']} {runner['boundaries']}, {100 * runner['accuracy']:.1f}%"
-                     if runner else "", seconds)
+                     if runner else "", seconds, note)
         low = codes.get("W_REPLAY_LOW_ACCURACY") or codes.get("W_REPLAY_FEW_TOKENS")
         if low:
             log.warning("eagle3_ops: %s: %s", LABEL, low.get("message"))
@@ -264,7 +365,7 @@ class WiringCheck:
         _write_result(result, self.model_name)
         self.maybe_log_acceptance()
 
-    def _fix(self, boundaries: List[int]) -> dict:
+    def _fix(self, boundaries: List[int], changed: Optional[dict] = None) -> dict:
         """The draft config change that makes SGLang feed ``boundaries``: the replay is the evidence, so the
         fix is the id list SGLang's own id rule turns into exactly that wiring (checks.verified_fix without
         asking the config's readings to agree), the one closest to the ids the config holds; where none
@@ -278,8 +379,15 @@ class WiringCheck:
             return {"ids": None, "text": f"No id list makes SGLang feed that wiring: {why_no_fix(self.report, list(boundaries))}; "
                                          f"serve the draft with an engine that captures it, or retrain it on "
                                          f"boundaries SGLang captures."}
+        where = self.draft_dir / "config.json"
+        if changed is not None and changed.get("ids") == ids:  # edited since start-up to exactly that
+            return {"ids": ids, "text": f"To serve it, restart: {where} was edited to eagle_config.eagle_aux_hidden_"
+                                        f"state_layer_ids = {ids} after the server started (it serves "
+                                        f"{self.report.wiring.ids}, read at start-up)."}
+        now = (f"served: {self.report.wiring.ids}, read at start-up; the file now holds {changed.get('ids')}"
+               if changed is not None else f"now {self.report.wiring.ids}")
         return {"ids": ids, "text": f"To serve it, set eagle_config.eagle_aux_hidden_state_layer_ids to {ids} in "
-                                    f"{self.draft_dir / 'config.json'} (now {self.report.wiring.ids}) and restart."}
+                                    f"{where} ({now}) and restart."}
 
     # ---- observed acceptance ------------------------------------------------------------------------
     def count(self, correct_per_request) -> None:
@@ -315,28 +423,83 @@ class WiringCheck:
             _write_result(self.verdict, self.model_name)
 
 
-def _workdir(model_name: str) -> Path:
-    """A fresh folder for the recording and the target's config, beside the qualification cache (the
-    states file stays there for the offline replay); the system's temporary folder if that is unusable."""
+def _workdir(model_name: str):
+    """(a fresh folder for the recording, the target's config and the draft snapshot, why it is not in the
+    cache folder or None). Beside the qualification cache (the states file stays there for the offline replay);
+    the system's temporary folder where the cache folder cannot be used (the note names the OS error). The
+    folder records its owner (this process), so another server sharing the cache never prunes it while this one
+    runs. Raises OSError where no folder can be made at all."""
+    base = result_path().parent / "wiring"
     try:
-        base = result_path().parent / "wiring"
         base.mkdir(parents=True, exist_ok=True)
         _prune(base, model_name)
-        return Path(tempfile.mkdtemp(prefix=f"{model_name}-{time.strftime('%Y%m%d-%H%M%S')}-", dir=base))
-    except OSError:
-        return Path(tempfile.mkdtemp(prefix="eagle3_ops-wiring-"))
+        d = Path(tempfile.mkdtemp(prefix=f"{model_name}-{time.strftime('%Y%m%d-%H%M%S')}-", dir=base))
+        note = None
+    except OSError as e:
+        where = f" ({e.filename})" if e.filename and str(e.filename) != str(base) else ""
+        note = (f"the cache folder {base} cannot be used: {os_error_words(e)}{where}; XDG_CACHE_HOME moves it")
+        d = Path(tempfile.mkdtemp(prefix="eagle3_ops-wiring-"))
+    _claim(d)
+    return d, note
+
+
+OWNER_FILE = "owner.json"
+
+
+def _claim(d: Path) -> None:
+    """Mark ``d`` as this process's (pid, host): :func:`_prune` of another server leaves it alone while it runs."""
+    import socket
+
+    try:
+        (d / OWNER_FILE).write_text(json.dumps({"pid": os.getpid(), "host": socket.gethostname()}))
+    except OSError:  # a full disk: the recording's own write says so
+        pass
+
+
+def _in_use(d: Path) -> bool:
+    """Whether ``d``'s owner (:func:`_claim`) is a live process on this host."""
+    import socket
+
+    try:
+        owner = json.loads((d / OWNER_FILE).read_text())
+        pid, host = int(owner["pid"]), str(owner["host"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return False
+    if host != socket.gethostname():
+        return False  # another machine sharing the cache: only the age tells
+    if pid == os.getpid():
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:  # EPERM: alive, another user's
+        return True
+    return True
 
 
 def _prune(base: Path, model_name: str) -> None:
     """Keep the newest KEEP_RECORDINGS - 1 earlier recordings of this model (each server start makes one),
-    never one touched within the replay's time bound (another server on this host may be using it)."""
+    never one whose server still runs on this host (another server sharing the cache folder may be using it)
+    nor one touched within the replay's time bound (a server on another host). A folder that vanishes meanwhile
+    (another server pruning too) is skipped."""
     import shutil
 
     recent = time.time() - 2 * TIME_LIMIT_S
-    old = sorted((d for d in base.glob(f"{model_name}-*") if d.is_dir()), key=lambda d: d.stat().st_mtime)
+    found = []
+    for d in base.glob(f"{model_name}-*"):
+        try:
+            if d.is_dir() and not d.is_symlink():
+                found.append((d.stat().st_mtime, d))
+        except OSError:
+            continue
+    old = [d for _, d in sorted(found, key=lambda x: x[0])]
     for d in old[:max(0, len(old) - (KEEP_RECORDINGS - 1))]:
-        if d.stat().st_mtime < recent:
-            shutil.rmtree(d, ignore_errors=True)
+        try:
+            if d.stat().st_mtime < recent and not _in_use(d):
+                shutil.rmtree(d, ignore_errors=True)
+        except OSError:
+            continue
 
 
 def _shell(cmd: List[str]) -> str:
@@ -400,7 +563,9 @@ def limited(cmd: List[str], address_space: int, cpu_seconds: int) -> List[str]:
                                                         "cpu_seconds": int(cpu_seconds)}), *cmd[2:]]
 
 
-def _write_result(result: dict, model_name: Optional[str] = None) -> None:
+def _write_result(result: dict, model_name: Optional[str] = None, say: bool = True) -> Optional[str]:
+    """Write the verdict as JSON (:func:`result_path`; atomically: two servers sharing the cache folder never
+    leave half a file). Returns None when written, else why not (said in one line unless ``say`` is False)."""
     path = result_path(model_name)
     try:
         from ..files import replace_atomically
@@ -408,9 +573,57 @@ def _write_result(result: dict, model_name: Optional[str] = None) -> None:
         path.parent.mkdir(parents=True, exist_ok=True)
         text = json.dumps(result, indent=1, default=str) + "\n"
         replace_atomically(path, lambda tmp: Path(tmp).write_text(text))
-        log.info("eagle3_ops: %s: result written to %s", LABEL, path)
     except Exception as e:  # never stop SGLang
-        log.warning("eagle3_ops: %s: could not write %s: %s", LABEL, path, e)
+        why = _cache_write_failure(path, e) if isinstance(e, OSError) else f"could not write {path}: {_cause_text(e)}"
+        if not isinstance(e, OSError):
+            log.debug("eagle3_ops: %s: writing %s failed", LABEL, path, exc_info=e)
+        if say:
+            log.warning("eagle3_ops: %s: %s", LABEL, why)
+        return why
+    if say:
+        log.info("eagle3_ops: %s: result written to %s", LABEL, path)
+    return None
+
+
+def _cache_words() -> str:
+    home = os.environ.get("XDG_CACHE_HOME")
+    return f"XDG_CACHE_HOME={home}" if home else "~/.cache: XDG_CACHE_HOME unset"
+
+
+def advice(kind: str, folder) -> str:
+    """What a user of the live check can change when its recording or result does not fit (``kind``: "memory",
+    "disk", "fsize", "permission", "other"): room on the cache's disk (``XDG_CACHE_HOME`` moves the cache
+    folder), the server's file-size limit, a permission; or the check off (``EAGLE3_OPS_WIRING_CHECK=0``). Never
+    another feature's settings."""
+    off = f"{ENV_SWITCH}=0 turns the check off"
+    cache = f"set XDG_CACHE_HOME to a folder on a disk with room (now {_cache_words()})"
+    if kind == "memory":
+        return f"the live check records at most {RECORD_TOKENS} positions; {off}"
+    if kind == "disk":
+        return f"free space in {folder}, or {cache}, or {off}"
+    if kind == "fsize":
+        return f"raise the server's file-size limit (ulimit -f), or {off}"
+    if kind == "permission":
+        return (f"give the server's user write permission on {folder}, or set XDG_CACHE_HOME to a folder it can "
+                f"write (now {_cache_words()}), or {off}")
+    return f"set XDG_CACHE_HOME to a usable folder (now {_cache_words()}), or {off}"
+
+
+def _cache_write_failure(path: Path, e: OSError) -> str:
+    """One clause for a file of the live check that could not be written: the path, the OS error's name and
+    words, and the advice that fits it."""
+    from .dump_states import error_kind
+
+    folder = Path(e.filename).parent if e.filename else Path(path).parent
+    return f"could not write {path}: {os_error_words(e)}; {advice(error_kind(e), folder)}"
+
+
+def _cause_text(e: BaseException) -> str:
+    """An exception as the cause in a line: an OS error by its errno's name and path, memory as memory, and
+    anything else as what it is, a bug of eagle3_ops (its traceback at DEBUG level)."""
+    from .dump_states import _bug_note, _cause
+
+    return _cause(e) + _bug_note(e)
 
 
 # ---- start-up ------------------------------------------------------------------------------------------
@@ -491,17 +704,44 @@ def _mlp_sync() -> bool:
 
 def _draft_dir(draft_path) -> Optional[Path]:
     """The draft checkpoint's local folder: the path itself, or the Hugging Face cache's snapshot of it."""
+    return _locate_draft(draft_path)[0]
+
+
+def _locate_draft(draft_path):
+    """(the draft checkpoint's local folder, None) or (None, why not): the path itself, or the Hugging Face
+    cache's snapshot of it; where the path is there but cannot be used (a dangling symlink, a symlink loop, a
+    folder above it that cannot be searched, a file), the OS error's name and the path."""
+    import stat as stat_
+
     if draft_path is None:
-        return None
+        return None, "the server names no draft checkpoint"
     p = Path(str(draft_path)).expanduser()
-    if p.is_dir():
-        return p
+    try:
+        mode = os.stat(p).st_mode
+    except FileNotFoundError:
+        if os.path.islink(p):
+            try:
+                return None, (f"the draft checkpoint {p} is a dangling symlink (-> {os.readlink(p)}): what it points "
+                              f"to does not exist (ENOENT)")
+            except OSError:
+                pass
+        mode = None
+    except NotADirectoryError as e:
+        return None, f"the draft checkpoint {p} cannot be reached: {os_error_words(e)} (a part of the path is a file)"
+    except OSError as e:  # EACCES (a folder above it that cannot be searched), ELOOP, ENAMETOOLONG, EIO
+        hint = (" (the server's user needs search (x) permission on every folder above it)"
+                if getattr(e, "errno", None) in (errno.EACCES, errno.EPERM) else "")
+        return None, f"the draft checkpoint {p} cannot be reached: {os_error_words(e)}{hint}"
+    if mode is not None:
+        if stat_.S_ISDIR(mode):
+            return p, None
+        return None, f"the draft checkpoint {p} is a file, not a folder (SGLang loads a checkpoint folder)"
     try:
         from huggingface_hub import snapshot_download
 
-        return Path(snapshot_download(str(draft_path), local_files_only=True))
+        return Path(snapshot_download(str(draft_path), local_files_only=True)), None
     except Exception:
-        return None
+        return None, f"the draft checkpoint {str(draft_path)!r} is not a local folder (nor in the Hugging Face cache)"
 
 
 def _needed_boundaries(report, served: List[int], num_layers: int) -> List[int]:
@@ -523,12 +763,18 @@ def _needed_boundaries(report, served: List[int], num_layers: int) -> List[int]:
 
 
 def _doctor_report(target_config, draft_dir: Path, tp_size: int, pp_size: int = 1,
-                   pp_partition: Optional[List[int]] = None):
+                   pp_partition: Optional[List[int]] = None, snapshot: Optional[dict] = None):
+    """(the doctor's config report, the draft's weight headers); ``snapshot`` (doctor.configs.draft_snapshot):
+    the draft read from it (its config as read then, its weight files and nothing else)."""
     from ..doctor import checks, configs
 
     target = configs.target_from_config(target_config, use_sglang=True)
-    draft = configs.parse_draft(draft_dir, use_sglang=True)
-    weights = configs.read_weight_headers(draft_dir)
+    if snapshot is not None:
+        draft = configs.draft_from_config(snapshot["config"], snapshot["dir"], use_sglang=True)
+        weights = configs.read_weight_headers(draft_dir, files=configs.snapshot_weight_files(snapshot))
+    else:
+        draft = configs.parse_draft(draft_dir, use_sglang=True)
+        weights = configs.read_weight_headers(draft_dir)
     report = checks.run_checks(target, draft, weights, checks.Options(
         engine="sglang", tp=tp_size, pp=pp_size, pp_partition=pp_partition, engine_code="installed"))
     return report, weights
@@ -677,18 +923,23 @@ def _advise_now(model, owner, cfg, draft_path, tp_size, check_off: str) -> bool:
 def _prepare_check(model, name, cfg, draft_path, served, num_layers, tp_rank, tp_size):
     """This rank's part of the start: (check, why it cannot run or None, boundaries to record, the
     smallest forward that may be recorded)."""
+    from ..doctor.configs import DoctorInputError, draft_snapshot
+
     raw_cfg = cfg if isinstance(cfg, dict) else (cfg.to_dict() if hasattr(cfg, "to_dict") else None)
-    draft_dir = _draft_dir(draft_path)
+    draft_dir, why = _locate_draft(draft_path)
     if draft_dir is None:
-        return None, f"the draft checkpoint {draft_path!r} is not a local folder (nor in the Hugging Face cache)", \
-            None, 0
+        return None, why, None, 0
     if raw_cfg is None:
         return None, "the target's config cannot be read", None, 0
     check = WiringCheck(name, draft_dir, raw_cfg, served, num_layers, tp_rank, tp_size)
-    try:
-        check.report, weights = _doctor_report(cfg, draft_dir, tp_size)
+    try:  # one reading of the draft: what the server serves, and what the replay will score
+        check.snapshot = draft_snapshot(draft_dir)
+        check.report, weights = _doctor_report(cfg, draft_dir, tp_size, snapshot=check.snapshot)
+    except DoctorInputError as e:  # the file it names, and why
+        return check, f"the doctor could not read the configs and weights: {e}", None, 0
     except Exception as e:
-        return check, f"the doctor could not read the configs ({type(e).__name__}: {e})", None, 0
+        log.debug("eagle3_ops: %s: reading the configs failed", LABEL, exc_info=e)
+        return check, f"the doctor could not read the configs and weights ({_cause_text(e)})", None, 0
     if unservable_advice(check.report, draft_dir, name, None) is not None:
         return check, UNSERVABLE, None, 0
     why_not = _cannot_replay(check.report, weights)
@@ -718,9 +969,20 @@ def start(model, *, draft_path=None, target_config=None) -> Optional[WiringCheck
     """Set up the live check for a target SGLang just configured for EAGLE-3 capture. Every TP rank calls
     it (they agree on the recording); rank 0 logs. ``draft_path`` / ``target_config``: the server's
     (``--speculative-draft-model-path``, the target's own config) unless given (scripts, tests). Returns
-    the check, or None (switched off, or one line saying why not)."""
+    the check, or None (switched off, or one line saying why not). Never raises: whatever fails is one line
+    (an OS error by its name and path; a bug of eagle3_ops as such, its traceback at DEBUG level)."""
     if not enabled():
         return None
+    try:
+        return _start(model, draft_path, target_config)
+    except Exception as e:  # never stop SGLang
+        log.debug("eagle3_ops: %s: start-up failed", LABEL, exc_info=e)
+        log.warning("eagle3_ops: %s: %s is not checked: %s; serving is unaffected", LABEL, type(model).__name__,
+                    _cause_text(e))
+        return None
+
+
+def _start(model, draft_path, target_config) -> Optional[WiringCheck]:
     from ..doctor.states import DumpSettings
     from . import dump_states
     from .capture_hooks import capture_state, configured_captures, find_capture_owner
@@ -766,8 +1028,12 @@ def start(model, *, draft_path=None, target_config=None) -> Optional[WiringCheck
     try:
         check, why_not, needed, min_forward = _prepare_check(model, name, cfg, draft_path, served, num_layers,
                                                              tp_rank, tp_size)
+        if why_not is None and check is not None:
+            check.workdir  # made now (rank 0): a folder that cannot be made is said here, before anything is recorded
     except Exception as e:
-        why_not = f"{type(e).__name__}: {e}"
+        log.debug("eagle3_ops: %s: preparing the check failed", LABEL, exc_info=e)
+        why_not = (f"no folder for the recording can be made: {_cause_text(e)}" if isinstance(e, OSError) else
+                   _cause_text(e))
     agreed = same_on_all_ranks(repr((why_not is None, needed, min_forward)), tp_group())
     if why_not is not None or not agreed:
         report = check.report if check is not None else None
@@ -781,12 +1047,18 @@ def start(model, *, draft_path=None, target_config=None) -> Optional[WiringCheck
         return None
     draft_dir = check.draft_dir
     states = check.workdir / "states.safetensors"  # rank 0's (other ranks never write it)
+    refused: List[str] = []
     recorder = dump_states.install_recorder(
         model, DumpSettings(states, RECORD_TOKENS, "auto"), boundaries=needed, label=LABEL,
         min_prompt_tokens=MIN_PROMPT_TOKENS, min_forward_tokens=min_forward, close_after=CLOSE_AFTER_TOKENS,
-        on_written=check.recorded)
+        on_written=check.recorded, advice=advice, on_refused=refused.append)
     if recorder is None:
-        say("eagle3_ops: %s: %s is not checked: its states cannot be recorded here (see above)", LABEL, name)
+        if refused:
+            say("eagle3_ops: %s: %s feeds its draft %s (boundaries %s); %s; the live check cannot run: %s%s", LABEL,
+                name, boundaries_in_words(served, num_layers), served, _verdict_text(check.report), refused[0],
+                f" ({check.workdir_note})" if check.workdir_note else "")
+        else:
+            say("eagle3_ops: %s: %s is not checked: its states cannot be recorded here (see above)", LABEL, name)
         return None
     recorder.background_write = True  # rank 0 writes the file off the forward's thread
     check.recorder = recorder
@@ -798,6 +1070,14 @@ def start(model, *, draft_path=None, target_config=None) -> Optional[WiringCheck
         waits += (" that SGLang runs eagerly (this server syncs MLP batches across ranks, so prefills replayed "
                   "from a CUDA graph are not seen)")
     unreachable = f"; boundaries {recorder.unreachable} cannot be recorded on this model" if recorder.unreachable else ""
+    snap = check.snapshot
+    if snap is not None:
+        from ..doctor.configs import snapshot_weight_files
+
+        if snap.get("left_out") or [Path(f).name for f in snapshot_weight_files(snap)] != ["model.safetensors"]:
+            unreachable += f"; the draft's weights: {snap.get('describe')}"  # which files are the checkpoint, said
+    if check.workdir_note:
+        unreachable += f"; recording in {check.workdir} ({check.workdir_note})"
     say("eagle3_ops: %s: %s feeds its draft %s (boundaries %s); %s; the live check will replay the draft (%s) on %s "
         "(%d+ positions, boundaries %s, up to %.1f MiB host memory) in the background%s (%s=0 turns it off)", LABEL,
         name, boundaries_in_words(served, num_layers), served, _verdict_text(check.report), draft_dir, waits,
