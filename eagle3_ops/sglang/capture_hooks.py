@@ -323,126 +323,7 @@ class ForwardCapture:
         return self.state.buffer.view(self.num_tokens)
 
 
-# ---- hooks on SGLang's accumulators (class level, registered through HookRegistry) ----------------
-def list_capture_hook(original, self, hidden, *args, **kwargs):
-    """AROUND ``AuxHiddenStateList.capture``: write the slot instead of cloning."""
-    cap = active_capture()
-    if cap is None or not cap.claim(self) or cap.decide(hidden) != "buffer":
-        return original(self, hidden, *args, **kwargs)
-    view = cap.write(hidden)
-    if view is None:
-        return original(self, hidden, *args, **kwargs)
-    list.append(self, view)
-    cap.views.append(view)
-    return None
-
-
-def packer_append_hook(original, self, hidden):
-    """AROUND ``AuxHiddenStatePacker.append`` (``capture`` and ``extend`` go through it): the
-    packer's output becomes the persistent buffer's rows and each slot is written by the op."""
-    cap = active_capture()
-    if cap is None:
-        return original(self, hidden)
-    fresh = getattr(self, "_buffer", None) is None and getattr(self, "_idx", None) == 0
-    if cap.owner is not self and not fresh:
-        return original(self, hidden)  # a graph runner's own buffer (DFlash) or someone else's
-    if (not cap.claim(self) or cap.decide(hidden) != "buffer"
-            or getattr(self, "_num_captures", None) != cap.state.num_captures):
-        return original(self, hidden)
-    if self._buffer is None:
-        self._buffer = cap.state.buffer.view(cap.num_tokens)
-    if self._buffer.data_ptr() != cap.state.buffer.buffer.data_ptr():
-        return original(self, hidden)
-    view = self.slot(hidden)  # SGLang's own shape/dtype check and slot bookkeeping
-    if cap.write(hidden) is None:
-        view.copy_(hidden)  # a value the op cannot take: what SGLang's packer does, same slot
-    return None
-
-
-# ---- the owner's forward (class-level wrapper, see routing.py) ---------------------------------------
-def _run_forward(state: TargetCaptureState, original, inner, args, kwargs):
-    """One forward of a patched model (``original`` is its class's stock forward)."""
-    current = getattr(_tls, "capture", None)
-    if not state.enabled or (current is not None and current.state is state):
-        return original(inner, *args, **kwargs)  # off, or a nested call of the same model
-    cap = ForwardCapture(state)
-    _tls.capture = cap
-    try:
-        out = original(inner, *args, **kwargs)
-    finally:
-        _tls.capture = current
-    return _finish(cap, out)
-
-
-def _finish(cap: ForwardCapture, out):
-    """The forward's ``(hidden, aux)`` with ``aux`` as ONE tensor: the packed buffer view when every
-    configured capture went into it, else what SGLang's own ``pack_aux_hidden_states`` makes."""
-    state = cap.state
-    if not (isinstance(out, tuple) and len(out) == 2 and isinstance(out[1], (list, torch.Tensor))):
-        return out  # no captures this forward (SGLang returns the hidden states alone), or not ours
-    hidden, aux = out
-    if isinstance(aux, torch.Tensor):  # the packer: its buffer is ours when it took the buffer path
-        _count(state, cap.mode == "buffer" and cap.count == state.num_captures)
-        return out
-    if cap.owner is None and type(aux) is list and cap.mode is None:
-        # a plain list (Gemma-3, LongCat): the values as SGLang appended them, copied into the slots
-        if _copy_plain_list(cap, aux):
-            _count(state, True)
-            return hidden, cap.packed()
-    elif cap.mode == "buffer" and aux is cap.owner and len(aux) == state.num_captures:
-        if cap.count < len(aux):
-            _copy_appended(cap, aux)  # Gemma-4's boundary L: list.append after the loop
-        if cap.count == state.num_captures:
-            _count(state, True)
-            return hidden, cap.packed()  # the list holds slot views; hand over the packed view, no cat
-    if cap.mode == "buffer" and cap.count != state.num_captures:
-        warn_once(f"count:{state.model_name}:{cap.count}",
-                   "eagle3_ops: %s: this forward captured %d of the %d configured boundaries %s (the model cannot "
-                   "capture some of them); it runs SGLang's stock capture", state.model_name, cap.count,
-                   state.num_captures, state.layer_ids)
-    _count(state, False)
-    # ONE tensor, the one SGLang's pack_aux_hidden_states would make of the list: SGLang's breakable
-    # prefill graphs allocate their output buffer from the largest bucket's output and refuse a list in
-    # one bucket and a tensor in another (_copy_output_to_buffer: "Unsupported BCG output buffer pair").
-    from sglang.srt.layers.aux_hidden_states import pack_aux_hidden_states
-
-    return hidden, pack_aux_hidden_states(aux)
-
-
-def _copy_plain_list(cap: ForwardCapture, values: list) -> bool:
-    state = cap.state
-    if len(values) != state.num_captures or not values:
-        return False
-    if any(state.fits(v) is not None or v.dim() != 2 or v.shape[0] != values[0].shape[0] for v in values):
-        why = next((state.fits(v) for v in values if state.fits(v) is not None), "captures of different rows")
-        warn_once(f"stock:{state.model_name}:{str(why).split(' ')[0]}",
-                   "eagle3_ops: %s: stock capture path for this forward: %s", state.model_name, why)
-        return False
-    cap.mode, cap.num_tokens = "buffer", values[0].shape[0]
-    for k, v in enumerate(values):
-        ops.capture(v, None, state.buffer.buffer, k)
-    state.stats["copied_captures"] += len(values)
-    cap.count = len(values)
-    return True
-
-
-def _copy_appended(cap: ForwardCapture, aux: list) -> None:
-    """The owner list holds this forward's slot views first, then values the model appended itself
-    (``list.append``, not ``capture``: Gemma-4 appends boundary L, the last layer's output, after its
-    loop): each goes into its slot, in list order, which is what ``torch.cat`` of the list (stock)
-    makes. Anything else (a view missing or out of place) leaves ``cap.count`` short: stock."""
-    if len(cap.views) != cap.count or any(a is not v for a, v in zip(aux, cap.views)):
-        return
-    for value in aux[cap.count:]:
-        if cap.write(value) is None:
-            return
-
-
-def _count(state: TargetCaptureState, buffered: bool) -> None:
-    state.stats["buffer_forwards" if buffered else "stock_forwards"] += 1
-
-
-# ---- the fusable norms --------------------------------------------------------------------------------
+# ---- the fusable norms (candidates, at install) --------------------------------------------------------------------------------
 def _norm_fusable_statically(norm, dtype: torch.dtype) -> Optional[str]:
     """None if SGLang would run this RMSNorm's ``norm(x, residual)`` as a plain fused add+RMSNorm
     (the math of eagle3::fused_add_rmsnorm_capture), else the reason it would not."""
@@ -485,48 +366,6 @@ def _candidate_norms(owner: CaptureOwner, layer_ids: List[int], hidden_size: int
             if isinstance(m, layernorm.RMSNorm) and getattr(m, "hidden_size", None) == hidden_size and m not in out:
                 out[m] = f"{owner.path + '.' if owner.path else ''}{prefix}{'.' + name if name else ''}"
     return out
-
-
-def _norm_forward_wrapper(norm, state: TargetCaptureState):
-    """The instance ``forward`` of a candidate norm: SGLang's own call, which also records the
-    residual it returned (for :meth:`TargetCaptureState.learn`); where that residual was seen captured
-    into slot k, the capture slot k is next and qualification chose the fused op for this many rows,
-    ``eagle3::fused_add_rmsnorm_capture`` instead (bitwise the same outputs, plus the slot)."""
-    original = norm.forward
-    buf = state.buffer.buffer
-    from sglang.srt.batch_invariant_ops import is_batch_invariant_mode_enabled
-
-    def forward(x, residual=None, post_residual_addition=None, *args, **kwargs):
-        cap = active_capture()
-        if cap is None or cap.state is not state or residual is None or _compiling():
-            return original(x, residual, post_residual_addition, *args, **kwargs)
-        slot = state.norm_slots.get(norm)
-        backend = state.fuses(x.shape[0]) if slot is not None and isinstance(x, torch.Tensor) and x.dim() == 2 \
-            else None
-        if (backend is not None and cap.count == slot and slot not in cap.fused and cap.mode != "stock"
-                and post_residual_addition is None and not args and not kwargs):
-            # read per call: a weight reload may replace the Parameter (SGLang's own forward reads
-            # self.weight / self.variance_epsilon per call too)
-            weight = norm.weight
-            if (isinstance(residual, torch.Tensor) and isinstance(weight, torch.Tensor)
-                    and x.shape == residual.shape and x.shape[0] > 0 and x.dtype == residual.dtype
-                    and x.is_contiguous() and residual.is_contiguous() and state.fits(residual) is None
-                    and weight.dtype == x.dtype and weight.shape == (x.shape[1],) and weight.device == x.device
-                    and not is_batch_invariant_mode_enabled()):
-                from .. import dispatch
-
-                with dispatch.using(backend):
-                    ops.fused_add_rmsnorm_capture(x, residual, weight, float(norm.variance_epsilon), buf, slot)
-                cap.fused[slot] = residual
-                return x, residual
-        out = original(x, residual, post_residual_addition, *args, **kwargs)
-        if isinstance(out, tuple) and len(out) == 2:
-            cap.recent.append((norm, out[1]))
-        return out
-
-    forward.__wrapped__ = original
-    forward._eagle3_ops = True
-    return forward
 
 
 # ---- installation ----------------------------------------------------------------------------------
@@ -779,6 +618,169 @@ def install_before_kv_sizing(runner) -> Optional[TargetCaptureState]:
     return install_target_capture(model, before_kv_sizing=True)
 
 
+# ---- forward wrappers: what runs inside each forward once installed ----------------------------------
+# hooks on SGLang's accumulators (class level, registered through HookRegistry)
+def list_capture_hook(original, self, hidden, *args, **kwargs):
+    """AROUND ``AuxHiddenStateList.capture``: write the slot instead of cloning."""
+    cap = active_capture()
+    if cap is None or not cap.claim(self) or cap.decide(hidden) != "buffer":
+        return original(self, hidden, *args, **kwargs)
+    view = cap.write(hidden)
+    if view is None:
+        return original(self, hidden, *args, **kwargs)
+    list.append(self, view)
+    cap.views.append(view)
+    return None
+
+
+def packer_append_hook(original, self, hidden):
+    """AROUND ``AuxHiddenStatePacker.append`` (``capture`` and ``extend`` go through it): the
+    packer's output becomes the persistent buffer's rows and each slot is written by the op."""
+    cap = active_capture()
+    if cap is None:
+        return original(self, hidden)
+    fresh = getattr(self, "_buffer", None) is None and getattr(self, "_idx", None) == 0
+    if cap.owner is not self and not fresh:
+        return original(self, hidden)  # a graph runner's own buffer (DFlash) or someone else's
+    if (not cap.claim(self) or cap.decide(hidden) != "buffer"
+            or getattr(self, "_num_captures", None) != cap.state.num_captures):
+        return original(self, hidden)
+    if self._buffer is None:
+        self._buffer = cap.state.buffer.view(cap.num_tokens)
+    if self._buffer.data_ptr() != cap.state.buffer.buffer.data_ptr():
+        return original(self, hidden)
+    view = self.slot(hidden)  # SGLang's own shape/dtype check and slot bookkeeping
+    if cap.write(hidden) is None:
+        view.copy_(hidden)  # a value the op cannot take: what SGLang's packer does, same slot
+    return None
+
+
+# the owner's forward (class-level wrapper, see routing.py)
+def _run_forward(state: TargetCaptureState, original, inner, args, kwargs):
+    """One forward of a patched model (``original`` is its class's stock forward)."""
+    current = getattr(_tls, "capture", None)
+    if not state.enabled or (current is not None and current.state is state):
+        return original(inner, *args, **kwargs)  # off, or a nested call of the same model
+    cap = ForwardCapture(state)
+    _tls.capture = cap
+    try:
+        out = original(inner, *args, **kwargs)
+    finally:
+        _tls.capture = current
+    return _finish(cap, out)
+
+
+def _finish(cap: ForwardCapture, out):
+    """The forward's ``(hidden, aux)`` with ``aux`` as ONE tensor: the packed buffer view when every
+    configured capture went into it, else what SGLang's own ``pack_aux_hidden_states`` makes."""
+    state = cap.state
+    if not (isinstance(out, tuple) and len(out) == 2 and isinstance(out[1], (list, torch.Tensor))):
+        return out  # no captures this forward (SGLang returns the hidden states alone), or not ours
+    hidden, aux = out
+    if isinstance(aux, torch.Tensor):  # the packer: its buffer is ours when it took the buffer path
+        _count(state, cap.mode == "buffer" and cap.count == state.num_captures)
+        return out
+    if cap.owner is None and type(aux) is list and cap.mode is None:
+        # a plain list (Gemma-3, LongCat): the values as SGLang appended them, copied into the slots
+        if _copy_plain_list(cap, aux):
+            _count(state, True)
+            return hidden, cap.packed()
+    elif cap.mode == "buffer" and aux is cap.owner and len(aux) == state.num_captures:
+        if cap.count < len(aux):
+            _copy_appended(cap, aux)  # Gemma-4's boundary L: list.append after the loop
+        if cap.count == state.num_captures:
+            _count(state, True)
+            return hidden, cap.packed()  # the list holds slot views; hand over the packed view, no cat
+    if cap.mode == "buffer" and cap.count != state.num_captures:
+        warn_once(f"count:{state.model_name}:{cap.count}",
+                   "eagle3_ops: %s: this forward captured %d of the %d configured boundaries %s (the model cannot "
+                   "capture some of them); it runs SGLang's stock capture", state.model_name, cap.count,
+                   state.num_captures, state.layer_ids)
+    _count(state, False)
+    # ONE tensor, the one SGLang's pack_aux_hidden_states would make of the list: SGLang's breakable
+    # prefill graphs allocate their output buffer from the largest bucket's output and refuse a list in
+    # one bucket and a tensor in another (_copy_output_to_buffer: "Unsupported BCG output buffer pair").
+    from sglang.srt.layers.aux_hidden_states import pack_aux_hidden_states
+
+    return hidden, pack_aux_hidden_states(aux)
+
+
+def _copy_plain_list(cap: ForwardCapture, values: list) -> bool:
+    state = cap.state
+    if len(values) != state.num_captures or not values:
+        return False
+    if any(state.fits(v) is not None or v.dim() != 2 or v.shape[0] != values[0].shape[0] for v in values):
+        why = next((state.fits(v) for v in values if state.fits(v) is not None), "captures of different rows")
+        warn_once(f"stock:{state.model_name}:{str(why).split(' ')[0]}",
+                   "eagle3_ops: %s: stock capture path for this forward: %s", state.model_name, why)
+        return False
+    cap.mode, cap.num_tokens = "buffer", values[0].shape[0]
+    for k, v in enumerate(values):
+        ops.capture(v, None, state.buffer.buffer, k)
+    state.stats["copied_captures"] += len(values)
+    cap.count = len(values)
+    return True
+
+
+def _copy_appended(cap: ForwardCapture, aux: list) -> None:
+    """The owner list holds this forward's slot views first, then values the model appended itself
+    (``list.append``, not ``capture``: Gemma-4 appends boundary L, the last layer's output, after its
+    loop): each goes into its slot, in list order, which is what ``torch.cat`` of the list (stock)
+    makes. Anything else (a view missing or out of place) leaves ``cap.count`` short: stock."""
+    if len(cap.views) != cap.count or any(a is not v for a, v in zip(aux, cap.views)):
+        return
+    for value in aux[cap.count:]:
+        if cap.write(value) is None:
+            return
+
+
+def _count(state: TargetCaptureState, buffered: bool) -> None:
+    state.stats["buffer_forwards" if buffered else "stock_forwards"] += 1
+
+
+def _norm_forward_wrapper(norm, state: TargetCaptureState):
+    """The instance ``forward`` of a candidate norm: SGLang's own call, which also records the
+    residual it returned (for :meth:`TargetCaptureState.learn`); where that residual was seen captured
+    into slot k, the capture slot k is next and qualification chose the fused op for this many rows,
+    ``eagle3::fused_add_rmsnorm_capture`` instead (bitwise the same outputs, plus the slot)."""
+    original = norm.forward
+    buf = state.buffer.buffer
+    from sglang.srt.batch_invariant_ops import is_batch_invariant_mode_enabled
+
+    def forward(x, residual=None, post_residual_addition=None, *args, **kwargs):
+        cap = active_capture()
+        if cap is None or cap.state is not state or residual is None or _compiling():
+            return original(x, residual, post_residual_addition, *args, **kwargs)
+        slot = state.norm_slots.get(norm)
+        backend = state.fuses(x.shape[0]) if slot is not None and isinstance(x, torch.Tensor) and x.dim() == 2 \
+            else None
+        if (backend is not None and cap.count == slot and slot not in cap.fused and cap.mode != "stock"
+                and post_residual_addition is None and not args and not kwargs):
+            # read per call: a weight reload may replace the Parameter (SGLang's own forward reads
+            # self.weight / self.variance_epsilon per call too)
+            weight = norm.weight
+            if (isinstance(residual, torch.Tensor) and isinstance(weight, torch.Tensor)
+                    and x.shape == residual.shape and x.shape[0] > 0 and x.dtype == residual.dtype
+                    and x.is_contiguous() and residual.is_contiguous() and state.fits(residual) is None
+                    and weight.dtype == x.dtype and weight.shape == (x.shape[1],) and weight.device == x.device
+                    and not is_batch_invariant_mode_enabled()):
+                from .. import dispatch
+
+                with dispatch.using(backend):
+                    ops.fused_add_rmsnorm_capture(x, residual, weight, float(norm.variance_epsilon), buf, slot)
+                cap.fused[slot] = residual
+                return x, residual
+        out = original(x, residual, post_residual_addition, *args, **kwargs)
+        if isinstance(out, tuple) and len(out) == 2:
+            cap.recent.append((norm, out[1]))
+        return out
+
+    forward.__wrapped__ = original
+    forward._eagle3_ops = True
+    return forward
+
+
+# ---- after SGLang's graph setup, and lookup --------------------------------------------------------
 def check_routing(model) -> Optional[str]:
     """After SGLang's CUDA-graph / compile setup: None if ``model`` (when patched) still routes its
     forward and fused norms through the plugin, else what changed (warned once per model)."""

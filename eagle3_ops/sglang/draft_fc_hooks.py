@@ -21,9 +21,9 @@ float64-checked tolerance: it moves acceptance, never the target's tokens.
 Under TP > 1 ``llama_eagle3`` replicates ``fc`` (3*7168 -> 7168 is 308 MB in bf16 on every rank, read
 in full by every rank on every draft extend). With sharding on (the default;
 ``EAGLE3_OPS_SGLANG_SHARD_FC=0`` turns it off) the plugin may replace ``fc`` by a
-:class:`ColumnShardedFc` holding only this rank's output rows (and bias), release the replicated
-weight, and follow the fused call by ONE all-gather along the last dimension through the draft's TP
-group (SGLang's ``tensor_model_parallel_all_gather``). Qualification decides it per row bucket from
+``ColumnShardedFc`` (fc_sharding.py, where the decision lives) holding only this rank's output rows
+(and bias), release the replicated weight, and follow the fused call by ONE all-gather along the
+last dimension through the draft's TP group (SGLang's ``tensor_model_parallel_all_gather``). Qualification decides it per row bucket from
 timings every rank measured (the max over ranks), cached with the rest of qualification.
 
 **Ranks decide together** (lockstep.py): every step that may fail on one rank alone (its backend, a
@@ -70,6 +70,21 @@ DRAFT_HEADS = (
     ("sglang.srt.models.kimi_k25_eagle3", "Eagle3MLAModel", "column-parallel"),
 )
 DRAFT_MODULE = DRAFT_HEADS[0][0]
+
+
+# ---- discovery -------------------------------------------------------------------------------------
+def is_eagle3_draft(model) -> bool:
+    """Whether ``model`` belongs to SGLang's EAGLE-3 draft family (``*_eagle3`` model modules,
+    ``...Eagle3...`` classes). Other models with an inner ``.fc`` (EAGLE/EAGLE-2 drafts, targets)
+    are not this module's business and are passed over without a word."""
+    inner = getattr(model, "model", None)
+    for obj in (model, inner):
+        if obj is None:
+            continue
+        cls = type(obj)
+        if cls.__module__.rsplit(".", 1)[-1].endswith("eagle3") or "eagle3" in cls.__name__.lower():
+            return True
+    return False
 
 
 @dataclass
@@ -152,6 +167,7 @@ def find_draft_head(inner) -> Tuple[Optional[DraftHead], str]:
     return DraftHead(kind, owner, fc, input_norm, fc_norm, eps_values.pop() if eps_values else 1e-6, num_aux), ""
 
 
+# ---- state -----------------------------------------------------------------------------------------
 class DraftFcState:
     def __init__(self, inner, head: DraftHead):
         self.inner = inner
@@ -254,55 +270,6 @@ class DraftFcState:
                 need = max(need, self.workspace_bytes(m))
         self.workspace = torch.empty(need, dtype=torch.uint8, device=self.fc.weight.device) if need else None
         return need
-
-
-def is_eagle3_draft(model) -> bool:
-    """Whether ``model`` belongs to SGLang's EAGLE-3 draft family (``*_eagle3`` model modules,
-    ``...Eagle3...`` classes). Other models with an inner ``.fc`` (EAGLE/EAGLE-2 drafts, targets)
-    are not this module's business and are passed over without a word."""
-    inner = getattr(model, "model", None)
-    for obj in (model, inner):
-        if obj is None:
-            continue
-        cls = type(obj)
-        if cls.__module__.rsplit(".", 1)[-1].endswith("eagle3") or "eagle3" in cls.__name__.lower():
-            return True
-    return False
-
-
-def _run_draft_forward(state: DraftFcState, original, inner, args, kwargs):
-    """One forward of a patched draft (``original``: the head's stock model forward)."""
-    forward_batch = kwargs["forward_batch"] if "forward_batch" in kwargs else (args[2] if len(args) > 2 else None)
-    weight = state.fc.weight
-    spec = getattr(forward_batch, "spec_info", None)
-    h = getattr(spec, "hidden_states", None)
-    if (not state.enabled or not isinstance(h, torch.Tensor) or h.dim() != 2
-            or h.shape[-1] != weight.shape[1] or h.shape[-1] == inner.config.hidden_size
-            or h.dtype != weight.dtype or h.device != weight.device
-            or (h.shape[-1] > 1 and h.stride(-1) != 1)):
-        state.stats["stock_calls"] += 1
-        return original(inner, *args, **kwargs)
-    call = state.call_for(h.shape[0])
-    need = state.workspace_bytes(h.shape[0], call) if call is not None else 0
-    have = state.workspace.numel() if state.workspace is not None else 0
-    if call is None or need > have:
-        if call is not None:  # never grow a scratch buffer in a forward (it may be a graph capture)
-            warn_once(f"ws:{state.name}:{h.shape[0]}", "eagle3_ops: draft %s fc: %d rows need %d bytes of scratch, the "
-                       "plugin's workspace has %d; SGLang's stock fc serves them", state.name, h.shape[0], need, have)
-        state.stats["stock_calls"] += 1
-        return original(inner, *args, **kwargs)
-    choice, weight, bias, gather, folded = call
-    with dispatch.using(choice.backend if choice else None), plans.forced_path(choice.path if choice else None):
-        x = ops.draft_fc(h, weight, bias, None, state.chunk_weight(), state.input_norm_weight, state.eps,
-                         workspace=state.workspace if need else None, norm_folded=folded)
-    if gather is not None:
-        x = gather(x)  # [M, N/tp] -> [M, N]: the head's own all-gather, or the one sharding adds
-    state.stats["fused_calls"] += 1
-    spec.hidden_states = x
-    try:
-        return original(inner, *args, **kwargs)
-    finally:
-        spec.hidden_states = h
 
 
 # ---- installation ------------------------------------------------------------------------------------
@@ -484,6 +451,43 @@ def _qualify_site(state: DraftFcState, name: str, buckets, shard: Optional[Tuple
     return qualify.qualify(_site_shape(state, shard), weight.device, buckets, tensors=tensors)
 
 
+# ---- the forward wrapper: what runs in each draft forward once installed ---------------------------
+def _run_draft_forward(state: DraftFcState, original, inner, args, kwargs):
+    """One forward of a patched draft (``original``: the head's stock model forward)."""
+    forward_batch = kwargs["forward_batch"] if "forward_batch" in kwargs else (args[2] if len(args) > 2 else None)
+    weight = state.fc.weight
+    spec = getattr(forward_batch, "spec_info", None)
+    h = getattr(spec, "hidden_states", None)
+    if (not state.enabled or not isinstance(h, torch.Tensor) or h.dim() != 2
+            or h.shape[-1] != weight.shape[1] or h.shape[-1] == inner.config.hidden_size
+            or h.dtype != weight.dtype or h.device != weight.device
+            or (h.shape[-1] > 1 and h.stride(-1) != 1)):
+        state.stats["stock_calls"] += 1
+        return original(inner, *args, **kwargs)
+    call = state.call_for(h.shape[0])
+    need = state.workspace_bytes(h.shape[0], call) if call is not None else 0
+    have = state.workspace.numel() if state.workspace is not None else 0
+    if call is None or need > have:
+        if call is not None:  # never grow a scratch buffer in a forward (it may be a graph capture)
+            warn_once(f"ws:{state.name}:{h.shape[0]}", "eagle3_ops: draft %s fc: %d rows need %d bytes of scratch, the "
+                       "plugin's workspace has %d; SGLang's stock fc serves them", state.name, h.shape[0], need, have)
+        state.stats["stock_calls"] += 1
+        return original(inner, *args, **kwargs)
+    choice, weight, bias, gather, folded = call
+    with dispatch.using(choice.backend if choice else None), plans.forced_path(choice.path if choice else None):
+        x = ops.draft_fc(h, weight, bias, None, state.chunk_weight(), state.input_norm_weight, state.eps,
+                         workspace=state.workspace if need else None, norm_folded=folded)
+    if gather is not None:
+        x = gather(x)  # [M, N/tp] -> [M, N]: the head's own all-gather, or the one sharding adds
+    state.stats["fused_calls"] += 1
+    spec.hidden_states = x
+    try:
+        return original(inner, *args, **kwargs)
+    finally:
+        spec.hidden_states = h
+
+
+# ---- after SGLang's graph setup, and lookup --------------------------------------------------------
 def check_routing(model) -> Optional[str]:
     """After SGLang's CUDA-graph / compile setup: None if a patched draft still routes its forward
     through the plugin, else what replaced it (warned once per model)."""
