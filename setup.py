@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 from setuptools import setup
+from setuptools.command.egg_info import egg_info
 
 ROOT = Path(__file__).resolve().parent
 DEFAULT_ARCHS = "9.0a;12.0a"
@@ -58,6 +59,37 @@ def skip_cuda() -> bool:
         sys.exit(f"eagle3_ops build: {e}")
 
 
+class OwnMetadataWriters(egg_info):
+    """setuptools' metadata step, running only setuptools' own metadata writers. setuptools imports
+    the ``egg_info.writers`` entry point of every installed distribution here (SGLang pulls in
+    ``kernels``, which has one), and ``make install`` installs SGLang while this package builds: a
+    half-installed writer failed the build (CI: ``No module named 'kernels_data'``). This package's
+    metadata needs none of them."""
+
+    def run(self) -> None:
+        import setuptools.command.egg_info as step
+
+        every = getattr(step, "metadata", None)
+        if every is None or not hasattr(every, "entry_points"):  # a setuptools that finds writers otherwise
+            return super().run()
+
+        class SetuptoolsWritersOnly:
+            def __getattr__(self, name):
+                return getattr(every, name)
+
+            def entry_points(self, **selection):
+                found = every.entry_points(**selection)
+                if selection.get("group") != "egg_info.writers":
+                    return found
+                return [ep for ep in found if ep.module.partition(".")[0] == "setuptools"]
+
+        step.metadata = SetuptoolsWritersOnly()
+        try:
+            super().run()
+        finally:
+            step.metadata = every
+
+
 def cuda_extensions():
     if skip_cuda():
         log("EAGLE3_OPS_SKIP_CUDA=1: pure-Python package (triton + reference backends)")
@@ -102,4 +134,4 @@ def cuda_extensions():
 
 if __name__ == "__main__":  # setuptools runs setup.py as __main__; tests import read_sources()
     ext_modules, cmdclass = cuda_extensions()
-    setup(ext_modules=ext_modules, cmdclass=cmdclass)
+    setup(ext_modules=ext_modules, cmdclass={"egg_info": OwnMetadataWriters, **cmdclass})

@@ -1,4 +1,5 @@
-"""The build: one source list for setup.py and CMake, and when nvcc is present the extension is
+"""The build: one source list for setup.py and CMake, a metadata step that other installed
+distributions cannot break (make install builds while SGLang is being installed), and when nvcc is present the extension is
 built (a missing extension is a failure) with a cubin of every arch asked for (TORCH_CUDA_ARCH_LIST; by
 default sm_90a and sm_120a; the device check asks for its own card's only) for every kernel family,
 registers its torch ops (tests/test_cuda_ops_registration.py checks them), no kernel uses local
@@ -50,6 +51,28 @@ def test_cmake_builds_the_same_source_list(tmp_path):
     line = next(ln for ln in out.splitlines() if "eagle3_ops sources:" in ln)
     cmake_sources = sorted(os.path.relpath(p, ROOT) for p in line.split("eagle3_ops sources:")[1].strip().split(";"))
     assert cmake_sources == sorted(_setup_sources())
+
+
+def test_metadata_step_ignores_other_distributions_writers(tmp_path):
+    """`make install` builds this package while uv installs SGLang into the same environment, and
+    setuptools imports every distribution's `egg_info.writers` entry point in the metadata step; a
+    half-installed one (CI: `kernels` before `kernels_data`) failed the build. The step pip runs
+    (PEP 517 prepare_metadata_for_build_editable) must succeed beside a writer that cannot import."""
+    site = tmp_path / "site"
+    info = site / "half_installed-1.0.dist-info"
+    info.mkdir(parents=True)
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: half-installed\nVersion: 1.0\n")
+    (info / "entry_points.txt").write_text("[egg_info.writers]\nhalf.lock = half_installed_writer:write\n")
+    out = tmp_path / "metadata"
+    out.mkdir()
+    env = dict(os.environ, PYTHONPATH=str(site), EAGLE3_OPS_SKIP_CUDA="1")
+    hook = f"from setuptools import build_meta; print(build_meta.prepare_metadata_for_build_editable({str(out)!r}))"
+    run = subprocess.run([sys.executable, "-c", hook], cwd=ROOT, env=env, capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr[-3000:]
+    dist_info = out / run.stdout.strip().splitlines()[-1]
+    # the package's own metadata is all there: the SGLang plugin entry point and the console script
+    entry_points = (dist_info / "entry_points.txt").read_text()
+    assert "eagle3_ops.sglang.plugin:register" in entry_points and "eagle3-ops" in entry_points
 
 
 def asked_archs():
