@@ -20,8 +20,9 @@ reader (``eagle3_ops/doctor/source_reader.py``). What is read:
   across pipeline stages (``supports_aux_hidden_states_over_pp``);
 - where each model runner reads the draft's ids (the config keys its function reads, in order);
 - for a class that places its captures itself (the Transformers backend's ``Base.set_aux_hidden_state_layers``:
-  an output recorder on ``self._layer_names[layer - 1]``), the layer each id records and the keys of that lookup
-  (an id without a key raises ``KeyError``);
+  an output recorder on ``self._layer_names[layer - 1]``), the layer each id records, the keys of that lookup
+  (an id without a key raises ``KeyError``) and the order of its captures (``capture_order: written``: the loop
+  walks the ids as written, where vLLM's own decoders keep ``tuple(sorted(set(layers)))``);
 - the EAGLE-3 draft heads (speculative registry entries served from ``*eagle3*`` modules), the checkpoint tensors
   each head's ``load_weights`` loads into its decoder layer (:func:`head_layer`: the ``__init__`` chain and the
   name mapping, read with ast; the same reader reads SGLang's installed heads), and the architecture rename
@@ -322,7 +323,11 @@ def own_capture(index: "Index", mro) -> Optional[dict]:
                          ast.unparse(a.targets[0].value) == f"self.{attr}" and
                          ast.unparse(a.targets[0].slice).startswith("int(")), None)
             kind = "after" if offset == 1 else (f"other:{compact}" if offset is None else f"output-of:{compact}")
+            # The loop walks the ids as written (no sorted(set(...)) as in vLLM's own decoders): each id adds
+            # a recorder keyed by the id to the model's _can_record_outputs, and transformers returns the
+            # recorded outputs in that key order (a repeated id is the same key: recorded once, first place).
             return {"capture": [{"boundary": kind, "index": idx, "value": "layer-output"}],
+                    "capture_order": "written",
                     "captured_by": f"{c.name}.set_aux_hidden_state_layers" + (f" ({recorder} on the output of "
                                                                             f"self.{attr}[{idx}])" if recorder else ""),
                     "id_lookup": {"code": f"self.{attr}[{idx}]", "offset": offset, "keys_from": keys}}

@@ -574,7 +574,8 @@ def why_no_fix(rep: "Report", boundaries: List[int]) -> str:
                 f"{stage[0]}..{stage[1] - 1}: boundary {early[0]} is computed on an earlier stage")
     if len(set(boundaries)) != len(boundaries):
         return f"{eng} captures a repeated boundary once, so it cannot feed {boundaries}"
-    if list(boundaries) != sorted(boundaries) and rep.options.engine != "trtllm":
+    if list(boundaries) != sorted(boundaries) and rep.options.engine != "trtllm" and \
+            rep.wiring.rules.capture_order != "written":
         return f"{eng} concatenates its captures in layer order, so it cannot feed {boundaries} in this order"
     return (f"no id list within one of these boundaries makes {eng}'s id rule ('{rep.wiring.rules.rule_text}') "
             f"capture exactly {boundaries} in this order")

@@ -16,7 +16,9 @@ slot stays empty.
 Engine-wide facts used below (each read from the engine's code): captures come out in layer order and a
 repeated boundary is captured once (SGLang tests ``i in layers_to_capture`` in its layer loop; vLLM keeps
 ``tuple(sorted(set(layers)))``, ``interfaces.EagleModelMixin``; TensorRT-LLM ``sorted(list(...))`` in
-``Eagle3OneModelSpecMetadata.__post_init__``, id -1 first); only the last pipeline stage's captures reach
+``Eagle3OneModelSpecMetadata.__post_init__``, id -1 first), except where a class records its captures itself
+(vLLM's Transformers backend: one recorder per id, in the order the ids are written, ``capture_order`` in
+its table row); only the last pipeline stage's captures reach
 the draft (SGLang; vLLM's V2 runner relays earlier stages' captures for decoders with
 ``supports_aux_hidden_states_over_pp``); TensorRT-LLM never reads the draft config's ids
 (``EagleDecodingConfig.eagle3_layers_to_capture``), default ``(1, L//2 - 1, L - 4)`` captured after each
@@ -242,7 +244,8 @@ def resolve_wiring(engine: str, target: TargetInfo, draft: DraftInfo, *, pp: int
         stage = pp_stage_ranges(L, pp, pp_partition)[-1]
         first_cap = stage[0]
 
-    # Concatenation order: layer order; TRT-LLM sorts ids (id -1, the post-norm state, first).
+    # Concatenation order: layer order; TRT-LLM sorts ids (id -1, the post-norm state, first); vLLM's Transformers
+    # backend keeps the ids' written order (rules.capture_order). A repeated boundary is captured once.
     seen, duplicates, order = set(), [], []
     for pos, b in enumerate(config_order):
         if b in seen:
@@ -252,7 +255,7 @@ def resolve_wiring(engine: str, target: TargetInfo, draft: DraftInfo, *, pp: int
         order.append((pos, b))
     if engine == "trtllm" and ids is not None:
         order.sort(key=lambda pb: ids[pb[0]])  # a Set[int], sorted: id -1 (post-norm) comes first
-    else:
+    elif rules.capture_order != "written":
         order.sort(key=lambda pb: pb[1])
     reordered = [p for p, _ in order] != sorted(p for p, _ in order)
 
@@ -307,6 +310,8 @@ def ids_for_boundaries(rules: TargetRules, boundaries: List[int], num_layers: in
             continue
         if rules.engine == "trtllm":
             order = sorted(range(len(ids)), key=lambda p: ids[p])
+        elif rules.capture_order == "written":
+            order = list(range(len(ids)))
         else:
             order = sorted(range(len(ids)), key=lambda p: m.config_order[p])
         if order != list(range(len(ids))) or len(set(m.config_order)) != len(m.config_order):

@@ -49,6 +49,9 @@ class TargetRules:
     final_code: Optional[str] = None
     pp_last_rank_only: bool = True
     pp_relay: bool = False
+    # the order the draft's slots get the captures in: "layer" (ascending boundary: SGLang, vLLM's own decoders'
+    # tuple(sorted(set(layers)))), "written" (the ids' order: vLLM's Transformers backend records per id)
+    capture_order: str = "layer"
     flags: bool = False            # SGLang: per-layer flags (self.layers[b]): b >= L raises, b < 0 wraps
     raises_at_zero: Optional[str] = None     # vLLM: boundary 0 raises (residual still None)
     scaled_embedding: Optional[str] = None
@@ -274,6 +277,7 @@ def _vllm_table(target) -> TargetRules:
     r.entry = "hidden+residual"
     r.pp_relay = bool(row.get("pp_relay"))
     r.pp_last_rank_only = not r.pp_relay
+    r.capture_order = row.get("capture_order") or "layer"
     if any(c["boundary"] == "entry" and c["value"] == "hidden+residual-unguarded" for c in cap):
         r.raises_at_zero = (f"vLLM {t['version']}'s {row.get('decoder')}.forward captures id 0 as hidden_states + "
                             f"residual while residual is still None: the forward raises a TypeError")

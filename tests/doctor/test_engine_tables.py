@@ -406,6 +406,8 @@ def test_vllm_generator_on_synthetic_sources(tmp_path):
     assert foo["class"] == "transformers.TransformersForCausalLM"
     assert foo["supported"] and foo["capture"][0]["boundary"] == "after" and foo["id_lookup"]["offset"] == 1
     assert "OutputRecorder" in foo["captured_by"]
+    # its loop walks the ids as written (one recorder each); vLLM's own decoders sort them
+    assert foo["capture_order"] == "written" and "capture_order" not in t["targets"]["LlamaForCausalLM"]
     assert t["targets"]["LlamaForCausalLM"]["capture"][0]["boundary"] in ("start", "after")
     assert t["targets"]["Eagle3LlamaForCausalLM"]["supported"] is False  # a draft registration, not a target
     params = t["draft_heads"]["Eagle3LlamaForCausalLM"]["layer"]["params"]

@@ -60,6 +60,56 @@ def test_transformers_backend_raises_for_ids_it_has_no_layer_for(tmp_path):
         no_empty_names(rep)
 
 
+def test_transformers_backend_feeds_the_ids_in_the_order_written(tmp_path):
+    """Base.set_aux_hidden_state_layers adds one recorder per id, in the order the ids are written (vLLM's own
+    decoders sort them): ids [14, 3, 9] feed slot 0 the output of layer 13, so a draft trained on [3, 9, 14]
+    in that order is miswired (an error with the ids that fix it), where a native vLLM class only reorders."""
+    trained = dict(ids=[2, 8, 13])  # eagle_config: the outputs of layers 2, 8, 13 = boundaries 3, 9, 14
+    t = write_target(tmp_path / "olmo2", model_type="olmo2", num_layers=L, architectures=["Olmo2ForCausalLM"])
+    rc, rep = doctor(write_draft(tmp_path / "d", top_ids=[14, 3, 9], **trained), t)
+    assert [s["capture_index"] for s in rep["slots"]] == [14, 3, 9] and not any(s["match"] for s in rep["slots"])
+    msg = finding(rep, "E_WIRING_MISMATCH")["message"]
+    assert rc == 1 and "W_SLOT_ORDER" not in codes(rep) and "to [3, 9, 14]" in msg, msg
+    # a repeated id is one recorder (one key), kept at its first place
+    rc, rep = doctor(write_draft(tmp_path / "d2", top_ids=[9, 3, 9], **trained), t)
+    assert [s["capture_index"] for s in rep["slots"]] == [9, 3, None] and "E_DUPLICATE_CAPTURE" in codes(rep)
+    # the same ids on a class vLLM serves with its own decoder: captured in layer order, the right states
+    lt = write_target(tmp_path / "llama", model_type="llama", num_layers=L, architectures=["LlamaForCausalLM"])
+    rc, rep = doctor(write_draft(tmp_path / "d3", top_ids=[14, 3, 9], **trained), lt)
+    assert [s["capture_index"] for s in rep["slots"]] == [3, 9, 14] and "W_SLOT_ORDER" in codes(rep)
+
+
+def test_the_written_order_is_what_transformers_returns():
+    """The fact behind ``capture_order: written``, checked on the installed transformers: recorders added the way
+    vLLM 0.33.0's Base.set_aux_hidden_state_layers adds them (an OutputRecorder on the output of layer id - 1,
+    keyed by the id, for layer in layers) come back in the order the ids were written, a repeated id once."""
+    import copy
+
+    import torch
+    from transformers import LlamaConfig, LlamaModel
+    from transformers.utils.output_capturing import OutputRecorder, maybe_install_capturing_hooks
+
+    cfg = LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=6, num_attention_heads=4,
+                      num_key_value_heads=4, vocab_size=100)
+    class Recorded(LlamaModel):  # vLLM adds to the class's dict (transformers registers it per class): a copy
+        _can_record_outputs = dict(LlamaModel._can_record_outputs or {})
+
+    torch.manual_seed(0)
+    model = Recorded(cfg).eval()
+    ids = torch.arange(5)[None]
+    reference = copy.deepcopy(model)(input_ids=ids, output_hidden_states=True, use_cache=False).hidden_states
+    flags = {}
+    for layer in (4, 1, 3, 4):
+        key = f"aux_hidden_state_{layer}"
+        model._can_record_outputs[key] = OutputRecorder(type(model.layers[0]), layer_name=f"layers.{layer - 1}")
+        flags[f"output_{key}"] = True
+    maybe_install_capturing_hooks(model)
+    out = model(input_ids=ids, use_cache=False, return_dict=False, **flags)
+    got = [x[0][0] for x in out[1:]]  # vLLM: aux_hidden_states = [x[0][0, ...] for x in outputs[1:]]
+    boundaries = [[b for b in range(len(reference)) if torch.equal(g, reference[b][0])] for g in got]
+    assert boundaries == [[4], [1], [3]], boundaries
+
+
 def test_an_unregistered_architecture_falls_back_to_the_transformers_backend(tmp_path):
     """An architecture vLLM's registry does not name: vLLM tries its Transformers backend (named by
     ModelConfig._get_transformers_backend_cls); whether transformers has a compatible class the doctor cannot
