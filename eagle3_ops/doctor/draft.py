@@ -3,7 +3,9 @@
 It mirrors SGLang 0.5.23 ``srt/models/llama_eagle3.py`` (``LlamaModel.forward`` and its
 ``LlamaDecoderLayer``), with checkpoint names as SpecForge / SGLang write them:
 
-- ``fc.weight`` [H_draft, K*H_target] (+ ``fc.bias`` when the config has ``bias: true``)
+- ``fc.weight`` [H_draft, K*H_target] (+ ``fc.bias`` when the config has ``bias: true``: SGLang builds
+  ``fc`` with ``bias=config.bias``, and each layer's ``o_proj`` with ``attention_bias or bias`` while its
+  ``qkv_proj`` never has one; a bias tensor the config does not ask for is not loaded, as in SGLang)
 - ``input_norm.weight`` [K*H_target]      (``norm_before_fc``: one RMSNorm over the whole row)
 - ``fc_norm.{k}.weight`` [H_target]       (``fc_norm`` / ``use_aux_norm``: one RMSNorm per slot;
   legacy names ``aux_norm_low|mid|high``)
@@ -68,6 +70,7 @@ class DraftSpec:
     norm_before_fc: bool = False
     fc_norm: bool = False
     fc_bias: bool = False
+    o_proj_bias: bool = False
     norm_before_residual: bool = False
     tie_word_embeddings: bool = False
 
@@ -110,7 +113,7 @@ class _Attention(nn.Module):
         self.q_proj = nn.Linear(in_size, spec.num_heads * hd, bias=False)
         self.k_proj = nn.Linear(in_size, spec.num_kv_heads * hd, bias=False)
         self.v_proj = nn.Linear(in_size, spec.num_kv_heads * hd, bias=False)
-        self.o_proj = nn.Linear(spec.num_heads * hd, spec.hidden_size, bias=False)
+        self.o_proj = nn.Linear(spec.num_heads * hd, spec.hidden_size, bias=spec.o_proj_bias)
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """x [..., T, in] -> [..., T, H]; causal attention along T."""

@@ -93,7 +93,8 @@ def draft_implementation(engine: str, requested: str = "auto", device: str = "cp
     return "sglang" if engine == "sglang" and device == "cpu" and pinned else "plain"
 
 
-def unsupported_draft(draft, weights: Dict[str, TensorInfo], implementation: str = "plain") -> Optional[str]:
+def unsupported_draft(draft, weights: Dict[str, TensorInfo], implementation: str = "plain",
+                      engine: str = "sglang") -> Optional[str]:
     """Why the replay cannot run this draft with ``implementation`` (``draft_implementation``), or None.
     SGLang's code runs every EAGLE-3 head SGLang serves; the twin runs llama_eagle3 drafts (SGLang's and
     vLLM's names) only: another architecture would be scored by a model it is not, ranking wirings by noise."""
@@ -110,6 +111,11 @@ def unsupported_draft(draft, weights: Dict[str, TensorInfo], implementation: str
         return None
     lc = draft.layer_config
     archs, layer_type = draft.architectures, str(lc.get("model_type", ""))
+    biased = [f"{k}: {lc[k]!r}" for k in ("bias", "attention_bias", "mlp_bias") if lc.get(k)]
+    if engine == "vllm" and biased:
+        return (f"the replay's plain twin builds the biases SGLang 0.5.23's llama_eagle3 builds; vLLM 0.33.0's head "
+                f"builds others (qkv_proj with attention_bias, o_proj with attention_bias or bias, the MLP with "
+                f"mlp_bias, never fc), so with {', '.join(biased)} it would score a model vLLM does not serve")
     if (any(a in ("LlamaForCausalLMEagle3", "Eagle3LlamaForCausalLM") for a in archs)
             or (draft.dialect == "speculators" and layer_type == "llama")  # Eagle3Speculator over a llama layer
             or (not archs and "layers.0.self_attn.q_proj.weight" in weights)):  # no architectures, llama tensors
@@ -159,6 +165,15 @@ def build_runner(report: Report, weights: Dict[str, TensorInfo], token_ids: Opti
     return PlainDraftRunner(build_draft(report, weights, token_ids).to(device))
 
 
+def llama_eagle3_biases(layer_config: dict) -> Dict[str, bool]:
+    """The biases SGLang 0.5.23's llama_eagle3 builds from a draft's config: ``fc`` with ``bias``
+    (``LlamaModel.__init__``: ``bias=getattr(config, "bias", False)``), each layer's ``o_proj`` with
+    ``attention_bias or bias`` (``llama.LlamaDecoderLayer``), its ``qkv_proj`` with none (the eagle3 layer
+    rebuilds it with ``bias=False``); tests/sglang/test_replay_draft.py holds the twin equal to that class."""
+    fc = bool(layer_config.get("bias", False))
+    return {"fc_bias": fc, "o_proj_bias": bool(layer_config.get("attention_bias", False)) or fc}
+
+
 def build_draft(report: Report, weights: Dict[str, TensorInfo], token_ids: Optional[torch.Tensor] = None
                 ) -> Eagle3Draft:
     """Instantiate the plain-PyTorch draft from the checkpoint (shapes from weights, rest from config).
@@ -167,7 +182,7 @@ def build_draft(report: Report, weights: Dict[str, TensorInfo], token_ids: Optio
     target's embeddings serve (SGLang replaces the draft's with the target's when the hidden sizes match)."""
     draft, target = report.draft, report.target
     lc = draft.layer_config
-    why = unsupported_draft(draft, weights)
+    why = unsupported_draft(draft, weights, engine=report.options.engine)
     if why is not None:
         raise DoctorInputError(why)
     act = lc.get("hidden_act") or "silu"  # Llama's default
@@ -199,12 +214,13 @@ def build_draft(report: Report, weights: Dict[str, TensorInfo], token_ids: Optio
     vocab = target.vocab_size or (emb.shape[0] if emb is not None else None) or draft.vocab_size
     draft_vocab = lm.shape[0] if lm is not None else (draft.draft_vocab_size or vocab)
     rope = lc.get("rope_theta") or (lc.get("rope_parameters") or {}).get("rope_theta") or 10000.0
+    biases = llama_eagle3_biases(lc)
     spec = DraftSpec(hidden_size=hidden, target_hidden_size=target.hidden_size, num_aux=K, vocab_size=vocab,
                      draft_vocab_size=draft_vocab, num_layers=n_layers, num_heads=heads, num_kv_heads=kv_heads,
                      head_dim=head_dim, intermediate_size=weights["layers.0.mlp.gate_proj.weight"].shape[0],
                      hidden_act=act, rms_norm_eps=float(lc.get("rms_norm_eps", 1e-6)),
                      rope_theta=float(rope), norm_before_fc="input_norm.weight" in weights,
-                     fc_norm="fc_norm.0.weight" in weights, fc_bias="fc.bias" in weights,
+                     fc_norm="fc_norm.0.weight" in weights, **biases,
                      norm_before_residual=draft.norm_before_residual,
                      tie_word_embeddings=draft.tie_word_embeddings and lm is None)
     uses_target = hidden == target.hidden_size
@@ -228,7 +244,10 @@ def build_draft(report: Report, weights: Dict[str, TensorInfo], token_ids: Optio
         raise DoctorInputError(f"replay: {e}") from None
     missing = [m for m in missing if m not in ("embed_tokens.weight", "d2t", "t2d")]
     if missing:
-        raise DoctorInputError(f"replay: draft weights missing: {', '.join(missing)}")
+        asked = [f"{k}: {lc[k]!r}" for k in ("bias", "attention_bias") if lc.get(k)]
+        raise DoctorInputError(f"replay: draft weights missing: {', '.join(missing)}" + (
+            f" (config.json sets {' and '.join(asked)}, so SGLang builds these biases and, without a tensor, "
+            f"serves them uninitialised)" if asked and any(m.endswith(".bias") for m in missing) else ""))
     if "d2t" not in tensors:
         model.d2t.zero_()
     # SGLang replaces the draft's embedding with the target's (set_embed) unless the hidden sizes differ.

@@ -2,7 +2,8 @@
 what runs where SGLang is not installed: vLLM users, offline) computes what SGLang 0.5.23's own
 ``LlamaForCausalLMEagle3`` computes when the replay runs it (eagle3_ops.doctor.sglang_draft), on the same
 checkpoint, for every draft variant the twin accepts: per-slot fc_norm, norm_before_fc, grouped KV
-heads or not, a second decoder layer, a draft hidden size other than the target's (its own embedding, read at the
+heads or not, a second decoder layer, the biases the config's bias / attention_bias make SGLang build (and the
+checkpoint's biases it does not load), a draft hidden size other than the target's (its own embedding, read at the
 replayed tokens' rows only), a tied lm_head, no d2t. Random weights and inputs, fresh per variant; logits to
 float32 rounding, and the same predicted target tokens wherever the top two logits are apart by more than that."""
 import json
@@ -19,7 +20,7 @@ TARGET_H, VOCAB, K, B, N = 16, 128, 3, 3, 9
 
 
 def _draft(path, *, hidden=16, draft_vocab=64, heads=4, kv_heads=2, layers=1, fc_norm=False, norm_before_fc=False,
-           bias=False, tied=False, d2t=True, seed=0):
+           bias=False, attention_bias=False, fc_bias_tensor=None, tied=False, d2t=True, seed=0):
     g = torch.Generator().manual_seed(seed)
     r = lambda *s: torch.randn(*s, generator=g) / s[-1] ** 0.5  # noqa: E731
     norm = lambda n: 1 + 0.2 * torch.randn(n, generator=g)  # noqa: E731
@@ -36,8 +37,15 @@ def _draft(path, *, hidden=16, draft_vocab=64, heads=4, kv_heads=2, layers=1, fc
         t.update({f"fc_norm.{k}.weight": norm(TARGET_H) for k in range(K)})
     if norm_before_fc:
         t["input_norm.weight"] = norm(K * TARGET_H)
-    if bias:
+    if bias if fc_bias_tensor is None else fc_bias_tensor:
         t["fc.bias"] = 0.1 * torch.randn(hidden, generator=g)
+    for i in range(layers):
+        p = f"layers.{i}." if i else "midlayer."
+        if bias or attention_bias:
+            t[p + "self_attn.o_proj.bias"] = 0.1 * torch.randn(hidden, generator=g)
+        if attention_bias:  # trained with q/k/v biases too (SGLang's eagle3 layer has no qkv bias to load them into)
+            t.update({p + f"self_attn.{n}_proj.bias": 0.1 * torch.randn(w, generator=g)
+                      for n, w in (("q", heads * hd), ("k", kv_heads * hd), ("v", kv_heads * hd))})
     if hidden != TARGET_H or tied:
         t["embed_tokens.weight"] = torch.randn(VOCAB, hidden, generator=g)
     if not tied:
@@ -50,6 +58,7 @@ def _draft(path, *, hidden=16, draft_vocab=64, heads=4, kv_heads=2, layers=1, fc
            "num_hidden_layers": layers, "hidden_act": "silu", "rms_norm_eps": 1e-5, "rope_theta": 50000.0,
            "max_position_embeddings": 64, "vocab_size": VOCAB, "draft_vocab_size": VOCAB if tied else draft_vocab,
            "target_hidden_size": TARGET_H, "tie_word_embeddings": tied, "fc_norm": fc_norm, "bias": bias,
+           "attention_bias": attention_bias,
            "eagle_config": {"eagle_aux_hidden_state_layer_ids": [1, 4, 6], "use_aux_hidden_state": True,
                             "norm_before_fc": norm_before_fc}}
     path.mkdir(parents=True)
@@ -63,6 +72,10 @@ VARIANTS = {
     "mha": dict(kv_heads=4), "two_layers": dict(layers=2, fc_norm=True),
     "own_embedding_h24": dict(hidden=24, heads=4, kv_heads=2), "tied_h24": dict(hidden=24, tied=True, draft_vocab=VOCAB, d2t=False),
     "no_d2t": dict(draft_vocab=VOCAB, d2t=False),
+    # config "bias": fc and every o_proj get one; "attention_bias": o_proj only (the checkpoint's q/k/v biases are
+    # not loaded); an fc.bias the config does not ask for is not loaded either
+    "bias": dict(bias=True), "attention_bias_two_layers": dict(attention_bias=True, layers=2),
+    "unasked_fc_bias": dict(fc_bias_tensor=True),
 }
 
 
@@ -121,3 +134,39 @@ def test_sequences_longer_than_the_drafts_max_position_embeddings(sglang_cpu, tm
     sglang = build_runner(report, weights, token_ids=ids, implementation="sglang", max_positions=n + 1)
     want, got = plain.logits(aux, ids, embeds).double(), sglang.logits(aux, ids, embeds).double()
     assert ((got - want).norm() / want.norm()).item() < 1e-5
+
+
+def test_a_bias_the_config_asks_for_and_the_checkpoint_lacks_is_named(sglang_cpu, tmp_path):
+    """config "bias": true without o_proj biases in the checkpoint: SGLang builds the parameters and serves them
+    uninitialised; both implementations name them instead of scoring that."""
+    from safetensors.torch import load_file
+
+    from eagle3_ops.doctor.configs import DoctorInputError
+
+    target = configs.parse_target(write_target(tmp_path / "target", num_layers=8, hidden=TARGET_H, vocab=VOCAB))
+    d = _draft(tmp_path / "draft", bias=True)
+    t = load_file(str(d / "model.safetensors"))
+    del t["midlayer.self_attn.o_proj.bias"]
+    save_file(t, str(d / "model.safetensors"))
+    draft, weights = configs.parse_draft(d, use_sglang=True), configs.read_weight_headers(d)
+    report = checks.run_checks(target, draft, weights, checks.Options(engine="sglang"))
+    ids = torch.arange(10)[None]
+    with pytest.raises(DoctorInputError, match=r"missing: layers\.0\.self_attn\.o_proj\.bias \(config\.json sets "
+                                               r"bias: True, so SGLang builds these biases .*uninitialised"):
+        build_runner(report, weights, token_ids=ids, implementation="plain")
+    with pytest.raises(DoctorInputError, match=r"left parameters unset .*model\.layers\.0\.self_attn\.o_proj\.bias"):
+        build_runner(report, weights, token_ids=ids, implementation="sglang")
+
+
+@pytest.mark.parametrize("key", ["bias", "attention_bias"])
+def test_the_plain_twin_refuses_biases_for_vllm(key, tmp_path):
+    """vLLM 0.33.0's llama_eagle3 head builds other biases than SGLang's (qkv_proj with attention_bias, never fc):
+    for --engine vllm the twin, which builds SGLang's, refuses a draft whose config asks for any."""
+    from eagle3_ops.doctor.configs import DoctorInputError
+
+    target = configs.parse_target(write_target(tmp_path / "target", num_layers=8, hidden=TARGET_H, vocab=VOCAB))
+    d = _draft(tmp_path / "draft", **{key: True})
+    draft, weights = configs.parse_draft(d), configs.read_weight_headers(d)
+    report = checks.run_checks(target, draft, weights, checks.Options(engine="vllm"))
+    with pytest.raises(DoctorInputError, match=rf"vLLM 0\.33\.0's head builds others .*{key}: True.*does not serve"):
+        build_runner(report, weights, token_ids=torch.arange(10)[None], implementation="plain")
