@@ -22,9 +22,21 @@ from eagle3_ops.doctor import sglang_code
 from eagle3_ops.doctor.tables import PINNED, TABLES, dumps, table_path
 
 
+def sglang_table() -> dict:
+    """The whole table for the installed SGLang: every registered class as the doctor reads it at run time
+    (``sglang_code.describe_class``), its EAGLE-3 heads, and the probes behind the id rules."""
+    reg = sglang_code.registry()
+    rows = {arch: sglang_code.describe_class(arch, cls) for arch, cls in sorted(reg.items())}
+    heads = {arch: h for arch, cls in sorted(reg.items()) if (h := sglang_code.draft_head(cls)) is not None}
+    return {"engine": "sglang", "version": sglang_code.installed_version(), "targets": rows, "draft_heads": heads,
+            "probes": {"ids": [list(i) for i in sglang_code.PROBE_IDS], "num_layers": list(sglang_code.PROBE_LAYERS)},
+            "draft_head_rule": "a registered class whose module reads spec_info.hidden_states and sizes its fc by "
+                               "num_aux_hidden_states"}
+
+
 def build(engine: str, wheel=None) -> dict:
     if engine == "sglang":
-        t = sglang_code.table()
+        t = sglang_table()
         t["generated_from"] = (f"the installed sglang {t['version']} (its ModelRegistry and each class's own "
                                f"set_eagle3_layers_to_capture run on a stand-in; eagle3_ops/doctor/sglang_code.py)")
     else:

@@ -634,14 +634,3 @@ def draft_head(cls: type) -> Optional[dict]:
     return {"class": _qualname(cls), "tied_lm_head": tied,
             "set_embed": _qualname(set_embed) if set_embed is not None and replaces else None,
             "scaled_embedding": source_scan.scaled_embedding(src), "layer": head_layer(cls)}
-
-
-def table() -> dict:
-    """The whole table for the installed SGLang (what ``python -m tools.engine_tables sglang`` writes)."""
-    reg = registry()
-    rows = {arch: describe_class(arch, cls) for arch, cls in sorted(reg.items())}
-    heads = {arch: h for arch, cls in sorted(reg.items()) if (h := draft_head(cls)) is not None}
-    return {"engine": "sglang", "version": installed_version(), "targets": rows, "draft_heads": heads,
-            "probes": {"ids": [list(i) for i in PROBE_IDS], "num_layers": list(PROBE_LAYERS)},
-            "draft_head_rule": "a registered class whose module reads spec_info.hidden_states and sizes its fc by "
-                               "num_aux_hidden_states"}

@@ -18,6 +18,7 @@ import pytest
 
 from eagle3_ops.doctor import rules, sglang_code, source_reader, source_scan, tables
 from tools import vllm_tables
+from tools.engine_tables import sglang_table
 from eagle3_ops.doctor.configs import target_from_config
 from machine import needs_sglang
 
@@ -32,7 +33,7 @@ def _strip(t: dict) -> dict:
 def test_committed_sglang_table_is_what_the_installed_sglang_says():
     assert sglang_code.installed_version() == tables.PINNED["sglang"], "the test venv must hold the pinned SGLang"
     committed = json.loads(tables.table_path("sglang").read_text())
-    live = json.loads(tables.dumps(sglang_code.table()))  # the same JSON round trip as the committed file
+    live = json.loads(tables.dumps(sglang_table()))  # the same JSON round trip as the committed file
     assert set(live["targets"]) == set(committed["targets"]), "ModelRegistry classes changed"
     for arch, row in live["targets"].items():
         assert row == committed["targets"][arch], arch
