@@ -64,7 +64,9 @@ class OwnMetadataWriters(egg_info):
     the ``egg_info.writers`` entry point of every installed distribution here (SGLang pulls in
     ``kernels``, which has one), and ``make install`` installs SGLang while this package builds: a
     half-installed writer failed the build (CI: ``No module named 'kernels_data'``). This package's
-    metadata needs none of them."""
+    metadata needs none of them. Not covered (nothing in the environment registers them today; e.g.
+    setuptools_scm would): ``setuptools.finalize_distribution_options`` hooks, loaded before any command,
+    and ``setuptools.file_finders``, loaded by sdist's manifest code."""
 
     def run(self) -> None:
         import setuptools.command.egg_info as step

@@ -265,9 +265,21 @@ def _vllm_table(target) -> TargetRules:
         # the wrapper builds its language model from text_config.architectures at start-up: that class's decoder
         lm = next((a for a in (target.text_config.get("architectures") or []) if a in rows), None)
         if lm is not None and rows[lm].get("capture"):
-            row = dict(row, capture=rows[lm]["capture"], decoder=rows[lm].get("decoder"),
-                       pp_relay=rows[lm].get("pp_relay"),
-                       decoder_how=f"{row['decoder_how']}: text_config.architectures = {lm}")
+            inner = rows[lm]
+            if inner.get("captured_by") and row.get("set_aux_hidden_state_layers") == "SupportsEagle3":
+                # SupportsEagle3's own setter unwraps language_model.model and asserts an EagleModelMixin (vLLM's
+                # decoders); a language model that records its captures itself (the Transformers backend) is none
+                r.supported = False
+                r.refusal = (f"vLLM {t['version']}'s {cls} keeps SupportsEagle3.set_aux_hidden_state_layers, which "
+                             f"asserts that its language model's .model is an EagleModelMixin; its text_config."
+                             f"architectures = {lm} is served by {inner.get('class')}, which captures in "
+                             f"{inner['captured_by'].split(' (')[0]} and is not one: vLLM stops at start-up "
+                             f"(AssertionError)")
+                return r
+            # the language model's capture rules, its own placement and order included (the Transformers backend)
+            row = dict(row, capture=inner["capture"], decoder=inner.get("decoder"), pp_relay=inner.get("pp_relay"),
+                       decoder_how=f"{row['decoder_how']}: text_config.architectures = {lm}",
+                       **{k: inner[k] for k in ("capture_order", "id_lookup", "captured_by") if k in inner})
     m = re.fullmatch(r"\(2, num_layers // 2, num_layers - 3\)", row.get("default") or "")
     r.default = ["2", "L//2", "L-3"] if m else None
     cap = row.get("capture") or []

@@ -144,3 +144,36 @@ def test_no_empty_class_name_without_architectures(tmp_path):
         assert rep is not None, err
         assert "lists no architectures" in finding(rep, "E_DRAFT_CLASS")["message"], engine
         no_empty_names(rep)
+
+
+def _wrapper(path, arch):
+    """A multimodal target whose language model vLLM builds from text_config.architectures (Olmo2: the
+    Transformers backend)."""
+    import json
+
+    text = {"model_type": "olmo2", "architectures": ["Olmo2ForCausalLM"], "num_hidden_layers": L, "hidden_size": 16,
+            "vocab_size": 128, "num_attention_heads": 2, "num_key_value_heads": 2, "intermediate_size": 32}
+    path.mkdir(parents=True)
+    (path / "config.json").write_text(json.dumps({"model_type": "llava", "architectures": [arch],
+                                                  "text_config": text}))
+    return path
+
+
+def test_a_wrapper_over_a_transformers_backend_language_model(tmp_path):
+    """Pixtral hands the ids to its language model's own setter: the Transformers backend's written order and
+    its KeyError for id 0 hold through the wrapper. Llava keeps SupportsEagle3's setter, which asserts that
+    language_model.model is one of vLLM's decoders (EagleModelMixin): vLLM stops at start-up."""
+    trained = dict(ids=[2, 8, 13])
+    rows = tables.load("vllm")["targets"]
+    assert rows["PixtralForConditionalGeneration"]["set_aux_hidden_state_layers"] == "PixtralForConditionalGeneration"
+    assert rows["LlavaForConditionalGeneration"]["set_aux_hidden_state_layers"] == "SupportsEagle3"
+    pixtral = _wrapper(tmp_path / "pixtral", "PixtralForConditionalGeneration")
+    rc, rep = doctor(write_draft(tmp_path / "d", top_ids=[14, 3, 9], **trained), pixtral)
+    assert [s["capture_index"] for s in rep["slots"]] == [14, 3, 9] and "E_WIRING_MISMATCH" in codes(rep), codes(rep)
+    rc, rep = doctor(write_draft(tmp_path / "d0", top_ids=[0, 8, 13], **trained), pixtral)
+    assert "KeyError" in finding(rep, "E_ENGINE_RAISES")["message"]
+    rc, rep = doctor(write_draft(tmp_path / "d1", top_ids=[3, 9, 14], **trained), _wrapper(tmp_path / "llava",
+                                                                                          "LlavaForConditionalGeneration"))
+    text = " ".join(f["message"] for f in rep["findings"] if f["severity"] == "error")
+    assert rc == 1 and "EagleModelMixin" in text and "AssertionError" in text, codes(rep)
+    no_empty_names(rep)
