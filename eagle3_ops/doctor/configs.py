@@ -130,21 +130,28 @@ def read_config(path, what: str) -> Tuple[Path, dict]:
         except OSError as e:  # an unsearchable directory hides its files: say so, not "no config.json"
             raise DoctorInputError(f"{what}: cannot read {cfg_path}: {_os_why(e)}") from None
         raise DoctorInputError(f"{what}: no config.json in {p}")
-    check_file(cfg_path, what, "a model directory or its config.json")
+    return model_dir, read_json_object(cfg_path, what, "a model directory or its config.json")
+
+
+def read_json_object(path, what: str, expected: str) -> dict:
+    """A file that must hold one JSON object (a config, a shard index, a draft snapshot), read with one-line
+    errors naming ``what`` and the path: not a readable regular file (:func:`check_file`, ``expected``), an
+    OS error, not UTF-8, not JSON (line and column), or JSON but not an object."""
+    p = check_file(path, what, expected)
     try:
-        text = cfg_path.read_text()
+        text = p.read_text()
     except OSError as e:
-        raise DoctorInputError(f"{what}: cannot read {cfg_path}: {_os_why(e)}") from None
+        raise DoctorInputError(f"{what}: cannot read {p}: {_os_why(e)}") from None
     except UnicodeDecodeError as e:
-        raise DoctorInputError(f"{what}: {cfg_path} is not UTF-8 text ({e})") from None
+        raise DoctorInputError(f"{what}: {p} is not UTF-8 text ({e})") from None
     try:
-        cfg = json.loads(text)
+        data = json.loads(text)
     except json.JSONDecodeError as e:
-        raise DoctorInputError(f"{what}: {cfg_path} is not valid JSON (line {e.lineno}, column {e.colno}: {e.msg})") \
+        raise DoctorInputError(f"{what}: {p} is not valid JSON (line {e.lineno}, column {e.colno}: {e.msg})") \
             from None
-    if not isinstance(cfg, dict):
-        raise DoctorInputError(f"{what}: {cfg_path} must hold a JSON object, found {type(cfg).__name__}")
-    return model_dir, cfg
+    if not isinstance(data, dict):
+        raise DoctorInputError(f"{what}: {p} must hold a JSON object, found {type(data).__name__}")
+    return data
 
 
 def _int_field(cfg: dict, key: str, what: str, required: bool = True) -> Optional[int]:
@@ -501,15 +508,7 @@ def checkpoint_files(model_dir, what: str = "draft") -> CheckpointFiles:
     model_dir = Path(model_dir)
     index = model_dir / INDEX_NAME
     if os.path.lexists(index):
-        check_file(index, what, "a JSON index of the safetensors shards")
-        try:
-            data = json.loads(index.read_text())
-        except OSError as e:
-            raise DoctorInputError(f"{what}: cannot read {index}: {_os_why(e)}") from None
-        except (UnicodeDecodeError, json.JSONDecodeError) as e:
-            raise DoctorInputError(f"{what}: cannot read {index}: {e}") from None
-        if not isinstance(data, dict):
-            raise DoctorInputError(f"{what}: {index} must hold a JSON object, found {type(data).__name__}")
+        data = read_json_object(index, what, "a JSON index of the safetensors shards")
         weight_map = data.get("weight_map")
         if not isinstance(weight_map, dict) or not all(isinstance(f, str) for f in weight_map.values()):
             found = "none" if weight_map is None else type(weight_map).__name__
@@ -671,16 +670,11 @@ def snapshot_changes(snapshot: dict, roles=("config", "index", "weights")) -> Li
 
 def read_snapshot(path, draft_dir=None) -> dict:
     """A snapshot written by the live wiring check (``doctor --draft-snapshot``), checked against its format."""
-    p = check_file(path, "draft-snapshot", "a draft snapshot (JSON) written by the live wiring check")
-    try:
-        data = json.loads(p.read_text())
-    except OSError as e:
-        raise DoctorInputError(f"draft-snapshot: cannot read {p}: {_os_why(e)}") from None
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise DoctorInputError(f"draft-snapshot: {p} is not valid JSON ({e})") from None
+    p = Path(path)
+    data = read_json_object(p, "draft-snapshot", "a draft snapshot (JSON) written by the live wiring check")
     keys = {"path": str, "role": str, "real": str, "size": int, "mtime_ns": int, "ctime_ns": int, "ino": int,
             "dev": int}
-    ok = (isinstance(data, dict) and data.get("format") == SNAPSHOT_FORMAT and isinstance(data.get("dir"), str)
+    ok = (data.get("format") == SNAPSHOT_FORMAT and isinstance(data.get("dir"), str)
           and isinstance(data.get("config"), dict) and isinstance(data.get("files"), list) and data["files"]
           and all(isinstance(f, dict) and all(isinstance(f.get(k), t) for k, t in keys.items()) for f in data["files"])
           and any(f["role"] == "weights" for f in data["files"]))

@@ -71,6 +71,20 @@ def _fresh_warn_once():
 
 
 @pytest.fixture
+def wc(monkeypatch, tmp_path):
+    """The live wiring check's module with its results kept in this test's folder, the switches it reads unset,
+    and no check or recording left from another test."""
+    from eagle3_ops.sglang import dump_states, wiring_check
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    for var in ("EAGLE3_OPS_DUMP_STATES", "EAGLE3_OPS_WIRING_CHECK"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setattr(wiring_check, "_checks", [])
+    monkeypatch.setattr(dump_states, "_recorders", [])  # recordings other tests left unfinished
+    return wiring_check
+
+
+@pytest.fixture
 def fused_norm_qualified(monkeypatch, tmp_path):
     """Qualification on (on the CPU too; the default, auto, qualifies on CUDA only) with timings under
     which every correct candidate beats SGLang's stock (stock closures, named ``run``, take 100 us; the

@@ -26,21 +26,6 @@ from eagle3_ops.sglang import dump_states
 SEQ = 32  # the tiny pair's held-out prompts are 32 tokens: each qualifies (MIN_PROMPT_TOKENS)
 
 
-@pytest.fixture
-def wc(monkeypatch, tmp_path):
-    """The module with its results kept in this test's folder and no check left from another test."""
-    from eagle3_ops.sglang import wiring_check
-
-    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
-    monkeypatch.delenv("EAGLE3_OPS_DUMP_STATES", raising=False)
-    monkeypatch.delenv("EAGLE3_OPS_WIRING_CHECK", raising=False)
-    monkeypatch.setattr(wiring_check, "_checks", [])
-    from eagle3_ops.sglang import dump_states
-
-    monkeypatch.setattr(dump_states, "_recorders", [])  # recordings other tests left unfinished
-    return wiring_check
-
-
 @pytest.fixture(scope="module")
 def pair(tmp_path_factory):
     from eagle3_ops.doctor.tiny import build_tiny_pair

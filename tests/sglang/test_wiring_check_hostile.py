@@ -30,18 +30,6 @@ SERVED = [2, 4, 6]  # the tiny draft's trained ids: SGLang feeds boundaries [3, 
 DUMP_VARS = ("EAGLE3_OPS_DUMP_TOKENS", "EAGLE3_OPS_DUMP_STATES", "EAGLE3_OPS_DUMP_BOUNDARIES")
 
 
-@pytest.fixture
-def wc(monkeypatch, tmp_path):
-    from eagle3_ops.sglang import dump_states, wiring_check
-
-    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
-    monkeypatch.delenv("EAGLE3_OPS_DUMP_STATES", raising=False)
-    monkeypatch.delenv("EAGLE3_OPS_WIRING_CHECK", raising=False)
-    monkeypatch.setattr(wiring_check, "_checks", [])
-    monkeypatch.setattr(dump_states, "_recorders", [])
-    return wiring_check
-
-
 @pytest.fixture(scope="module")
 def pair(tmp_path_factory):
     from eagle3_ops.doctor.tiny import build_tiny_pair

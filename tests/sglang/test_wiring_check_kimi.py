@@ -33,17 +33,11 @@ def kimi(tmp_path_factory):
 
 
 @pytest.fixture
-def wc(monkeypatch, tmp_path):
-    from eagle3_ops.sglang import dump_states, wiring_check
-
-    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
-    for var in ("EAGLE3_OPS_DUMP_STATES", "EAGLE3_OPS_WIRING_CHECK"):
-        monkeypatch.delenv(var, raising=False)
-    monkeypatch.setattr(wiring_check, "_checks", [])
-    monkeypatch.setattr(dump_states, "_recorders", [])
-    # 32 prompts, not the default 8: the tiny target predicts nearly one token per prompt (kimi_pair.py)
-    monkeypatch.setattr(wiring_check, "CLOSE_AFTER_TOKENS", PROMPTS * (SEQ - 1))
-    return wiring_check
+def wc(wc, monkeypatch):
+    # conftest's wc, closed after 32 prompts, not the default 8: the tiny target predicts nearly one token per
+    # prompt (kimi_pair.py)
+    monkeypatch.setattr(wc, "CLOSE_AFTER_TOKENS", PROMPTS * (SEQ - 1))
+    return wc
 
 
 def _target(h, kimi):
