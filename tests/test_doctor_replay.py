@@ -2,6 +2,7 @@
 boundaries 3, 5, 7 (SpecForge ids [2, 4, 6]); the replay must pick that wiring, clearly ahead of wrong ones."""
 from __future__ import annotations
 
+import pytest
 import torch
 from safetensors import safe_open
 
@@ -46,13 +47,16 @@ def test_replay_picks_the_trained_wiring(tiny_pair, tiny_states):  # noqa: F811
     assert r["configured"]["boundaries"] == TRAINED
     conf = r["configured"]["accuracy"]
     assert r["best"]["boundaries"] == TRAINED and conf > 0.6
-    by = {tuple(c["boundaries"]): c["accuracy"] for c in r["candidates"]}
-    assert by[(2, 4, 6)] < conf - 0.2   # the other convention (all one layer earlier)
-    assert by[(4, 6, 8)] < conf - 0.1   # all one layer later
+    assert len(r["candidates"]) >= 5    # the served wiring and the search's finalists, scored on every position
     for c in r["candidates"]:           # every other wiring costs accuracy (the closest ~4 points for seed 0)
         if c["boundaries"] != TRAINED:
             assert c["accuracy"] < conf - 0.01, c
-    assert "I_REPLAY_CONFIGURED_BEST" in codes(rep, "info")
+    search = r["search"]                # every boundary in every slot was tried
+    assert search["best"] == TRAINED and search["top"][0]["boundaries"] == TRAINED
+    assert search["wirings_scanned"] >= 3 * 9 - 2 and search["slot_sweeps"] >= 3
+    top1 = {tuple(t["boundaries"]): t["top1"] for t in search["top"]}
+    assert all(v < top1[tuple(TRAINED)] for k, v in top1.items() if k != tuple(TRAINED))
+    assert "I_REPLAY_CONFIGURED_BEST" in codes(rep, "info") and r["verdict"]["word"] == "OK"
 
 
 def test_replay_catches_a_config_edited_to_the_wrong_convention(tiny_pair, tiny_states, tmp_path):  # noqa: F811
@@ -71,17 +75,20 @@ def test_replay_catches_a_config_edited_to_the_wrong_convention(tiny_pair, tiny_
     assert "[2, 4, 6]" in msg and "eagle_config.eagle_aux_hidden_state_layer_ids" in msg
 
 
-def test_replay_sweep_finds_a_slot_replaced_by_the_embeddings(tiny_pair, tiny_states, tmp_path):  # noqa: F811
+@pytest.mark.parametrize("sweep", [(), ("--replay-sweep",)], ids=["search", "sweep"])
+def test_replay_finds_a_slot_replaced_by_the_embeddings(tiny_pair, tiny_states, tmp_path, sweep):  # noqa: F811
     # Slot 0's id was replaced by -1 (embeddings): self-consistent config, and the trained boundary (3) is not a
-    # neighbour of the configured one (0), so the default candidates cannot find it; --replay-sweep does.
+    # neighbour of the configured one (0); the search finds it by default (--replay-sweep also scores every
+    # single-slot change on every position), and the verdict words are the live check's.
     d = copy_draft_with_ids(tiny_pair, tmp_path / "emb", nested=[-1, 4, 6])
     rc, rep, _ = run_doctor("--draft", d, "--target", tiny_pair.target_dir)
     assert rc == 0
-    rc, rep, _ = replay(d, tiny_pair, tiny_states, "--replay-sweep")
+    rc, rep, _ = replay(d, tiny_pair, tiny_states, *sweep)
     assert rc == 1
     assert rep["replay"]["configured"]["boundaries"] == [0, 5, 7]
     assert rep["replay"]["best"]["boundaries"] == TRAINED and rep["replay"]["best"]["ids"] == [2, 4, 6]
     assert "E_REPLAY_BETTER_WIRING" in codes(rep, "error")
+    assert rep["replay"]["verdict"]["word"] == "WARNING" and rep["replay"]["verdict"]["ids"] == [2, 4, 6]
 
 
 def test_replay_with_vllm_convention_error(tiny_pair, tiny_states, tmp_path):  # noqa: F811

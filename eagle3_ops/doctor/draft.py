@@ -222,10 +222,12 @@ class Eagle3Draft(nn.Module):
         return self.fc(aux)
 
     def forward(self, aux: torch.Tensor, embeds: torch.Tensor, positions: Optional[torch.Tensor] = None):
-        """aux [..., T, K*H_t], embeds [..., T, H] (embedding of the token *after* each aux position)."""
+        """aux [..., T, K*H_t] (or [..., T, H]: the fc output itself), embeds [..., T, H] (embedding of the
+        token *after* each aux position)."""
         if positions is None:
             positions = torch.arange(aux.shape[-2], device=aux.device)
-        hidden = self.project(aux)
+        # SGLang's rule (llama_eagle3 LlamaModel.forward): an input as wide as the embeddings is the fc output
+        hidden = self.project(aux) if aux.shape[-1] != embeds.shape[-1] else aux
         residual = None
         for layer in self.layers:
             hidden, residual = layer(positions, embeds, hidden, residual)

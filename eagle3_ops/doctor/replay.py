@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 import math
+import time
 from pathlib import Path
 from typing import Dict, List, Optional, Tuple
 
@@ -145,6 +146,18 @@ class PlainDraftRunner:
     def logits(self, aux: torch.Tensor, ids: torch.Tensor, embeds: Optional[torch.Tensor]) -> torch.Tensor:
         return self.model(aux, embeds if self.uses_target_embeddings else self.model.embed(ids))
 
+    def draft_targets(self) -> torch.Tensor:
+        """The target id of each draft token (d2t)."""
+        return self.model.draft_to_target(torch.arange(self.model.spec.draft_vocab_size))
+
+    def fc_parts(self):
+        from .search import FcParts
+
+        m = self.model
+        return FcParts(weight=m.fc.weight.detach(), bias=None if m.fc.bias is None else m.fc.bias.detach(),
+                       slot_norms=list(m.fc_norm) if m.fc_norm is not None else None, input_norm=m.input_norm,
+                       num_slots=m.spec.num_aux)
+
 
 def build_runner(report: Report, weights: Dict[str, TensorInfo], token_ids: Optional[torch.Tensor] = None,
                  implementation: str = "auto", device: str = "cpu", max_positions: int = 0):
@@ -161,8 +174,35 @@ def build_runner(report: Report, weights: Dict[str, TensorInfo], token_ids: Opti
             raise DoctorInputError(why)
         from .sglang_draft import SGLangDraftRunner
 
-        return SGLangDraftRunner(report.draft, weights, token_ids, max_positions)
+        dtype, why = compute_dtype(report.draft)
+        runner = SGLangDraftRunner(report.draft, weights, token_ids, max_positions, dtype=dtype)
+        runner.dtype_note = why
+        return runner
     return PlainDraftRunner(build_draft(report, weights, token_ids).to(device))
+
+
+def compute_dtype(draft) -> Tuple[torch.dtype, str]:
+    """(the dtype SGLang's draft class computes in here, why). SGLang serves a 16-bit draft in 16 bits: the replay
+    computes it in bfloat16 where this CPU's bfloat16 matmul is faster than its float32 one (measured now, a few
+    milliseconds; bfloat16 keeps float32's range, and CPUs compute float16 many times slower); otherwise, and for a
+    float32 draft, in float32."""
+    cfg = draft.config if isinstance(getattr(draft, "config", None), dict) else {}
+    served = str(cfg.get("torch_dtype") or cfg.get("dtype") or "")
+    if served not in ("bfloat16", "float16"):
+        return torch.float32, f"float32 (the draft's dtype is {served or 'not given'})"
+    speed = {}
+    for dt in (torch.float32, torch.bfloat16):
+        a, w = torch.ones(256, 1024, dtype=dt), torch.ones(1024, 1024, dtype=dt)
+        torch.nn.functional.linear(a, w)
+        t0 = time.perf_counter()
+        for _ in range(3):
+            torch.nn.functional.linear(a, w)
+        speed[dt] = time.perf_counter() - t0
+    if speed[torch.bfloat16] < speed[torch.float32]:
+        return torch.bfloat16, (f"bfloat16 (the draft is served in {served}; this CPU computes bfloat16 "
+                                f"{speed[torch.float32] / speed[torch.bfloat16]:.1f}x as fast as float32)")
+    return torch.float32, (f"float32 (the draft is served in {served}, but this CPU computes bfloat16 no faster "
+                           f"than float32)")
 
 
 def llama_eagle3_biases(layer_config: dict) -> Dict[str, bool]:
@@ -259,29 +299,19 @@ def build_draft(report: Report, weights: Dict[str, TensorInfo], token_ids: Optio
 
 
 @torch.no_grad()
-def score(runner, states: States, boundaries: List[int], max_tokens: int) -> torch.Tensor:
-    """Per-position correctness (bool) of the draft's top-1 under ``boundaries``.
+def score(runner, states: States, boundaries: List[Optional[int]], max_tokens: int) -> torch.Tensor:
+    """Per-position correctness (bool) of the draft's top-1 under ``boundaries``, through the head's full
+    forward (its own fc) on the first ``max_tokens`` positions (:func:`.search.chunks`: position t pairs the
+    captures at t with the embedding of token t+1; the label is the target's next token after t+1). A slot
+    given None is fed zeros (all None: what the draft predicts knowing nothing of the target's states)."""
+    from .search import chunks
 
-    Position t pairs the captures at t with the embedding of token t+1; the label is the target's next
-    token after t+1 (recorded ``next_token[t+1]``, else the text's token t+2)."""
-    out, used = [], 0
-    for g in states.groups:
-        ids = g["ids"]
-        T = ids.shape[1]
-        if g["next"] is not None:
-            n, labels = T - 1, g["next"][:, 1:]
-        else:
-            n, labels = T - 2, ids[:, 2:]
-        if n <= 0:
-            continue
-        rows = min(ids.shape[0], max(1, (max_tokens - used + n - 1) // n))
-        if used >= max_tokens:
-            break
-        aux = torch.cat([states.boundary(g, b)[:rows, :n] for b in boundaries], dim=-1)
-        embeds = g["bounds"][0][:rows, 1:n + 1] if runner.uses_target_embeddings else None
-        pred = runner.predict(aux, ids[:rows, 1:n + 1], embeds)
-        out.append((pred == labels[:rows, :n]).reshape(-1))
-        used += rows * n
+    out = []
+    for c in chunks(states, max_tokens, runner.uses_target_embeddings):
+        like = next(iter(c.bounds.values()))
+        aux = torch.cat([c.bounds[b] if b is not None else torch.zeros_like(like) for b in boundaries], dim=-1)
+        pred = runner.predict(aux, c.ids, c.embeds)
+        out.append((pred == c.labels).reshape(-1))
     if not out:
         raise DoctorInputError("replay: the states hold no usable positions (prompts need at least 3 tokens)")
     return torch.cat(out)
@@ -393,12 +423,32 @@ def _replay(report: Report, runner, states: States, *, margin: float, max_tokens
                                f"configured wiring {configured}; record the boundaries it needs (the SGLang dump "
                                f"records each configured boundary and its neighbours)")
 
+    from . import search as wiring_search
+
+    seeds = [b for _, b in cands]
+    if configured is None:  # the search starts from a wiring the states hold
+        seeds = seeds or [[b if b in have else 0 for b in trained]]
+    boundaries = sorted(b for b in have if 0 <= b <= L)
+    found = wiring_search.search(runner, states, seeds, boundaries,
+                                 scan_positions=min(wiring_search.SCAN_POSITIONS, max_tokens))
+    named = {tuple(b): label for label, b in cands}
+    keep = [(label, b) for label, b in cands
+            if label in ("configured", "engine default", "trained (per draft config)")
+            or label.startswith("reading ") or (sweep and label.startswith("slot ") and "= boundary" in label)]
+    scored = {tuple(b) for _, b in keep}
+    by_top1 = sorted(found.ranked, key=lambda w: -found.scores[w].top1)
+    for w in [found.best] + found.ranked[:wiring_search.FINALISTS] + by_top1[:wiring_search.FINALISTS]:
+        if w not in scored:
+            scored.add(w)
+            keep.append((named.get(w) or wiring_search.describe_change(w, configured), list(w)))
+
     results = []
-    for label, bnds in cands:
+    for label, bnds in keep:
         correct = score(runner, states, bnds, max_tokens)
         ids = verified_fix(report, bnds, check_readings=False)
         results.append({"label": label, "boundaries": bnds, "accuracy": float(correct.float().mean()),
                         "ids": ids, "_correct": correct})
+    blind = score(runner, states, [None] * K, max_tokens)  # the draft fed zeros: what it knows without the target
     n = int(results[0]["_correct"].numel())
     order = sorted(range(len(results)), key=lambda i: (-results[i]["accuracy"], i))
     best = results[order[0]]
@@ -409,10 +459,13 @@ def _replay(report: Report, runner, states: States, *, margin: float, max_tokens
         return {k: v for k, v in r.items() if not k.startswith("_")}
 
     report.replay = {"states": str(states.path), "source": states.source, "draft_code": runner.source,
+                     "compute_dtype": getattr(runner, "dtype_note", "float32"),
                      "tokens": n, "margin": margin,
                      "boundaries_recorded": states.available,
                      "configured": public(conf_res) if conf_res else None, "best": public(best),
                      "candidates": [public(results[i]) for i in order],
+                     "no_input_accuracy": float(blind.float().mean()),
+                     "search": found.public(),
                      "unscored": [{"label": label, "boundaries": b, "missing": sorted(set(b) - have)}
                                   for label, b in unscored]}
     if unscored:
@@ -424,44 +477,130 @@ def _replay(report: Report, runner, states: States, *, margin: float, max_tokens
     if n < 200:
         report.add("warning", "W_REPLAY_FEW_TOKENS",
                    f"Replay scored only {n} positions; differences of a few points are noise. Record more prompts.")
+    _verdict(report, runner, states, results, order, conf_res, blind, margin, n, max_tokens)
+
+
+def paired(a: torch.Tensor, b: torch.Tensor) -> Tuple[float, float, float]:
+    """(mean gain of a over b, its standard error, the standard deviation of the per-position difference)."""
+    diff = a.float() - b.float()
+    n = diff.numel()
+    sd = float(diff.std(unbiased=True)) if n > 1 else float("inf")
+    return float(diff.mean()), sd / math.sqrt(n) if n > 1 else float("inf"), sd
+
+
+LOW_ACCURACY = 0.05  # below this top-1 agreement with every wiring, no wiring fits
+
+
+def _verdict(report: Report, runner, states: States, results: List[dict], order: List[int],
+             conf_res: Optional[dict], blind: torch.Tensor, margin: float, n: int, max_tokens: int) -> None:
+    """The replay's verdict, in the words the doctor and the live check both use (``report.replay["verdict"]``:
+    {"word": OK | UNDECIDED | WARNING | NO_WIRING_FITS | BEST, "text": one sentence, "ids": the fix or None})."""
+    opts, L = report.options, report.target.num_layers
+    eng = ENGINE_NAMES[opts.engine]
+    best = results[order[0]]
+    rep = report.replay
 
     def fmt(r):
         return (f"{r['label']} {r['boundaries']} "
                 f"({'; '.join(describe_boundary(b, L) for b in r['boundaries'])}): {100 * r['accuracy']:.1f}%")
 
-    if conf_res is None:
-        report.add("info", "I_REPLAY_BEST",
-                   f"Replay on {n} positions: the configured wiring cannot run (see the errors above). Best wiring: "
-                   f"{fmt(best)}" + (f"; for {eng} write ids {best['ids']}." if best["ids"] else
-                                     f"; no id list makes {eng} feed it: {why_no_fix(report, best['boundaries'])}."))
+    def say(word, text, ids=None, **more):
+        rep["verdict"] = {"word": word, "text": text, "ids": ids, **more}
+
+    gain_blind, se_blind, _ = paired(best["_correct"], blind)
+    if best["accuracy"] < LOW_ACCURACY or not (gain_blind >= margin and gain_blind >= 3 * se_blind):
+        evidence = _no_fit_evidence(runner, states, best, blind, max_tokens)
+        rep["no_fit_evidence"] = evidence
+        text = (f"no wiring predicts the target well: the best, {best['boundaries']}, agrees on "
+                f"{100 * best['accuracy']:.1f}% of {n} positions, and the draft fed nothing on "
+                f"{100 * float(blind.float().mean()):.1f}%; the wiring is not the problem. {evidence['summary']}")
+        report.add("error", "E_REPLAY_NO_WIRING_FITS", f"Replay on {n} positions: {text}")
+        say("NO_WIRING_FITS", text)
         return
-    diff = (best["_correct"].float() - conf_res["_correct"].float())
-    gain = float(diff.mean())
-    se = float(diff.std(unbiased=True)) / math.sqrt(n) if n > 1 else float("inf")
-    report.replay["gain"] = gain
-    report.replay["gain_stderr"] = se
-    if best is not conf_res and gain >= margin and gain >= 3 * se:
+    if conf_res is None:
+        text = (f"the configured wiring cannot run; best wiring: {fmt(best)}" +
+                (f"; for {eng} write ids {best['ids']}." if best["ids"] else
+                 f"; no id list makes {eng} feed it: {why_no_fix(report, best['boundaries'])}."))
+        report.add("info", "I_REPLAY_BEST", f"Replay on {n} positions: {text}")
+        say("BEST", text, best["ids"])
+        return
+    gain, se, sd = paired(best["_correct"], conf_res["_correct"])
+    rep["gain"], rep["gain_stderr"] = gain, se
+    if best is conf_res or best["accuracy"] <= conf_res["accuracy"]:
+        rival = next((results[i] for i in order if results[i] is not conf_res), None)
+        text = (f"no wiring scores higher than the served {conf_res['boundaries']} "
+                f"({100 * conf_res['accuracy']:.1f}% top-1 on {n} positions)" +
+                (f"; the best alternative, {fmt(rival)}" if rival is not None else "") +
+                f"; {rep['search']['wirings_scanned']} wirings searched")
+        report.add("info", "I_REPLAY_CONFIGURED_BEST", f"Replay on {n} positions: {text}.")
+        say("OK", text)
+    elif gain >= margin and gain >= 3 * se:
         feedable = next((results[i] for i in order if results[i]["ids"] is not None), None)
         fix = (f"Set {_ids_location(opts.engine)} to {best['ids']}." if best["ids"] is not None else
                f"No id list makes {eng} feed it: {why_no_fix(report, best['boundaries'])}; serve the draft with "
                f"an engine that captures it, or retrain it on boundaries {eng} captures."
                + (f" The best wiring {eng} can feed is {fmt(feedable)}: ids {feedable['ids']}."
                   if feedable is not None and feedable is not conf_res else ""))
-        report.add("error", "E_REPLAY_BETTER_WIRING",
-                   f"Replay on {n} positions: the configured wiring scores {100 * conf_res['accuracy']:.1f}% top-1, "
-                   f"but {fmt(best)} (+{100 * gain:.1f} points, {gain / se if se > 0 else float('inf'):.0f} standard "
-                   f"errors). The draft was most likely trained on the latter. {fix}")
+        text = (f"the configured wiring scores {100 * conf_res['accuracy']:.1f}% top-1, but {fmt(best)} "
+                f"(+{100 * gain:.1f} points, {gain / se if se > 0 else float('inf'):.0f} standard errors). The draft "
+                f"was most likely trained on the latter. {fix}")
+        report.add("error", "E_REPLAY_BETTER_WIRING", f"Replay on {n} positions: {text}")
+        say("WARNING", text, best["ids"])
     else:
-        runner = results[order[1]] if order[0] == 0 and len(order) > 1 else best
-        report.add("info", "I_REPLAY_CONFIGURED_BEST",
-                   f"Replay on {n} positions: the configured wiring {conf_res['boundaries']} scores "
-                   f"{100 * conf_res['accuracy']:.1f}% top-1; the best alternative, {fmt(runner)}, is not clearly "
-                   f"better (margin {100 * margin:.0f} points and 3 standard errors).")
+        prompts = sum(int(g["ids"].shape[0]) for g in states.groups)
+        per_prompt = max(1.0, n / max(prompts, 1))
+        if gain < margin:
+            need = ("no number of prompts would make it count: it is under the margin of "
+                    f"{100 * margin:.0f} points that matters for acceptance")
+        else:
+            more = max(0, math.ceil((3 * sd / gain) ** 2) - n)
+            need = (f"about {more} more positions (~{math.ceil(more / per_prompt)} more prompts like these) "
+                    f"would separate them if the gap holds")
+        text = (f"{fmt(best)} scores higher than the served {conf_res['boundaries']} "
+                f"({100 * conf_res['accuracy']:.1f}%), by {100 * gain:.1f} ± {100 * se:.1f} points on {n} positions: "
+                f"the evidence does not separate them; {need}")
+        report.add("warning", "W_REPLAY_UNDECIDED", f"Replay: {text}.")
+        say("UNDECIDED", text, best["ids"], need=need)
     _settle(report, results, conf_res, margin, n)
-    if best["accuracy"] < 0.05:
-        report.add("warning", "W_REPLAY_LOW_ACCURACY",
-                   f"The draft predicts under {100 * best['accuracy']:.0f}% of next tokens with every wiring tried: "
-                   f"the problem is likely not the wiring (vocab maps, the draft/target pairing, or the states file).")
+
+
+def _no_fit_evidence(runner, states: States, best: dict, blind: torch.Tensor, max_tokens: int) -> dict:
+    """Where the evidence points when no wiring fits: the draft ignoring its input (untrained or missing
+    weights), a vocabulary map that does not fit (labels outside the draft's vocabulary, or its raw ids
+    agreeing better than the mapped ones), else prompts unlike the draft's training data."""
+    from .search import chunks
+
+    targets = runner.draft_targets()
+    labels = torch.cat([c.labels.reshape(-1) for c in chunks(states, max_tokens, runner.uses_target_embeddings)])
+    in_vocab = torch.zeros(int(max(int(targets.max()), int(labels.max())) + 1), dtype=torch.bool)
+    in_vocab[targets] = True
+    coverage = float(in_vocab[labels].float().mean())
+    raw_hits = 0
+    distinct = set()
+    for c in chunks(states, max_tokens, runner.uses_target_embeddings):
+        aux = torch.cat([c.bounds[b] for b in best["boundaries"]], dim=-1)
+        draft_ids = runner.logits(aux, c.ids, c.embeds).argmax(-1)
+        raw_hits += int((draft_ids == c.labels).sum())
+        distinct.update(targets[draft_ids].reshape(-1).tolist())
+    raw = raw_hits / max(labels.numel(), 1)
+    blind_acc = float(blind.float().mean())
+    points = []
+    if best["accuracy"] <= blind_acc + 0.02:
+        points.append(f"its predictions do not depend on the target's states (fed zeros it scores "
+                      f"{100 * blind_acc:.1f}%, {len(distinct)} distinct tokens predicted): weights that look untrained "
+                      f"or missing (a head the checkpoint lacks, a wrong checkpoint)")
+    if coverage < 0.5:
+        points.append(f"only {100 * coverage:.0f}% of the target's next tokens are in the draft's vocabulary: its "
+                      f"vocabulary map (d2t) does not fit this target")
+    if raw > best["accuracy"] + 0.02:
+        points.append(f"its own token ids agree with the target's more often ({100 * raw:.1f}%) than the ids its d2t "
+                      f"maps them to: the vocabulary map is wrong or missing")
+    if not points:
+        points.append("the prompts may be unlike the draft's training data (a chat template it was trained with "
+                      "and the prompts lack), or the draft was trained for another target")
+    return {"summary": "The evidence points at: " + "; ".join(points) + ".", "points": points,
+            "label_coverage": coverage,
+            "raw_id_accuracy": raw, "no_input_accuracy": blind_acc, "distinct_predictions": len(distinct)}
 
 
 def _settle(report: Report, results: List[dict], conf_res: dict, margin: float, n: int) -> None:

@@ -77,12 +77,24 @@ def init_distributed(tp_size: int = 1, rank: int = 0, port: Optional[int] = None
 
 
 def _construct(cls, config, dtype: torch.dtype):
-    """``cls(config)`` with ``dtype`` as the default dtype (SGLang creates parameters in it)."""
+    """``cls(config)`` with ``dtype`` as the default dtype (SGLang creates parameters in it).
+
+    SGLang's scaled RoPE classes (``DeepseekScalingRotaryEmbedding``: the YaRN ``rope_scaling`` of every published
+    Kimi-K2.5 / DeepSeek-V3 config) ask ``get_device()`` for an accelerator at construction and raise without one
+    (``RuntimeError: No accelerator ... is available``); here their device is the CPU, as every other module's."""
+    import sys
+
     previous = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
+    patched = [(m, m.get_device) for name, m in list(sys.modules.items())
+               if name.startswith("sglang.srt.layers.rotary_embedding") and callable(getattr(m, "get_device", None))]
+    for m, _ in patched:
+        m.get_device = lambda *a, **k: DEVICE
     try:
         return cls(config)
     finally:
+        for m, original in patched:
+            m.get_device = original
         torch.set_default_dtype(previous)
 
 

@@ -84,10 +84,11 @@ def _replaces_embedding(cls, config) -> bool:
 
 
 class SGLangDraftRunner:
-    """The draft's first step through SGLang's own head class, on the CPU, in float32."""
+    """The draft's first step through SGLang's own head class, on the CPU, in ``dtype`` (float32, or bfloat16
+    for a 16-bit draft on a CPU that computes it faster: :func:`.replay.compute_dtype`)."""
 
     def __init__(self, draft, weights: Dict[str, TensorInfo], token_ids: Optional[torch.Tensor],
-                 max_positions: int = 0):
+                 max_positions: int = 0, dtype: torch.dtype = torch.float32):
         """``token_ids``: the tokens the replay embeds; ``max_positions``: its longest sequence (SGLang raises a
         draft's ``max_position_embeddings`` to the target's context length, model_config.py; so does this)."""
         cls, source = head_class(draft)
@@ -98,6 +99,7 @@ class SGLangDraftRunner:
         from .sglang_code import _quiet
 
         self.source = source
+        self.dtype = dtype
         with _quiet():
             harness.init_distributed()
             config, _ = _sglang_parse(dict(draft.config), draft.path)
@@ -117,7 +119,7 @@ class SGLangDraftRunner:
             config.vocab_size = max(int(rows.numel()), 1)
         try:
             with _quiet():
-                self.model = harness._construct(cls, config, torch.float32)
+                self.model = harness._construct(cls, config, dtype)
         except Exception as e:  # noqa: BLE001 - SGLang refuses this draft's config: its words, said as such
             raise DoctorInputError(f"replay: {source} cannot build this draft from its config.json "
                                    f"({type(e).__name__}: {e}); SGLang would refuse it the same way") from None
@@ -127,6 +129,7 @@ class SGLangDraftRunner:
                 f"its config has no draft_vocab_size), which a STATES file does not hold; the replay cannot score it")
         self.config = config
         self.hidden_size = int(config.hidden_size)
+        self.target_hidden_size = int(getattr(config, "target_hidden_size", None) or config.hidden_size)
         self._load(weights, rows, tied)
         if tied and self.uses_target_embeddings:
             self.source += (" (its lm_head is tied to its embedding, which SGLang replaces with the target's: the "
@@ -155,7 +158,7 @@ class SGLangDraftRunner:
             with torch.no_grad():  # SGLang pads its vocabulary (VocabParallelEmbedding): rows past ours are never read
                 table = params[embed_param]
                 table.zero_()
-                table[:rows.numel()].copy_(load_rows(weights["embed_tokens.weight"], rows).float())
+                table[:rows.numel()].copy_(load_rows(weights["embed_tokens.weight"], rows).to(table.dtype))
             index = torch.full((int(rows.max()) + 1,), -1, dtype=torch.long)
             index[rows] = torch.arange(rows.numel())
             self.token_rows = index
@@ -178,10 +181,32 @@ class SGLangDraftRunner:
         hot = getattr(self.model, "hot_token_id", None)  # d2t, as SGLang's EAGLE worker maps them
         return hot.to(draft_ids.device)[draft_ids] if hot is not None else draft_ids
 
+    def draft_targets(self) -> torch.Tensor:
+        """The target id of each draft token (the class's ``hot_token_id``, d2t; the identity without one)."""
+        hot = getattr(self.model, "hot_token_id", None)
+        if hot is not None:
+            return hot.long().cpu()
+        return torch.arange(int(getattr(self.config, "draft_vocab_size", None) or self.config.vocab_size))
+
+    def fc_parts(self):
+        """The class's own fc and pre-fc norms (``model.fc``, ``model.fc_norm``, ``model.input_norm``), for the
+        wiring search's per-slot projections (doctor.search)."""
+        from .search import FcParts
+
+        inner = self.model.model
+        fc = inner.fc
+        bias = getattr(fc, "bias", None)
+        norms = getattr(inner, "fc_norm", None)
+        slots = int(getattr(inner, "num_aux_hidden_states", 0) or fc.weight.shape[1] // self.target_hidden_size)
+        return FcParts(weight=fc.weight.detach(), bias=None if bias is None else bias.detach(),
+                       slot_norms=list(norms) if norms is not None else None,
+                       input_norm=getattr(inner, "input_norm", None), num_slots=slots)
+
     @torch.no_grad()
     def logits(self, aux: torch.Tensor, ids: torch.Tensor, embeds: Optional[torch.Tensor]) -> torch.Tensor:
-        """The draft's logits over its own vocabulary at every position (arguments as :meth:`predict`) ->
-        [B, n, draft vocabulary]."""
+        """The draft's logits over its own vocabulary at every position (arguments as :meth:`predict`; ``aux``
+        as wide as the draft's hidden size is taken as the fc output: the class's own forward then skips its
+        fc) -> [B, n, draft vocabulary]."""
         from sglang.srt.model_executor.forward_context import ForwardContext, forward_context
         from sglang.srt.speculative.eagle_info import EagleDraftExtendInput
 
@@ -194,14 +219,14 @@ class SGLangDraftRunner:
                 raise DoctorInputError("replay: a token whose embedding row was not loaded")
         elif self.uses_target_embeddings:
             tokens = torch.zeros_like(ids)  # the embedding table is not read: input_embeds serve
-        kv = h.KVCache(self.config, torch.float32, size=B * n + 2, max_reqs=B + 1, max_context=n + 2)
+        kv = h.KVCache(self.config, self.dtype, size=B * n + 2, max_reqs=B + 1, max_context=n + 2)
         reqs = [h.Req(kv.new_req()) for _ in range(B)]
-        spec = EagleDraftExtendInput(hidden_states=aux.reshape(B * n, -1).float().contiguous(),
+        spec = EagleDraftExtendInput(hidden_states=aux.reshape(B * n, -1).to(self.dtype).contiguous(),
                                      num_tokens_per_req=n, num_tokens_for_logprob_per_req=n)
         spec.select_index = None  # every position's logits (LogitsProcessor, draft-extend-v2 path)
         fb = h.extend_batch(kv, reqs, tokens.tolist(), mode="DRAFT_EXTEND_V2", capture="NULL", spec_info=spec)
         kv.backend.init_forward_metadata(fb)
-        input_embeds = embeds.reshape(B * n, -1).float() if self.uses_target_embeddings else None
+        input_embeds = embeds.reshape(B * n, -1).to(self.dtype) if self.uses_target_embeddings else None
         with forward_context(ForwardContext(attn_backend=kv.backend)):
             out = self.model(fb.input_ids, fb.positions, fb, input_embeds=input_embeds)
         return out.next_token_logits.view(B, n, -1)

@@ -62,6 +62,22 @@ _registered = False
 _warned_version = False
 
 
+def _around_configure_aux_hidden_state_capture(original, *args, **kwargs):
+    """AROUND SGLang's configure call: where the draft config asks for captures SGLang will not take (its first
+    forward would fail), the live check's choice of ids to capture instead (wiring_check.ids_to_serve)."""
+    try:
+        if kwargs.get("eagle_use_aux_hidden_state") and kwargs.get("model") is not None:
+            from .wiring_check import ids_to_serve
+
+            served = ids_to_serve(kwargs["model"], kwargs.get("eagle_aux_hidden_state_layer_ids"))
+            if served is not None:
+                kwargs = dict(kwargs, eagle_aux_hidden_state_layer_ids=served)
+    except Exception:  # never stop SGLang: its own configuration stands
+        log.debug("eagle3_ops: the live check's choice of ids failed; SGLang configures the capture as asked",
+                  exc_info=True)
+    return original(*args, **kwargs)
+
+
 def _on_configure_aux_hidden_state_capture(result, *args, **kwargs):
     """AFTER hook: SGLang has configured (or not) the aux capture of ``model``."""
     model = kwargs.get("model", args[0] if args else None)
@@ -257,6 +273,7 @@ def register() -> None:
 
         HookRegistry.register(INITIALIZE_TARGET, _after_initialize, HookType.AFTER)
         HookRegistry.register(ALLOC_MEMORY_POOL_TARGET, _before_alloc_memory_pool, HookType.BEFORE)
+        HookRegistry.register(CONFIGURE_TARGET, _around_configure_aux_hidden_state_capture, HookType.AROUND)
         HookRegistry.register(CONFIGURE_TARGET, _on_configure_aux_hidden_state_capture, HookType.AFTER)
         HookRegistry.register(LIST_CAPTURE_TARGET, _around_list_capture, HookType.AROUND)
         HookRegistry.register(PACKER_APPEND_TARGET, _around_packer_append, HookType.AROUND)

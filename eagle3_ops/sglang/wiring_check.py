@@ -142,6 +142,7 @@ class WiringCheck:
         self.acceptance_logged = False
         self.thread: Optional[threading.Thread] = None
         self.snapshot: Optional[dict] = None     # the draft as read at start-up (doctor.configs.draft_snapshot)
+        self.substitute: Optional[dict] = None   # ids served in place of the config's (ids_to_serve), if any
         self.workdir_note: Optional[str] = None  # why the recording is not in the cache folder, if it is not
         self._workdir: Optional[Path] = None
         self.lock = threading.Lock()
@@ -307,60 +308,89 @@ class WiringCheck:
                                     f"restarts"}
 
     def _conclude(self, report: dict, states: Path, seconds: float) -> None:
+        """One verdict line from the replay's verdict (``report["replay"]["verdict"]``: the doctor's words), the
+        verdict and the fix first and short; every number and the offline command in the JSON result."""
         replay = report.get("replay")
         codes = {f.get("code"): f for f in report.get("findings", []) if isinstance(f, dict)}
         if not isinstance(replay, dict):
             why = codes.get("I_REPLAY_SKIPPED", {}).get("message") or "the doctor ran no replay"
             self._fail(why)
             return
-        L = self.num_layers
         conf, best = replay.get("configured"), replay.get("best") or {}
+        verdict = replay.get("verdict") or {}
+        word = verdict.get("word")
         n = int(replay.get("tokens", 0))
         offline = _shell(self._offline_command(states))
         changed = self._config_change()
-        note = f" Note: {changed['text']}." if changed else ""
         result = {"model": self.model_name, "served": self.served, "tokens": n, "states": str(states),
                   "seconds": round(seconds, 1), "replay_command": offline, "draft_code": replay.get("draft_code"),
+                  "compute_dtype": replay.get("compute_dtype"), "search": replay.get("search"),
+                  "no_input_accuracy": replay.get("no_input_accuracy"), "doctor_verdict": verdict,
                   "candidates": replay.get("candidates", [])[:12]}
         if self.snapshot is not None:
             result["draft_files"] = [f["path"] for f in self.snapshot["files"] if f["role"] == "weights"]
             result["draft_files_rule"] = self.snapshot.get("rule")
         if changed:
             result["draft_config_changed"] = changed["text"]
-        if conf is None:
+        if conf is None or word not in ("OK", "UNDECIDED", "WARNING", "NO_WIRING_FITS"):
             self._fail("the served wiring could not be scored (see the doctor's errors: "
                        + "; ".join(c for c in codes if c.startswith("E_")) + ")")
             return
-        predicted = float(conf["accuracy"])
-        if "E_REPLAY_BETTER_WIRING" in codes:
+        details = f"Details: {result_path(self.model_name)}"
+        note = " The draft's config.json changed since start-up (see the JSON)." if changed else ""
+        served = f"the served {conf['boundaries']} {100 * conf['accuracy']:.1f}%"
+        searched = (replay.get("search") or {}).get("wirings_scanned")
+        if word == "WARNING":
             gain, se = float(replay.get("gain", 0.0)), float(replay.get("gain_stderr", 0.0))
             fix = self._fix(best["boundaries"], changed)
             feedable = next((c for c in replay.get("candidates", []) if c.get("ids") is not None), None)
-            if fix["ids"] is None and feedable is not None and feedable["boundaries"] != conf["boundaries"]:
+            if fix["ids"] is not None and changed is not None and changed.get("ids") == fix["ids"]:
+                head = fix["text"].rstrip(".")  # edited since start-up to exactly the fix: a restart serves it
+            elif fix["ids"] is not None:
+                head = (f"set eagle_config.eagle_aux_hidden_state_layer_ids to {fix['ids']} in "
+                        f"{self.draft_dir / 'config.json'} and restart")
+            elif feedable is not None and feedable["boundaries"] != conf["boundaries"]:
+                head = (f"SGLang cannot feed the wiring the draft was trained on; the best it can feed: ids "
+                        f"{feedable['ids']} ({100 * feedable['accuracy']:.1f}%)")
                 fix["text"] += (f" The best wiring SGLang can feed is {feedable.get('label')} {feedable['boundaries']} "
                                 f"({100 * feedable['accuracy']:.1f}%): set eagle_config.eagle_aux_hidden_state_layer_ids "
                                 f"to {feedable['ids']} to serve it.")
+            else:
+                head = "SGLang cannot feed the wiring the draft was trained on (see the JSON)"
             result.update(verdict="WARNING", best=best, configured=conf, gain=gain, gain_stderr=se, fix=fix)
-            log.warning("eagle3_ops: %s: WARNING: %s's draft predicts the target best with %s %s (%s): %.1f%% top-1 "
-                        "agreement, against %.1f%% for the served %s (+%.1f ± %.1f points, %d positions). %s%s "
-                        "Reproduce offline: %s", LABEL, self.model_name, best.get("label"), best["boundaries"],
-                        boundaries_in_words(best["boundaries"], L), 100 * best["accuracy"], 100 * conf["accuracy"],
-                        conf["boundaries"], 100 * gain, 100 * se, n, fix["text"], note, offline)
+            log.warning("eagle3_ops: %s: WARNING: %s: %s's draft predicts best with boundaries %s: %.1f%% top-1 vs "
+                        "%s (+%.1f ± %.1f points, %d positions).%s %s", LABEL, head, self.model_name,
+                        best["boundaries"], 100 * best["accuracy"], served, 100 * gain, 100 * se, n, note, details)
+        elif word == "UNDECIDED":
+            gain, se = float(replay.get("gain", 0.0)), float(replay.get("gain_stderr", 0.0))
+            result.update(verdict="UNDECIDED", best=best, configured=conf, gain=gain, gain_stderr=se,
+                          fix=self._fix(best["boundaries"], changed))
+            need = verdict.get("need") or "more prompts would tell"
+            log.warning("eagle3_ops: %s: UNDECIDED: %s: %s scores %.1f%% top-1 and %s (+%.1f ± %.1f points, %d "
+                        "positions): the evidence does not separate them; %s.%s %s", LABEL, self.model_name,
+                        best["boundaries"], 100 * best["accuracy"], served, 100 * gain, 100 * se, n, need, note,
+                        details)
+        elif word == "NO_WIRING_FITS":
+            evidence = replay.get("no_fit_evidence") or {}
+            result.update(verdict="NO_WIRING_FITS", best=best, configured=conf, evidence=evidence)
+            first = "The evidence points at: " + ((evidence.get("points") or ["see the JSON"])[0])
+            log.warning("eagle3_ops: %s: WARNING: the wiring is not the problem: no wiring predicts %s well (best %s "
+                        "%.1f%%, the draft fed nothing %.1f%%, %d positions). %s.%s %s", LABEL, self.model_name,
+                        best["boundaries"], 100 * best["accuracy"], 100 * float(replay.get("no_input_accuracy", 0)),
+                        n, first, note, details)
         else:
             runner = next((c for c in replay.get("candidates", []) if c.get("boundaries") != conf["boundaries"]), None)
             result.update(verdict="OK", configured=conf, runner_up=runner)
-            log.info("eagle3_ops: %s: OK: no wiring predicts %s's target clearly better than the one served (by the "
-                     "doctor's margin: 2 points and 3 standard errors): the served %s (%s) scores %.1f%% top-1 "
-                     "agreement on %d positions%s (%.0f s)%s", LABEL, self.model_name,
-                     conf["boundaries"], boundaries_in_words(conf["boundaries"], L), 100 * conf["accuracy"], n,
-                     f"; the best alternative, {runner['label']} {runner['boundaries']}, {100 * runner['accuracy']:.1f}%"
-                     if runner else "", seconds, note)
-        low = codes.get("W_REPLAY_LOW_ACCURACY") or codes.get("W_REPLAY_FEW_TOKENS")
+            log.info("eagle3_ops: %s: OK: %s's draft is fed the wiring it predicts best: %s top-1 on %d positions; "
+                     "none of %s wirings searched scores higher%s (%.0f s).%s %s", LABEL, self.model_name, served, n,
+                     searched, f" (next: {runner['boundaries']} {100 * runner['accuracy']:.1f}%)" if runner else "",
+                     seconds, note, details)
+        low = codes.get("W_REPLAY_FEW_TOKENS")
         if low:
             log.warning("eagle3_ops: %s: %s", LABEL, low.get("message"))
         with self.lock:  # the verdict first: the acceptance line reads both
             self.verdict = result
-            self.predicted = predicted
+            self.predicted = float(conf["accuracy"])
             self.phase = "done"
         _write_result(result, self.model_name)
         self.maybe_log_acceptance()
@@ -384,8 +414,13 @@ class WiringCheck:
             return {"ids": ids, "text": f"To serve it, restart: {where} was edited to eagle_config.eagle_aux_hidden_"
                                         f"state_layer_ids = {ids} after the server started (it serves "
                                         f"{self.report.wiring.ids}, read at start-up)."}
-        now = (f"served: {self.report.wiring.ids}, read at start-up; the file now holds {changed.get('ids')}"
-               if changed is not None else f"now {self.report.wiring.ids}")
+        if self.substitute is not None:
+            now = (f"it holds {self.substitute['config_ids']}, which SGLang cannot serve; the plugin served "
+                   f"{self.substitute['served_ids']} meanwhile")
+        elif changed is not None:
+            now = f"served: {self.report.wiring.ids}, read at start-up; the file now holds {changed.get('ids')}"
+        else:
+            now = f"now {self.report.wiring.ids}"
         return {"ids": ids, "text": f"To serve it, set eagle_config.eagle_aux_hidden_state_layer_ids to {ids} in "
                                     f"{where} ({now}) and restart."}
 
@@ -745,21 +780,9 @@ def _locate_draft(draft_path):
 
 
 def _needed_boundaries(report, served: List[int], num_layers: int) -> List[int]:
-    """What the replay's candidate wirings name (doctor.replay.candidate_wirings over the readings the
-    doctor made of the draft config), plus the embeddings (the draft's embedding input): not every
-    boundary."""
-    from ..doctor.replay import candidate_wirings
-    from ..doctor.states import needed_boundaries
-
-    if report is None or report.training is None or report.fc_slots is None:
-        return needed_boundaries(served, num_layers)
-    trained = list(report.training.boundaries)
-    readings = [(r.key, list(r.boundaries)) for r in report.training.readings if r.plausible]
-    out = {0}
-    for _, wiring in candidate_wirings(served if len(served) == report.fc_slots else None, trained, num_layers,
-                                       readings=readings):
-        out.update(wiring)
-    return sorted(b for b in out if 0 <= b <= num_layers)
+    """Every boundary 0..L: the replay's search tries each in every slot (a draft can be off by any number of
+    layers), and boundary 0 is also the draft's embedding input."""
+    return list(range(int(num_layers) + 1))
 
 
 def _doctor_report(target_config, draft_dir: Path, tp_size: int, pp_size: int = 1,
@@ -902,6 +925,87 @@ def unservable_advice(report, draft_dir: Path, model_name: str, packer: Optional
             f"{'; '.join(readings) or 'the config records no readable ids'}.{note} {then}")
 
 
+# ---- serving what the config meant, so the check can run (the seed's edit) -----------------------------------
+_substitutes: Dict[int, dict] = {}   # id(model) -> {"config_ids", "served_ids", "why"}: ids served in place of the config's
+
+
+def _substitute(report) -> tuple:
+    """(ids SGLang takes that feed the first plausible reading of the draft config, else SGLang's default
+    boundaries; in words) or (None, why none)."""
+    from ..doctor.checks import verified_fix
+    from ..doctor.engines import short_boundary
+
+    L = report.target.num_layers
+    for n, r in enumerate(report.training.readings if report.training is not None else []):
+        if r.plausible:
+            ids = verified_fix(report, list(r.boundaries), check_readings=False)
+            if ids is not None:
+                return ids, f"reading {chr(ord('A') + n)} of the config, {r.label}: boundaries {list(r.boundaries)}"
+    default = report.wiring.rules.map_ids(None, L).config_order
+    ids = verified_fix(report, default, check_readings=False)
+    if ids is not None:
+        return ids, (f"SGLang's default boundaries {default} "
+                     f"({', '.join(short_boundary(b, L) for b in default)}), since no reading of the config is one "
+                     f"SGLang serves")
+    return None, "no reading of the config, nor SGLang's default, is a list SGLang serves"
+
+
+def ids_to_serve(model, ids, *, draft_path=None, target_config=None) -> Optional[List[int]]:
+    """Before SGLang configures the target's capture (AROUND ``configure_aux_hidden_state_capture``): where the draft
+    config asks for captures SGLang will not take (an id no layer has, e.g. the seed's ``-1`` for "the embeddings";
+    a boundary named twice), SGLang's first forward fails (or its fc gets fewer states than it takes) and the live
+    check could only say so, one restart before the evidence. Instead the server captures the ids returned here
+    (the first reading of the config SGLang serves, else its default), so it runs and the check's search finds the
+    wiring the draft was trained on at this start. The draft's input never changes the served tokens (the target
+    verifies every draft token; only how many are accepted changes). Every TP rank decides the same or none
+    substitutes. None: serve ``ids`` as they are (the check off, no EAGLE-3 server, a servable config)."""
+    if ids is None or not enabled() or os.environ.get("EAGLE3_OPS_DUMP_STATES", "").strip():
+        return None
+    from . import dump_states
+    from .groups import tp_group, tp_rank_size
+    from .lockstep import same_on_all_ranks
+
+    sub = None
+    try:
+        if draft_path is None:
+            sa = dump_states._server_args()
+            if sa is None or str(getattr(sa, "speculative_algorithm", "") or "").upper() != "EAGLE3":
+                return None
+            draft_path = getattr(sa, "speculative_draft_model_path", None)
+        if dump_states.server_refusal() is None:
+            from ..doctor.configs import draft_snapshot
+
+            draft_dir = _draft_dir(draft_path)
+            cfg = target_config if target_config is not None else getattr(model, "config", None)
+            if draft_dir is not None and cfg is not None:
+                report, _ = _doctor_report(cfg, draft_dir, tp_rank_size()[1], *_pipeline(),
+                                           snapshot=draft_snapshot(draft_dir))
+                if (report.wiring is not None and list(report.wiring.ids or []) == list(ids)
+                        and unservable_advice(report, draft_dir, type(model).__name__, None) is not None):
+                    served, why = _substitute(report)
+                    if served is not None:
+                        sub = {"config_ids": list(ids), "served_ids": list(served), "why": why,
+                               "draft_dir": str(draft_dir), "advice": unservable_advice(
+                                   report, draft_dir, type(model).__name__, None)}
+    except Exception:  # noqa: BLE001 - SGLang's own behaviour stands
+        log.debug("eagle3_ops: %s: deciding what to serve failed", LABEL, exc_info=True)
+        sub = None
+    if not same_on_all_ranks(repr(sub and sub["served_ids"]), tp_group()):
+        return None
+    if sub is None:
+        return None
+    _substitutes[id(model)] = sub
+    if tp_rank_size()[0] == 0:
+        log.error("eagle3_ops: %s: ERROR: %s's eagle_aux_hidden_state_layer_ids %s ask SGLang for captures it will not "
+                  "take (its first forward would fail); serving ids %s instead (%s) so the server runs and this check "
+                  "finds the wiring the draft was trained on. Served tokens are unchanged (the target verifies every "
+                  "draft token); %s=0 keeps SGLang's own behaviour. Details: %s", LABEL,
+                  Path(sub["draft_dir"]) / "config.json", sub["config_ids"], sub["served_ids"], sub["why"], ENV_SWITCH,
+                  result_path(type(model).__name__))
+        log.debug("eagle3_ops: %s: %s", LABEL, sub["advice"])
+    return list(sub["served_ids"])
+
+
 def _advise_now(model, owner, cfg, draft_path, tp_size, check_off: str) -> bool:
     """Rank 0, where the live check does not start for another reason (a server setting, ``check_off``): the
     same ERROR line as :func:`unservable_advice` when the config asks for captures SGLang will not take. True
@@ -934,6 +1038,11 @@ def _prepare_check(model, name, cfg, draft_path, served, num_layers, tp_rank, tp
     check = WiringCheck(name, draft_dir, raw_cfg, served, num_layers, tp_rank, tp_size)
     try:  # one reading of the draft: what the server serves, and what the replay will score
         check.snapshot = draft_snapshot(draft_dir)
+        check.substitute = _substitutes.get(id(model))
+        if check.substitute is not None:  # the server captures these ids in place of the config's (ids_to_serve)
+            config = json.loads(json.dumps(check.snapshot["config"]))
+            config.setdefault("eagle_config", {})["eagle_aux_hidden_state_layer_ids"] = check.substitute["served_ids"]
+            check.snapshot["config"] = config
         check.report, weights = _doctor_report(cfg, draft_dir, tp_size, snapshot=check.snapshot)
     except DoctorInputError as e:  # the file it names, and why
         return check, f"the doctor could not read the configs and weights: {e}", None, 0

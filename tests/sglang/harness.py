@@ -278,16 +278,23 @@ def mla_eagle3_draft(config, dtype: torch.dtype, seed: int = 1):
     return model.eval()
 
 
-def serve_prompts(model, kv_config, prompts, dtype: torch.dtype = torch.float32, per_batch: int = 4):
+def serve_prompts(model, kv_config, prompts, dtype: torch.dtype = torch.float32, per_batch: int = 4,
+                  spec_algorithm=None):
     """Prefill ``prompts`` (from position 0) in batches of ``per_batch``, as a server's first requests; the served
-    aux states and next-token logits of every batch. ``kv_config``: the config the KV cache is sized from."""
+    aux states and next-token logits of every batch. ``kv_config``: the config the KV cache is sized from;
+    ``spec_algorithm``: what the scheduler's batches of such a server carry (e.g. "EAGLE3")."""
     from eagle3_ops.demos.sglang_cpu_harness import KVCache, Req, extend_batch, run
 
     kv = KVCache(kv_config, dtype, size=sum(map(len, prompts)) + 8, max_reqs=len(prompts) + 1)
     outs = []
     for s in range(0, len(prompts), per_batch):
         chunk = prompts[s:s + per_batch]
-        out = run(model, extend_batch(kv, [Req(kv.new_req()) for _ in chunk], chunk), kv)
+        fb = extend_batch(kv, [Req(kv.new_req()) for _ in chunk], chunk)
+        if spec_algorithm is not None:
+            from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
+
+            fb.spec_algorithm = SpeculativeAlgorithm[spec_algorithm]
+        out = run(model, fb, kv)
         outs.append((out.hidden_states.clone(), out.next_token_logits.clone()))
     return outs
 

@@ -87,7 +87,12 @@ def test_miswired_draft_gets_a_warning_with_the_trained_wiring_and_the_fix(sglan
     warn = _lines(caplog, "live wiring check: WARNING")
     assert len(warn) == 1, caplog.text
     assert "[3, 5, 7]" in warn[0] and "eagle_aux_hidden_state_layer_ids to [2, 4, 6]" in warn[0]
-    assert "Reproduce offline: python -m eagle3_ops doctor" in warn[0] and "--replay" in warn[0]
+    # the verdict and the fix first, the line short (paths aside); the detail, the offline command, in the JSON
+    assert warn[0].startswith("eagle3_ops: live wiring check: WARNING: set eagle_config.eagle_aux_hidden_state_layer_"
+                              "ids to [2, 4, 6] in "), warn[0]
+    assert len(warn[0].replace(str(draft), "D").replace(str(wc.result_path("LlamaForCausalLM")), "J")) <= 300, warn[0]
+    assert f"Details: {wc.result_path('LlamaForCausalLM')}" in warn[0]
+    assert v["replay_command"].startswith("python -m eagle3_ops doctor") and "--replay" in v["replay_command"]
     # the same verdict as JSON next to the qualification cache, and the path logged
     saved = json.loads(wc.result_path("LlamaForCausalLM").read_text())
     assert saved["verdict"] == "WARNING" and saved["fix"]["ids"] == [2, 4, 6]
@@ -110,7 +115,9 @@ def test_served_as_trained_gets_ok_and_served_tokens_are_bitwise_the_same(sglang
     check, outs, _, _ = _run_check(h, wc, pair, pair.draft_dir, [2, 4, 6], prompts, caplog)
     assert check.phase == "done" and check.verdict["verdict"] == "OK", caplog.text
     ok = _lines(caplog, "live wiring check: OK")
-    assert len(ok) == 1 and "the served [3, 5, 7]" in ok[0] and "top-1 agreement" in ok[0]
+    assert len(ok) == 1 and "the served [3, 5, 7]" in ok[0] and "top-1" in ok[0], caplog.text
+    assert "wirings searched scores higher" in ok[0] and check.verdict["search"]["wirings_scanned"] >= 25
+    assert len(ok[0].replace(str(wc.result_path("LlamaForCausalLM")), "J")) <= 300, ok[0]
     assert check.predicted == pytest.approx(check.verdict["configured"]["accuracy"])
 
     # the check off: the same model served the same prompts gives bitwise the same outputs

@@ -15,6 +15,7 @@ with its default settings, the live wiring check scoring with SGLang's own draft
 import json
 import logging
 import re
+import types
 
 import pytest
 import torch
@@ -169,8 +170,58 @@ def test_output_of_layer_k_numbering_gets_the_ids_that_serve_it(sglang_cpu, wc, 
 
 
 @pytest.mark.parametrize("cls", CLASSES)
-def test_the_seeds_edit_is_caught_at_configuration_and_the_advice_reaches_the_trained_wiring(
-        sglang_cpu, wc, kimi, cls, tmp_path, caplog):
+def test_the_seeds_edit_gets_the_trained_ids_at_the_first_start(sglang_cpu, wc, kimi, cls, tmp_path, caplog,
+                                                                 monkeypatch):
+    """The seed's edit ([-1, 2, 5]: a -1 for "the embeddings"; SGLang's first forward would fail) on a server
+    started as SGLang starts it (its configure call with the server's args naming the draft): the plugin serves the
+    first reading SGLang takes ([0, 3, 6], the -1 read as the embeddings) so the server runs, and the live check's
+    verdict at this first start names the trained wiring and its ids. Served tokens are those of a stock server
+    configured with [0, 3, 6]; with the check off, SGLang's own error stands."""
+    h = sglang_cpu
+    from sglang.srt import runtime_context
+
+    edited = _draft(kimi, cls, "default", tmp_path, [-1, 2, 5])
+    server = types.SimpleNamespace(speculative_algorithm="EAGLE3", speculative_draft_model_path=str(edited))
+    monkeypatch.setattr(runtime_context, "get_server_args", lambda: server)
+    cfg, model = _target(h, kimi)
+    with caplog.at_level(logging.INFO, logger="eagle3_ops.sglang"):
+        h.configure_capture(model, [-1, 2, 5])  # SGLang's configure call; the plugin's hooks decide and start
+        (check,) = wc.checks()
+        assert model.language_model.model.layers_to_capture == [0, 3, 6]  # SGLang configured the substitute
+        outs = h.serve_prompts(model, cfg.text_config, _prompts(kimi, wc), spec_algorithm="EAGLE3")
+        check.wait()
+    errors = [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
+    assert len(errors) == 1, caplog.text
+    assert errors[0].startswith("eagle3_ops: live wiring check: ERROR: "), errors[0]
+    assert "[-1, 2, 5] ask SGLang for captures it will not take" in errors[0]
+    assert "serving ids [0, 3, 6] instead" in errors[0] and "Served tokens are unchanged" in errors[0]
+    assert check.phase == "done", caplog.text
+    v = check.verdict
+    assert v["verdict"] == "WARNING" and v["configured"]["boundaries"] == [0, 3, 6], v
+    assert v["best"]["boundaries"] == kimi_pair.DEFAULT_BOUNDARIES and v["fix"]["ids"] == [2, 5, 7], v
+    assert "it holds [-1, 2, 5], which SGLang cannot serve" in v["fix"]["text"], v["fix"]
+    (warn,) = [r.getMessage() for r in _lines(caplog, "live wiring check: WARNING")]
+    assert warn.startswith("eagle3_ops: live wiring check: WARNING: set eagle_config.eagle_aux_hidden_state_layer_ids"
+                           " to [2, 5, 7] in "), warn
+
+    # served as a stock server with [0, 3, 6] serves (the check off: no substitution, nothing recorded)
+    monkeypatch.setenv("EAGLE3_OPS_WIRING_CHECK", "0")
+    cfg0, model0 = _target(h, kimi)
+    h.configure_capture(model0, [0, 3, 6])
+    for (aux, logits), (aux0, logits0) in zip(outs, _serve(h, model0, cfg0, _prompts(kimi, wc))):
+        assert torch.equal(aux, aux0) and torch.equal(logits, logits0), "the check changed what was served"
+    # and with the check off, the edit is SGLang's to fail on, with its own error
+    cfg1, model1 = _target(h, kimi)
+    h.configure_capture(model1, [-1, 2, 5])
+    with pytest.raises(RuntimeError, match=re.escape("captured 2 of 3 aux hidden states")):
+        _serve(h, model1, cfg1, _prompts(kimi, wc)[:1])
+
+
+@pytest.mark.parametrize("cls", CLASSES)
+def test_the_seeds_edit_is_said_where_the_check_cannot_substitute(sglang_cpu, wc, kimi, cls, tmp_path, caplog):
+    """Started without the server's args (a script: no EAGLE-3 server to read the draft from), the plugin leaves
+    SGLang's configuration alone; the check, started by hand, says at configuration what SGLang will do and each
+    reading with the ids SGLang serves for it."""
     h = sglang_cpu
     from eagle3_ops.sglang.capture_hooks import capture_state
 
@@ -180,28 +231,14 @@ def test_the_seeds_edit_is_caught_at_configuration_and_the_advice_reaches_the_tr
         h.configure_capture(model, [-1, 2, 5])  # SGLang accepts it: layers_to_capture = [-1, 2, 5]
         assert wc.start(model, draft_path=str(edited), target_config=cfg) is None
     assert capture_state(model) is None, "no buffer with fewer slots than the draft's fc takes"
-    stock = [r for r in _lines(caplog, "capture left stock") if "[-1, 2, 5]" in r.getMessage()]
-    assert len(stock) == 1 and "live wiring check" in stock[0].getMessage(), caplog.text
-    assert "report this" not in caplog.text and "may be out of date" not in caplog.text
     errors = [r for r in caplog.records if r.levelno >= logging.ERROR]
     assert len(errors) == 1, caplog.text
     line = errors[0].getMessage()
     assert "= [-1, 2, 5]" in line and "id -1 -> boundary -1" in line, line
     assert "RuntimeError: captured 2 of 3 aux hidden states" in line
-    # reading A (SGLang's own capture) cannot hold a -1 on this family; reading B (-1 = the embeddings)
     assert "ruled out" in line and "serve it with ids [0, 3, 6]" in line
-    assert "SGLang's default boundaries [2, 5, 7]" in line
-    # what SGLang itself does with those ids: its first forward raises the error the line predicted
     with pytest.raises(RuntimeError, match=re.escape("captured 2 of 3 aux hidden states")):
         _serve(h, model, cfg, _prompts(kimi, wc)[:1])
-
-    # a second server, with the ids the line advises: the live check names the trained wiring and its ids
-    advised = [int(x) for x in re.search(r"serve it with ids \[([-\d, ]+)\]", line).group(1).split(",")]
-    caplog.clear()
-    check = _live(h, wc, kimi, _draft(kimi, cls, "default", tmp_path, advised), advised, caplog)
-    v = check.verdict
-    assert v["verdict"] == "WARNING" and v["best"]["boundaries"] == kimi_pair.DEFAULT_BOUNDARIES, caplog.text
-    assert v["fix"]["ids"] == [2, 5, 7], v["fix"]
 
 
 def test_a_repeated_id_is_caught_with_sglangs_default_as_the_list_to_serve(sglang_cpu, wc, kimi, tmp_path, caplog):
