@@ -16,7 +16,7 @@ TORCH_VERSION  ?= 2.14.1
 TORCHVISION_VERSION ?= 0.29.1
 SGLANG_VERSION ?= 0.5.23
 
-.PHONY: venv deps build install demo test test-fast bench clean
+.PHONY: venv deps build install demo test test-real-size test-fast bench clean
 
 # pip prints a warning per package for the machine's local index folders; keep the log readable.
 SHELL := /bin/bash
@@ -65,7 +65,11 @@ demo: install
 # device script (its dry run, its report) without a GPU.
 test: install
 	OMP_NUM_THREADS=1 $(PY) -m pytest -q -ra -p no:cacheprovider -n $${PYTEST_WORKERS:-2} --dist loadfile tests \
-		benchmarks/test_device_check.py
+		benchmarks/test_device_check.py -m "not real_size"
+
+# The live check's replay at the seed's real dimensions (tests/test_replay_real_size.py): ~20 minutes, ~10 GB disk.
+test-real-size: install
+	$(PY) -m pytest -q -s -p no:cacheprovider tests/test_replay_real_size.py -m real_size
 
 bench: install
 	$(PY) -m pytest -q benchmarks --benchmark-columns=median,min,max

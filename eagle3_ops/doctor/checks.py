@@ -22,10 +22,11 @@ errors
   E_TARGET_HIDDEN            the draft's target_hidden_size differs from the target's hidden_size
   E_VOCAB_MAP                d2t / t2d / lm_head / embedding do not match the target vocabulary
   E_REPLAY_BETTER_WIRING     (--replay) another wiring predicts the target's next token clearly better
+  E_REPLAY_NO_WIRING_FITS    (--replay) no wiring predicts it clearly better than the draft fed nothing
 warnings
   W_TRAINING_AMBIGUOUS, W_NO_TRAINING_IDS, W_VLLM_RUNNER, W_SLOT_ORDER, W_IDS_IGNORED, W_TP_CAPTURE_UNVERIFIED,
   W_PP_UNVERIFIED, W_RULE_UNKNOWN, W_TARGET_SUPPORT_UNVERIFIED, W_DRAFT_CLASS_UNVERIFIED, W_CAPTURE_VALUE,
-  W_EMBED_SCALE, W_TIED_DRAFT, W_CONFIG_ASSUMED, W_NORM_BEFORE_RESIDUAL, W_REPLAY_LOW_ACCURACY,
+  W_EMBED_SCALE, W_TIED_DRAFT, W_CONFIG_ASSUMED, W_NORM_BEFORE_RESIDUAL, W_REPLAY_UNDECIDED,
   W_REPLAY_FEW_TOKENS
 info
   I_CONFIG, I_ENGINE_CODE, I_ENGINE_DEFAULT, I_TP_CAPTURE_OK, I_TIED_DRAFT, I_REPLAY_CONFIGURED_BEST, I_NO_AUX

@@ -87,12 +87,15 @@ def _doctor_parser() -> argparse.ArgumentParser:
     p.add_argument("--pp-partition", type=_ids, default=None, metavar="N,N,..",
                    help="layers per pipeline stage (SGLANG_PP_LAYER_PARTITION), default: even split")
     p.add_argument("--json", action="store_true", help="print a JSON report instead of tables")
-    p.add_argument("--replay", metavar="STATES", help="safetensors file from capture-states: score wirings")
+    p.add_argument("--replay", metavar="STATES", help="safetensors file from capture-states or the SGLang plugin: "
+                                                      "search every recorded boundary in every slot for the wiring "
+                                                      "the draft predicts the target best with (the live check's "
+                                                      "search and verdict)")
     p.add_argument("--replay-margin", type=float, default=0.02, metavar="F",
                    help="accuracy gain (absolute) another wiring needs to be reported as an error (default 0.02)")
     p.add_argument("--replay-sweep", action="store_true",
-                   help="also try every boundary in each slot (K x (L+1) more draft runs; finds a slot whose "
-                        "trained layer is far from the configured one)")
+                   help="also score every single-slot change of the served wiring on every position (K x (L+1) "
+                        "full runs: a slower cross-check of the search, which scans them on fewer positions)")
     p.add_argument("--replay-max-tokens", type=int, default=4096, metavar="N", help="positions scored (default 4096)")
     p.add_argument("--device", default="cpu", help="device for --replay (default cpu)")
     p.add_argument("--replay-draft", choices=("auto", "sglang", "plain"), default="auto",
@@ -330,6 +333,16 @@ def format_report(report) -> str:
             rows.append([c["label"], str(c["boundaries"]), f"{100 * c['accuracy']:.1f}%",
                          "-" if c["ids"] is None else str(c["ids"])])
         out.append(_table(rows, ["wiring", "boundaries", "accuracy", f"ids for {eng}"]))
+        search, verdict = r.get("search") or {}, r.get("verdict") or {}
+        if search:
+            out.append(_wrap(f"Searched {search['wirings_scanned']} wirings (every recorded boundary in every slot: "
+                             f"{search['slot_sweeps']} slot sweeps, {search['quick_positions']} then "
+                             f"{search['positions']} positions, {search['seconds']} s; computed in "
+                             f"{r.get('compute_dtype')}); the draft fed nothing scores "
+                             f"{100 * r.get('no_input_accuracy', 0):.1f}%.", "  "))
+        if verdict:
+            out.append(_wrap(f"Replay verdict: {verdict['word']} ({verdict.get('code')}, below; the live check's "
+                             f"word too)", "  "))
     out.append("")
     errors = sum(f.severity == "error" for f in report.findings)
     warns = sum(f.severity == "warning" for f in report.findings)

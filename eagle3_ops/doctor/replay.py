@@ -1,13 +1,16 @@
-"""``doctor --replay STATES``: run the draft's first step on recorded target states for several
-wirings and score top-1 accuracy against the target's next tokens.
+"""``doctor --replay STATES``: run the draft's first step on recorded target states, search every recorded
+boundary in every slot for the wiring the draft predicts the target best with (:mod:`.search`), and score
+the finalists by top-1 agreement with the target's next tokens on every position.
 
 For each prompt position ``t`` the draft gets the captured boundaries at ``t`` plus the embedding
 of token ``t+1`` and must predict the target's next token after ``t+1`` (what EAGLE-3 drafts do
-during draft-extend). Candidate wirings: the configured one, the one the draft config's training
-convention implies, the engine default, every slot one layer earlier/later, all slots one layer
-earlier/later (the other convention), the embeddings or the last layer's output in place of each
-slot, and slot permutations (``--replay-sweep``: also every boundary in each slot). An error is reported when another wiring beats the configured one by
-at least ``margin`` (absolute) and by three standard errors of the paired difference.
+during draft-extend). The named wirings (the configured one, each reading of the draft config, the engine
+default, every slot one layer earlier/later, all slots shifted, the embeddings or the last layer's output in
+a slot, slot permutations) seed the search; ``--replay-sweep`` also scores every single-slot change on every
+position. The verdict (:func:`_verdict`, ``report.replay["verdict"]``: the words the live check logs): OK when
+no wiring scores higher than the configured one; UNDECIDED when one does by less than ``margin`` or three
+standard errors of the paired difference; WARNING (E_REPLAY_BETTER_WIRING) when one does by both; and
+NO_WIRING_FITS when no wiring is clearly better than the draft fed nothing (the wiring is not the problem).
 """
 from __future__ import annotations
 
@@ -515,14 +518,14 @@ def _verdict(report: Report, runner, states: States, results: List[dict], order:
                 f"{100 * best['accuracy']:.1f}% of {n} positions, and the draft fed nothing on "
                 f"{100 * float(blind.float().mean()):.1f}%; the wiring is not the problem. {evidence['summary']}")
         report.add("error", "E_REPLAY_NO_WIRING_FITS", f"Replay on {n} positions: {text}")
-        say("NO_WIRING_FITS", text)
+        say("NO_WIRING_FITS", text, code="E_REPLAY_NO_WIRING_FITS")
         return
     if conf_res is None:
         text = (f"the configured wiring cannot run; best wiring: {fmt(best)}" +
                 (f"; for {eng} write ids {best['ids']}." if best["ids"] else
                  f"; no id list makes {eng} feed it: {why_no_fix(report, best['boundaries'])}."))
         report.add("info", "I_REPLAY_BEST", f"Replay on {n} positions: {text}")
-        say("BEST", text, best["ids"])
+        say("BEST", text, best["ids"], code="I_REPLAY_BEST")
         return
     gain, se, sd = paired(best["_correct"], conf_res["_correct"])
     rep["gain"], rep["gain_stderr"] = gain, se
@@ -533,7 +536,7 @@ def _verdict(report: Report, runner, states: States, results: List[dict], order:
                 (f"; the best alternative, {fmt(rival)}" if rival is not None else "") +
                 f"; {rep['search']['wirings_scanned']} wirings searched")
         report.add("info", "I_REPLAY_CONFIGURED_BEST", f"Replay on {n} positions: {text}.")
-        say("OK", text)
+        say("OK", text, code="I_REPLAY_CONFIGURED_BEST")
     elif gain >= margin and gain >= 3 * se:
         feedable = next((results[i] for i in order if results[i]["ids"] is not None), None)
         fix = (f"Set {_ids_location(opts.engine)} to {best['ids']}." if best["ids"] is not None else
@@ -545,7 +548,7 @@ def _verdict(report: Report, runner, states: States, results: List[dict], order:
                 f"(+{100 * gain:.1f} points, {gain / se if se > 0 else float('inf'):.0f} standard errors). The draft "
                 f"was most likely trained on the latter. {fix}")
         report.add("error", "E_REPLAY_BETTER_WIRING", f"Replay on {n} positions: {text}")
-        say("WARNING", text, best["ids"])
+        say("WARNING", text, best["ids"], code="E_REPLAY_BETTER_WIRING")
     else:
         prompts = sum(int(g["ids"].shape[0]) for g in states.groups)
         per_prompt = max(1.0, n / max(prompts, 1))
@@ -560,7 +563,7 @@ def _verdict(report: Report, runner, states: States, results: List[dict], order:
                 f"({100 * conf_res['accuracy']:.1f}%), by {100 * gain:.1f} ± {100 * se:.1f} points on {n} positions: "
                 f"the evidence does not separate them; {need}")
         report.add("warning", "W_REPLAY_UNDECIDED", f"Replay: {text}.")
-        say("UNDECIDED", text, best["ids"], need=need)
+        say("UNDECIDED", text, best["ids"], need=need, code="W_REPLAY_UNDECIDED")
     _settle(report, results, conf_res, margin, n)
 
 

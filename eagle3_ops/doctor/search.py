@@ -315,4 +315,4 @@ def describe_change(wiring: Sequence[int], served: Optional[Sequence[int]]) -> s
         return "served"
     if sorted(wiring) == sorted(served):
         return f"slots permuted {[list(served).index(b) for b in wiring]}"
-    return "found by the search: " + ", ".join(f"slot {s} = boundary {wiring[s]}" for s in diff)
+    return f"search: slot {diff[0]}" if len(diff) == 1 else "found by the search"

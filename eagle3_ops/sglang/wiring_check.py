@@ -940,7 +940,7 @@ def _substitute(report) -> tuple:
         if r.plausible:
             ids = verified_fix(report, list(r.boundaries), check_readings=False)
             if ids is not None:
-                return ids, f"reading {chr(ord('A') + n)} of the config, {r.label}: boundaries {list(r.boundaries)}"
+                return ids, f"reading {chr(ord('A') + n)} of the config: boundaries {list(r.boundaries)}"
     default = report.wiring.rules.map_ids(None, L).config_order
     ids = verified_fix(report, default, check_readings=False)
     if ids is not None:

@@ -6,6 +6,7 @@ them through SGLang's own configure call and forward. Prints one JSON line.
 (the caller sets EAGLE3_OPS_SGLANG / SGLANG_PLUGINS / EAGLE3_OPS_SGLANG_MAX_TOKENS; ``old-version``
 pretends SGLang 0.5.22)."""
 import hashlib
+import inspect
 import json
 import logging
 import os
@@ -71,7 +72,7 @@ def main(mode: str) -> None:
                  and getattr(importlib.import_module(TARGETS[3][0]), TARGETS[3][1]) is originals[TARGETS[3]]
                  and all(getattr(model_runner.ModelRunner, m) is f for m, f in runner_methods.items()))
     runner_configure_hooked = (runner_configure_now is configure_now and configure_now is not runner_configure
-                               and getattr(runner_configure_now, "__wrapped__", None) is runner_configure)
+                               and inspect.unwrap(runner_configure_now) is runner_configure)  # AROUND + AFTER
     runner_methods_hooked = all(getattr(getattr(model_runner.ModelRunner, m), "__wrapped__", None) is f
                                 for m, f in runner_methods.items())
 

@@ -22,6 +22,8 @@ OUR_TARGETS = sorted([
     "sglang.srt.model_executor.model_runner.ModelRunner.initialize",  # the draft fc before KV sizing
     "sglang.srt.model_executor.model_runner.ModelRunner.init_prefill_cuda_graph",
     "sglang.srt.model_executor.model_runner_components.attention_backend_setup.configure_aux_hidden_state_capture",
+    # twice: AROUND (the ids to capture where SGLang would fail on the config's, wiring_check.ids_to_serve), AFTER
+    "sglang.srt.model_executor.model_runner_components.attention_backend_setup.configure_aux_hidden_state_capture",
     # re-fold kept folded draft fc weights after every online weight update
     "sglang.srt.model_executor.model_runner_components.weight_updater.WeightUpdater.load_weights_from_distributed",
     "sglang.srt.model_executor.model_runner_components.weight_updater.WeightUpdater.update_weights_from_disk",
@@ -92,7 +94,9 @@ def test_discovered_through_entry_point_and_patches_each_site(worker_runs):
     # the only warning: the capture buffer's size (it is outside SGLang's memory budget)
     assert len(r["eagle3_warnings"]) == 1, r["eagle3_warnings"]
     assert "capture buffer" in r["eagle3_warnings"][0] and "EAGLE3_OPS_SGLANG_MAX_TOKENS" in r["eagle3_warnings"][0]
-    assert len(r["sglang_applied"]) == len(OUR_TARGETS)
+    assert len(r["sglang_applied"]) == len(set(OUR_TARGETS))  # SGLang says "Applied N hook(s)" once per target
+    assert any("Applied 2 hook(s) to sglang.srt.model_executor.model_runner_components.attention_backend_setup."
+               "configure_aux_hidden_state_capture" in m for m in r["sglang_applied"]), r["sglang_applied"]
 
 
 def test_bad_max_tokens_is_one_message_and_the_target_stays_stock(worker_runs):

@@ -145,6 +145,19 @@ def test_every_id_one_too_high_gets_the_ids_in_the_configs_own_form(sglang_cpu, 
     assert "eagle_aux_hidden_state_layer_ids to [2, 5, 7]" in warn[0].getMessage()
 
 
+@pytest.mark.parametrize("cls", CLASSES)
+@pytest.mark.parametrize("ids", [[7, 8, 9], [0, 5, 7]], ids=["slot0-off-by-5", "embeddings-in-slot0"])
+def test_the_search_finds_the_trained_wiring_far_from_the_served_one(sglang_cpu, wc, kimi, cls, ids, tmp_path,
+                                                                      caplog):
+    """Served [7, 8, 9] (slot 0 five layers late, the others three and two) or [0, 5, 7] (the embeddings in slot
+    0): no neighbour of the served wiring is the trained one; the search over every boundary finds it."""
+    check = _live(sglang_cpu, wc, kimi, _draft(kimi, cls, "default", tmp_path, ids), ids, caplog)
+    v = check.verdict
+    assert v["verdict"] == "WARNING" and v["configured"]["boundaries"] == ids, caplog.text
+    assert v["best"]["boundaries"] == kimi_pair.DEFAULT_BOUNDARIES and v["fix"]["ids"] == [2, 5, 7], v
+    assert set(check.recorder.boundaries) == set(range(kimi_pair.NUM_LAYERS + 1)) - set(check.recorder.unreachable)
+
+
 def test_every_id_one_too_low_is_the_same_wiring_on_this_family(kimi):
     """SGLang's deepseek rule adds 1 to every id when the first id is 1: [1, 4, 6] feeds [2, 5, 7], what the
     draft was trained on; the doctor says so from SGLang's own code (no replay needed)."""
