@@ -13,15 +13,21 @@ states hold in every slot, and scales by three facts:
   ``kimi_k25_eagle3``: ``hidden_states.shape[-1] != embeds.shape[-1]``; the plain twin follows it), so the
   rest of the draft runs on that sum through the head's own code.
 - **The scan needs fewer positions than the verdict**: it ranks wirings by the mean log-probability of the
-  target's next token on :data:`SCAN_POSITIONS` positions, a continuous score that separates wirings on far
-  fewer positions than top-1 agreement does.
+  target's next token, a continuous score that separates wirings on far fewer positions than top-1
+  agreement: every wiring of a sweep on the first :data:`QUICK_POSITIONS` positions, the best :data:`KEEP`
+  (and the current one) on :data:`SCAN_POSITIONS`.
 
 Steps (:func:`search`): scan the named wirings (the served one, the config's readings, the engine default,
 the neighbourhood of :func:`..replay.candidate_wirings`); from the best of them, sweep one slot at a time
 over every boundary with the other slots fixed, sweeping a slot again whenever another slot changed since
 its last sweep (at most :data:`MAX_ROUNDS` rounds); scan the slot permutations of the best. The caller
-then scores the named wirings and the :data:`FINALISTS` best of the scan on every position, through the
-head's full forward (its own fc), by top-1 agreement: that is the verdict.
+(:func:`..replay._replay`) then scores the named wirings and the best of the scan (:data:`FINALISTS` by
+log-probability, as many by top-1) on every position through the head's full forward (its own fc), by top-1
+agreement: that is the verdict.
+
+Cost, at the seed's sizes (measured, benchmarks/NOTES.md): a sweep of Kimi-K2.5's 62 boundaries runs 62 wirings
+on 64 positions and 7 on 256, the draft's layer and head once per position (the fc's share is the projections,
+computed once); the projections of 256 positions take 3 x 62 x 256 x 7168 x 2 bytes = 651 MiB in bfloat16.
 """
 from __future__ import annotations
 

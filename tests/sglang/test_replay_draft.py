@@ -170,3 +170,56 @@ def test_the_plain_twin_refuses_biases_for_vllm(key, tmp_path):
     report = checks.run_checks(target, draft, weights, checks.Options(engine="vllm"))
     with pytest.raises(DoctorInputError, match=rf"vLLM 0\.33\.0's head builds others .*{key}: True.*does not serve"):
         build_runner(report, weights, token_ids=torch.arange(10)[None], implementation="plain")
+
+
+@pytest.mark.parametrize("impl", ["plain", "sglang"])
+@pytest.mark.parametrize("variant", ["plain", "fc_norm", "norm_before_fc", "bias", "own_embedding_h24"])
+def test_the_searchs_per_slot_projections_are_the_heads_own_fc(sglang_cpu, variant, impl, tmp_path):
+    """The wiring search (doctor.search) sums per-slot projections of the fc (its fc_norm per slot; a whole-row
+    input_norm as a scale after the sum; the bias once) and feeds the sum as the fc output: the head's own forward
+    then skips its fc. That must compute what the head computes from the concatenated captures, for both runners,
+    with any boundary in any slot (here the slots are filled from a pool of recorded boundaries, one repeated)."""
+    from eagle3_ops.doctor.search import Chunk, Projections
+
+    target = configs.parse_target(write_target(tmp_path / "target", num_layers=8, hidden=TARGET_H, vocab=VOCAB))
+    d = _draft(tmp_path / "draft", seed=7 + len(variant), **VARIANTS[variant])
+    draft, weights = configs.parse_draft(d, use_sglang=True), configs.read_weight_headers(d)
+    report = checks.run_checks(target, draft, weights, checks.Options(engine="sglang"))
+    g = torch.Generator().manual_seed(2000 + len(variant))
+    bounds = {b: (1 + b) * torch.randn(B, N, TARGET_H, generator=g) for b in range(5)}
+    ids = torch.randint(0, VOCAB, (B, N), generator=g)
+    runner = build_runner(report, weights, token_ids=ids, implementation=impl)
+    embeds = bounds[0] if runner.uses_target_embeddings else None
+    chunk = Chunk(ids=ids, embeds=embeds, labels=ids, bounds=bounds)
+    proj = Projections(runner.fc_parts(), [chunk], list(bounds))
+    for wiring in [(1, 2, 3), (4, 0, 2), (3, 3, 1)]:
+        want = runner.logits(torch.cat([bounds[b] for b in wiring], dim=-1), ids, embeds).double()
+        got = runner.logits(proj.fc_output(0, wiring), ids, embeds).double()
+        rel = ((got - want).norm() / want.norm()).item()
+        assert rel < 1e-5, (variant, impl, wiring, rel)
+
+
+def test_sglangs_yarn_rope_head_builds_on_the_cpu(sglang_cpu):
+    """The published Kimi-K2.5 MLA drafts set YaRN rope_scaling; SGLang's DeepseekScalingRotaryEmbedding then asks
+    get_device() for an accelerator at construction and raises without one (why the replay failed at the real size
+    while the tiny tests, without rope_scaling, passed). The replay's construction gives it the CPU."""
+    import sys
+
+    sys.path.insert(0, str(__import__("pathlib").Path(__file__).parent))
+    import kimi_pair
+
+    from eagle3_ops.doctor import sglang_cpu as harness
+    from eagle3_ops.doctor.configs import _sglang_parse
+    from eagle3_ops.doctor.sglang_draft import head_class
+
+    cfg = dict(kimi_pair.mla_draft_config([2, 5, 7]), rope_scaling={
+        "type": "yarn", "factor": 64.0, "beta_fast": 1.0, "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0,
+        "original_max_position_embeddings": 64})
+    draft = configs.draft_from_config(cfg, None, use_sglang=True)
+    cls, _ = head_class(draft)
+    config, _ = _sglang_parse(dict(cfg), None)
+    if not torch.cuda.is_available():  # SGLang's own constructor, as is, on a machine without an accelerator
+        with pytest.raises(RuntimeError, match="No accelerator"):
+            cls(config)
+    model = harness._construct(cls, config, torch.float32)
+    assert type(model).__name__ == "Eagle3DeepseekV2ForCausalLM"
