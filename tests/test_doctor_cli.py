@@ -124,3 +124,14 @@ def test_capture_states_cli(tiny_pair, tmp_path):  # noqa: F811
     big.write_text(json.dumps([[1, 2, 999]]))
     assert cli.capture_states_main(["--model", str(tiny_pair.target_dir), "--prompts", str(big), "--out",
                                     str(tmp_path / "y.safetensors")]) == 2
+
+
+def test_the_tiny_pair_builder_answers_help_and_makes_nothing(tmp_path):
+    """``python -m eagle3_ops.doctor.tiny --help`` printed nothing useful and made a folder named ``--help``."""
+    import subprocess
+    import sys
+
+    proc = subprocess.run([sys.executable, "-m", "eagle3_ops.doctor.tiny", "--help"], cwd=tmp_path,
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0 and proc.stdout.startswith("usage: python -m eagle3_ops.doctor.tiny"), proc
+    assert list(tmp_path.iterdir()) == [], list(tmp_path.iterdir())

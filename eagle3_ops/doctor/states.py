@@ -258,9 +258,11 @@ def read_states(path, *, num_layers: int, hidden_size: int, vocab_size: Optional
             raise StatesError(f"{p}: prompt {i} has tensors ({', '.join(held[:3])}{', ...' if len(held) > 3 else ''}) "
                               f"but no prompt.{i}.input_ids")
     if idx != list(range(len(idx))):
-        gaps = sorted(set(range(idx[-1] + 1)) - set(idx))
+        # the first missing index, found without a range as large as the largest index (an index in a file is
+        # untrusted: prompt.999999999999 alone must not allocate a trillion of anything)
+        first_gap = next(n for n, i in enumerate(idx) if i != n)
         raise StatesError(f"{p}: the prompt indices are {idx[:8]}{' ...' if len(idx) > 8 else ''}, expected 0.."
-                          f"{len(idx) - 1} (missing prompt.{gaps[0]}.input_ids)")
+                          f"{len(idx) - 1} (missing prompt.{first_gap}.input_ids)")
     n_meta = _meta_int(p, meta, "num_prompts")
     if n_meta is not None and n_meta != len(idx):
         raise StatesError(f"{p}: metadata num_prompts={n_meta}, but the file holds {len(idx)} prompts (prompt.0.."

@@ -219,11 +219,22 @@ def _build(root, params, seed, steps, num_train, seq_len, num_prompts, save_file
     return TinyPair(root, target_dir, draft_dir, root / "prompts.json", list(TRAINED_IDS), seconds, acc)
 
 
-if __name__ == "__main__":  # python -m eagle3_ops.doctor.tiny OUT_DIR
-    import sys
+def main(argv=None) -> int:
+    """``python -m eagle3_ops.doctor.tiny [OUT_DIR]``: build (or reuse) the tiny pair; ``--help`` only prints usage."""
+    import argparse
 
-    out = sys.argv[1] if len(sys.argv) > 1 else os.path.join(os.getcwd(), "tiny_pair")
-    pair = build_tiny_pair(out)
+    p = argparse.ArgumentParser(prog="python -m eagle3_ops.doctor.tiny",
+                                description="Build the tiny Llama target and an EAGLE-3 draft trained on its hidden "
+                                            "states at ids [2, 4, 6] (boundaries 3, 5, 7), for the doctor's examples.")
+    p.add_argument("out", nargs="?", default=os.path.join(os.getcwd(), "tiny_pair"),
+                   help="folder to write target/, draft/ and prompts.json into (default: ./tiny_pair)")
+    args = p.parse_args(argv)
+    pair = build_tiny_pair(args.out)
     print(json.dumps({"target": str(pair.target_dir), "draft": str(pair.draft_dir),
                       "prompts": str(pair.prompts_file), "seconds": round(pair.seconds, 1),
                       "heldout_accuracy": round(pair.heldout_accuracy, 3)}, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

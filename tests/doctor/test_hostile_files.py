@@ -172,6 +172,29 @@ def test_a_malformed_states_file_is_named_with_its_tensor(pair, tmp_path, capsys
     one_line_exit_2(rc, err, f"replay: {states}: ", *phrases)
 
 
+def test_a_huge_prompt_index_is_refused_without_allocating_for_it(pair, tmp_path):
+    """Every index in a file is untrusted: a STATES file holding only prompt.999999999999.input_ids once made the
+    replay build a set of every index below it (~23 GB before the OS killed it). In a child with a 4 GiB address
+    space the doctor now answers in one line (exit 2), naming the missing prompt.0."""
+    import resource
+    import subprocess
+    import sys
+
+    t, d = pair
+    states = tmp_path / "states.safetensors"
+    save_file({"prompt.999999999999.input_ids": torch.zeros(T, dtype=torch.long)}, str(states),
+              metadata=good_meta())
+
+    def limit():
+        resource.setrlimit(resource.RLIMIT_AS, (4 << 30, 4 << 30))
+
+    proc = subprocess.run([sys.executable, "-m", "eagle3_ops", "doctor", "--draft", str(d), "--target", str(t),
+                           "--replay", str(states), *TABLE, "--replay-draft", "plain"], capture_output=True,
+                          text=True, preexec_fn=limit, timeout=600)
+    one_line_exit_2(proc.returncode, proc.stderr, f"replay: {states}: ", "the prompt indices are [999999999999]",
+                    "missing prompt.0.input_ids")
+
+
 def test_the_good_states_file_of_the_table_is_replayed(pair, tmp_path, capsys):
     """The table's starting point is a valid file: the replay runs on it (so each fault above is the edit's)."""
     t, d = pair
