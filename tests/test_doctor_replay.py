@@ -179,3 +179,51 @@ def test_the_draft_runs_on_sglangs_own_class_only_with_the_pinned_sglang(monkeyp
     for other in ("0.5.24", None):
         monkeypatch.setattr(sglang_code, "installed_version", lambda v=other: v)
         assert draft_implementation("sglang") == "plain", other
+
+
+def _verdict_of(conf_hits, best_hits, n, blind_hits=0, margin=0.02):
+    """replay._verdict on synthetic per-position results: the served wiring right at ``conf_hits`` of ``n``
+    positions, an alternative at ``best_hits`` (its hits a superset, so the paired difference is exact)."""
+    import types
+
+    from eagle3_ops.doctor import replay
+
+    def hits(k):
+        t = torch.zeros(n, dtype=torch.bool)
+        t[:k] = True
+        return t
+
+    found = []
+    report = types.SimpleNamespace(
+        options=types.SimpleNamespace(engine="sglang"), target=types.SimpleNamespace(num_layers=8),
+        replay={"search": {"wirings_scanned": 40}}, findings=found,
+        add=lambda sev, code, msg: found.append(types.SimpleNamespace(severity=sev, code=code, message=msg)))
+    conf = {"label": "configured", "boundaries": [2, 4, 6], "accuracy": conf_hits / n, "ids": [1, 3, 5],
+            "_correct": hits(conf_hits)}
+    alt = {"label": "search: slot 0", "boundaries": [3, 4, 6], "accuracy": best_hits / n, "ids": [2, 3, 5],
+           "_correct": hits(best_hits)}
+    results = [conf, alt]
+    order = sorted(range(2), key=lambda i: (-results[i]["accuracy"], i))
+    states = types.SimpleNamespace(groups=[{"ids": torch.zeros(n // 30, 31)}])
+    replay._verdict(report, None, states, results, order, conf, hits(blind_hits), margin, n, n)
+    return report.replay["verdict"], {f.code: f for f in found}
+
+
+def test_the_verdict_is_never_ok_while_an_alternative_scores_higher():
+    # +1.5 points: under the margin; the evidence does not separate them, and no number of prompts would count
+    v, codes_ = _verdict_of(180, 184, 300)
+    assert v["word"] == "UNDECIDED" and "W_REPLAY_UNDECIDED" in codes_, v
+    assert "60.0%" in v["text"] and "61.3%" in v["text"] and "no number of prompts" in v["need"], v
+    # +2.7 points, over the margin, but 8 positions differ of 300: under 3 standard errors; how many more would tell
+    v, _ = _verdict_of(180, 188, 300)
+    assert v["word"] == "UNDECIDED" and v["need"].startswith("about ") and "more prompts" in v["need"], v
+    more = int(v["need"].split()[1])
+    n2 = 300 + 2 * more  # twice as many more as it says, the same rates: separated
+    v2, _ = _verdict_of(180 * n2 // 300, 180 * n2 // 300 + 8 * n2 // 300, n2)
+    assert v2["word"] == "WARNING", (more, v2)
+    # the same score: no alternative is higher, OK
+    v, codes_ = _verdict_of(180, 180, 300)
+    assert v["word"] == "OK" and "I_REPLAY_CONFIGURED_BEST" in codes_, v
+    # clearly higher: WARNING with the ids
+    v, codes_ = _verdict_of(90, 180, 300)
+    assert v["word"] == "WARNING" and v["ids"] == [2, 3, 5] and "E_REPLAY_BETTER_WIRING" in codes_, v
