@@ -432,3 +432,29 @@ def test_run_checks_from_in_memory_configs(tmp_path):
         rep = run_checks(target, draft_from_config(d_cfg), weights, Options(engine="sglang"))
         assert not rep.ok and [f.code for f in rep.findings if f.severity == "error"] == codes(by_cli, "error")
         assert [s["capture_index"] for s in rep.slots] == [s["capture_index"] for s in by_cli["slots"]]
+
+
+def test_the_record_states_advice_runs_as_printed(tmp_path):
+    """The capture-states command the doctor prints (replay_command) for a stock Llama target has no
+    --trust-remote-code (transformers knows llama), and offers --device-map auto only where accelerate, which
+    capture-states needs for it, is installed; a target whose config maps to remote code of a model_type
+    transformers does not know gets --trust-remote-code."""
+    import importlib.util
+    import types
+
+    from eagle3_ops.doctor.checks import replay_command
+
+    def advice(cfg):
+        rep = types.SimpleNamespace(options=types.SimpleNamespace(engine="sglang"),
+                                    target=types.SimpleNamespace(path=tmp_path / "t", config=cfg),
+                                    draft=types.SimpleNamespace(path=tmp_path / "d"))
+        return replay_command(rep)
+
+    stock = advice({"model_type": "llama", "architectures": ["LlamaForCausalLM"]})
+    assert "--trust-remote-code" not in stock, stock
+    has_accelerate = importlib.util.find_spec("accelerate") is not None
+    assert ("--device-map auto`" in stock) == has_accelerate, stock
+    if not has_accelerate:
+        assert "pip install accelerate and add --device-map auto" in stock, stock
+    remote = advice({"model_type": "my_own_model", "auto_map": {"AutoConfig": "configuration_mine.MyConfig"}})
+    assert "--trust-remote-code" in remote, remote

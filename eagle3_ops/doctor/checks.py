@@ -485,12 +485,35 @@ def replay_command(rep: "Report") -> str:
     """The exact commands that settle what the config cannot: record STATES, then replay."""
     o = rep.options
     engine = f" --engine {o.engine}" if o.engine != "sglang" else ""
+    flags = " --trust-remote-code" if _needs_remote_code(rep.target) else ""
+    try:  # --device-map needs accelerate (capture-states refuses it without): offered only where it would run
+        import importlib.util
+
+        spread = importlib.util.find_spec("accelerate") is not None
+    except (ImportError, ValueError):
+        spread = False
+    flags += " --device-map auto" if spread else ""
     return (f"record states with the target: in SGLang with the eagle3_ops plugin, serve with "
             f"EAGLE3_OPS_DUMP_STATES=states.safetensors and send a few prompts (its live wiring check does this and "
             f"the replay by itself on the first prompts); or "
             f"`python -m eagle3_ops capture-states --model {rep.target.path} --prompts prompts.txt --out "
-            f"states.safetensors --trust-remote-code --device-map auto`; then `python -m eagle3_ops doctor --draft "
+            f"states.safetensors{flags}`{'' if spread else ' (a model larger than one device: pip install accelerate and add --device-map auto)'}"
+            f"; then `python -m eagle3_ops doctor --draft "
             f"{rep.draft.path} --target {rep.target.path}{engine} --replay states.safetensors`")
+
+
+def _needs_remote_code(target) -> bool:
+    """Whether transformers needs the checkpoint's own code for this target: its config maps to remote code
+    (``auto_map``) and transformers does not know its ``model_type`` (stock Llama, Qwen, DeepSeek-V3: never)."""
+    cfg = getattr(target, "config", None) or {}
+    if not isinstance(cfg, dict) or not cfg.get("auto_map"):
+        return False
+    try:
+        from transformers import CONFIG_MAPPING
+
+        return str(cfg.get("model_type")) not in CONFIG_MAPPING
+    except Exception:  # noqa: BLE001 - cannot tell: say it
+        return True
 
 
 def _fix_candidates(rules: TargetRules, boundaries: List[int], L: int,
