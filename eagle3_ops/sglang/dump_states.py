@@ -765,7 +765,8 @@ def _prepare(model, lm, inner, settings: DumpSettings, boundaries: Optional[List
     from .groups import tp_rank_size
 
     tp_rank, tp_size = tp_rank_size()  # (0, 1) in a process without model-parallel groups
-    num_layers = int(getattr(inner.config, "num_hidden_layers", len(inner.layers)))
+    # SGLang's GptOssModel keeps no config of its own (its ForCausalLM does): the layer count is then its layers
+    num_layers = int(getattr(getattr(inner, "config", None), "num_hidden_layers", len(inner.layers)))
     start = getattr(inner, "start_layer", 0)
     end = getattr(inner, "end_layer", len(inner.layers))
     if boundaries is None:
