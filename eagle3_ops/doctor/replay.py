@@ -491,6 +491,13 @@ def paired(a: torch.Tensor, b: torch.Tensor) -> Tuple[float, float, float]:
     return float(diff.mean()), sd / math.sqrt(n) if n > 1 else float("inf"), sd
 
 
+def clearly_better(a: torch.Tensor, b: torch.Tensor, margin: float) -> bool:
+    """The doctor's rule: per-position correctness ``a`` beats ``b`` by ``margin`` (absolute) and by three standard
+    errors of the paired difference."""
+    gain, se, _ = paired(a, b)
+    return gain >= margin and gain >= 3 * se
+
+
 LOW_ACCURACY = 0.05  # below this top-1 agreement with every wiring, no wiring fits
 
 
@@ -510,8 +517,7 @@ def _verdict(report: Report, runner, states: States, results: List[dict], order:
     def say(word, text, ids=None, **more):
         rep["verdict"] = {"word": word, "text": text, "ids": ids, **more}
 
-    gain_blind, se_blind, _ = paired(best["_correct"], blind)
-    if best["accuracy"] < LOW_ACCURACY or not (gain_blind >= margin and gain_blind >= 3 * se_blind):
+    if best["accuracy"] < LOW_ACCURACY or not clearly_better(best["_correct"], blind, margin):
         evidence = _no_fit_evidence(runner, states, best, blind, max_tokens)
         rep["no_fit_evidence"] = evidence
         text = (f"no wiring predicts the target well: the best, {best['boundaries']}, agrees on "
@@ -537,7 +543,7 @@ def _verdict(report: Report, runner, states: States, results: List[dict], order:
                 f"; {rep['search']['wirings_scanned']} wirings searched")
         report.add("info", "I_REPLAY_CONFIGURED_BEST", f"Replay on {n} positions: {text}.")
         say("OK", text, code="I_REPLAY_CONFIGURED_BEST")
-    elif gain >= margin and gain >= 3 * se:
+    elif clearly_better(best["_correct"], conf_res["_correct"], margin):
         feedable = next((results[i] for i in order if results[i]["ids"] is not None), None)
         fix = (f"Set {_ids_location(opts.engine)} to {best['ids']}." if best["ids"] is not None else
                f"No id list makes {eng} feed it: {why_no_fix(report, best['boundaries'])}; serve the draft with "
@@ -571,16 +577,16 @@ def _no_fit_evidence(runner, states: States, best: dict, blind: torch.Tensor, ma
     """Where the evidence points when no wiring fits: the draft ignoring its input (untrained or missing
     weights), a vocabulary map that does not fit (labels outside the draft's vocabulary, or its raw ids
     agreeing better than the mapped ones), else prompts unlike the draft's training data."""
-    from .search import chunks
+    from .search import chunks, target_index
 
     targets = runner.draft_targets()
-    labels = torch.cat([c.labels.reshape(-1) for c in chunks(states, max_tokens, runner.uses_target_embeddings)])
-    in_vocab = torch.zeros(int(max(int(targets.max()), int(labels.max())) + 1), dtype=torch.bool)
-    in_vocab[targets] = True
-    coverage = float(in_vocab[labels].float().mean())
+    scored = chunks(states, max_tokens, runner.uses_target_embeddings)
+    labels = torch.cat([c.labels.reshape(-1) for c in scored])
+    coverage = float((target_index(targets, int(max(int(targets.max()), int(labels.max())) + 1))[labels] >= 0)
+                     .float().mean())
     raw_hits = 0
     distinct = set()
-    for c in chunks(states, max_tokens, runner.uses_target_embeddings):
+    for c in scored:
         aux = torch.cat([c.bounds[b] for b in best["boundaries"]], dim=-1)
         draft_ids = runner.logits(aux, c.ids, c.embeds).argmax(-1)
         raw_hits += int((draft_ids == c.labels).sum())
@@ -609,17 +615,12 @@ def _no_fit_evidence(runner, states: States, best: dict, blind: torch.Tensor, ma
 def _settle(report: Report, results: List[dict], conf_res: dict, margin: float, n: int) -> None:
     """Replay is the evidence the config lacks: when the configured wiring beats every other reading of the
     ids (W_TRAINING_AMBIGUOUS) or every other candidate (W_NO_TRAINING_IDS) clearly, the warning is settled."""
-    def clearly_better(a: dict, b: dict) -> bool:
-        diff = a["_correct"].float() - b["_correct"].float()
-        gain = float(diff.mean())
-        se = float(diff.std(unbiased=True)) / math.sqrt(n) if n > 1 else float("inf")
-        return gain >= margin and gain >= 3 * se
-
     for code, rivals in (("W_TRAINING_AMBIGUOUS", [r for r in results if r["label"].startswith("reading ")]),
                          ("W_NO_TRAINING_IDS", results)):
         found = [f for f in report.findings if f.code == code]
         others = [r for r in rivals if r is not conf_res and r["boundaries"] != conf_res["boundaries"]]
-        if not found or not others or not all(clearly_better(conf_res, r) for r in others):
+        if not found or not others or not all(clearly_better(conf_res["_correct"], r["_correct"], margin)
+                                               for r in others):
             continue
         report.findings.remove(found[0])
         report.add("info", "I_REPLAY_SETTLED",

@@ -162,7 +162,7 @@ class ScanScore:
     positions: int
 
 
-def _target_index(draft_targets: torch.Tensor, vocab: int) -> torch.Tensor:
+def target_index(draft_targets: torch.Tensor, vocab: int) -> torch.Tensor:
     """target id -> draft id (-1 where the draft vocabulary lacks it)."""
     index = torch.full((vocab,), -1, dtype=torch.long)
     index[draft_targets.long()] = torch.arange(draft_targets.numel())
@@ -180,7 +180,7 @@ class Scanner:
         targets = runner.draft_targets()
         vocab = int(max(int(targets.max()), max(int(c.labels.max()) for c in scan)) + 1)
         self.targets = targets
-        self.index = _target_index(targets, vocab)
+        self.index = target_index(targets, vocab)
         # pieces (chunk, first row, rows, first positions): the scan takes every chunk whole; the quick stage the
         # first quick_positions in reading order (whole prompts, then a prefix of the next one: the draft's
         # attention is causal, so a prefix scores its positions exactly as the whole prompt does)

@@ -216,8 +216,7 @@ class StatesRecorder:
         # the recording closes after the forward that brings it to this many tokens (default: the budget);
         # every rank counts the same rows, so every rank closes after the same forward
         self.close_after = settings.tokens if close_after is None else min(int(close_after), settings.tokens)
-        self.num_layers = int(len(inner.layers)) if not hasattr(inner, "config") else \
-            int(getattr(inner.config, "num_hidden_layers", len(inner.layers)))
+        self.num_layers = _num_layers(inner)
         self.hidden_size = int(lm.config.hidden_size) if hasattr(lm, "config") else int(inner.config.hidden_size)
         self.boundaries = boundaries
         self.tp_rank, self.tp_size = tp_rank, tp_size
@@ -758,6 +757,12 @@ def install_recorder(model, settings: Optional[DumpSettings], *, boundaries: Opt
     return recorder
 
 
+def _num_layers(inner) -> int:
+    """The decoder's layer count: its config's, else its layers' (SGLang's GptOssModel keeps no config of its own;
+    its ForCausalLM does)."""
+    return int(getattr(getattr(inner, "config", None), "num_hidden_layers", len(inner.layers)))
+
+
 def _prepare(model, lm, inner, settings: DumpSettings, boundaries: Optional[List[int]], label: str,
              recorder_kw: dict, refused=None) -> Optional[StatesRecorder]:
     """The recorder with its hooks registered (not yet active anywhere else), or None with one line (or, with
@@ -765,8 +770,7 @@ def _prepare(model, lm, inner, settings: DumpSettings, boundaries: Optional[List
     from .groups import tp_rank_size
 
     tp_rank, tp_size = tp_rank_size()  # (0, 1) in a process without model-parallel groups
-    # SGLang's GptOssModel keeps no config of its own (its ForCausalLM does): the layer count is then its layers
-    num_layers = int(getattr(getattr(inner, "config", None), "num_hidden_layers", len(inner.layers)))
+    num_layers = _num_layers(inner)
     start = getattr(inner, "start_layer", 0)
     end = getattr(inner, "end_layer", len(inner.layers))
     if boundaries is None:

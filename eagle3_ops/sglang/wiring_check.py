@@ -779,12 +779,6 @@ def _locate_draft(draft_path):
         return None, f"the draft checkpoint {str(draft_path)!r} is not a local folder (nor in the Hugging Face cache)"
 
 
-def _needed_boundaries(report, served: List[int], num_layers: int) -> List[int]:
-    """Every boundary 0..L: the replay's search tries each in every slot (a draft can be off by any number of
-    layers), and boundary 0 is also the draft's embedding input."""
-    return list(range(int(num_layers) + 1))
-
-
 def _doctor_report(target_config, draft_dir: Path, tp_size: int, pp_size: int = 1,
                    pp_partition: Optional[List[int]] = None, snapshot: Optional[dict] = None):
     """(the doctor's config report, the draft's weight headers); ``snapshot`` (doctor.configs.draft_snapshot):
@@ -925,6 +919,14 @@ def unservable_advice(report, draft_dir: Path, model_name: str, packer: Optional
             f"{'; '.join(readings) or 'the config records no readable ids'}.{note} {then}")
 
 
+def _eagle3_server():
+    """SGLang's server args where this process is an EAGLE-3 server, else None (a script, another algorithm)."""
+    from .dump_states import _server_args
+
+    sa = _server_args()
+    return sa if sa is not None and str(getattr(sa, "speculative_algorithm", "") or "").upper() == "EAGLE3" else None
+
+
 # ---- serving what the config meant, so the check can run (the seed's edit) -----------------------------------
 _substitutes: Dict[int, dict] = {}   # id(model) -> {"config_ids", "served_ids", "why"}: ids served in place of the config's
 
@@ -968,8 +970,8 @@ def ids_to_serve(model, ids, *, draft_path=None, target_config=None) -> Optional
     sub = None
     try:
         if draft_path is None:
-            sa = dump_states._server_args()
-            if sa is None or str(getattr(sa, "speculative_algorithm", "") or "").upper() != "EAGLE3":
+            sa = _eagle3_server()
+            if sa is None:
                 return None
             draft_path = getattr(sa, "speculative_draft_model_path", None)
         if dump_states.server_refusal() is None:
@@ -980,13 +982,12 @@ def ids_to_serve(model, ids, *, draft_path=None, target_config=None) -> Optional
             if draft_dir is not None and cfg is not None:
                 report, _ = _doctor_report(cfg, draft_dir, tp_rank_size()[1], *_pipeline(),
                                            snapshot=draft_snapshot(draft_dir))
-                if (report.wiring is not None and list(report.wiring.ids or []) == list(ids)
-                        and unservable_advice(report, draft_dir, type(model).__name__, None) is not None):
+                advice = unservable_advice(report, draft_dir, type(model).__name__, None)
+                if report.wiring is not None and list(report.wiring.ids or []) == list(ids) and advice is not None:
                     served, why = _substitute(report)
                     if served is not None:
                         sub = {"config_ids": list(ids), "served_ids": list(served), "why": why,
-                               "draft_dir": str(draft_dir), "advice": unservable_advice(
-                                   report, draft_dir, type(model).__name__, None)}
+                               "draft_dir": str(draft_dir), "advice": advice}
     except Exception:  # noqa: BLE001 - SGLang's own behaviour stands
         log.debug("eagle3_ops: %s: deciding what to serve failed", LABEL, exc_info=True)
         sub = None
@@ -1028,6 +1029,7 @@ def _prepare_check(model, name, cfg, draft_path, served, num_layers, tp_rank, tp
     """This rank's part of the start: (check, why it cannot run or None, boundaries to record, the
     smallest forward that may be recorded)."""
     from ..doctor.configs import DoctorInputError, draft_snapshot
+    from ..doctor.states import needed_boundaries
 
     raw_cfg = cfg if isinstance(cfg, dict) else (cfg.to_dict() if hasattr(cfg, "to_dict") else None)
     draft_dir, why = _locate_draft(draft_path)
@@ -1071,7 +1073,8 @@ def _prepare_check(model, name, cfg, draft_path, served, num_layers, tp_rank, tp
         return check, (f"SGLang may fuse a layer's all-reduce with its add+RMSNorm in every prefill here (up to "
                        f"{fused} tokens; the largest prefill is {largest}), and recording would change that "
                        f"layer's kernels"), None, 0
-    return check, None, _needed_boundaries(check.report, served, num_layers), fused + 1 if fused else 0
+    # every boundary 0..L: the replay's search tries each in every slot (a draft can be off by any number of layers)
+    return check, None, needed_boundaries(served, num_layers, "all"), fused + 1 if fused else 0
 
 
 def start(model, *, draft_path=None, target_config=None) -> Optional[WiringCheck]:
@@ -1103,8 +1106,8 @@ def _start(model, draft_path, target_config) -> Optional[WiringCheck]:
     say = log.info if tp_rank == 0 else (lambda *a, **k: None)
     dumping = bool(os.environ.get("EAGLE3_OPS_DUMP_STATES", "").strip())
     if draft_path is None:
-        sa = dump_states._server_args()
-        if sa is None or str(getattr(sa, "speculative_algorithm", "") or "").upper() != "EAGLE3":
+        sa = _eagle3_server()
+        if sa is None:
             if dumping:
                 say("eagle3_ops: %s: off while EAGLE3_OPS_DUMP_STATES records (check offline with doctor --replay "
                     "on that file)", LABEL)
