@@ -135,3 +135,66 @@ def test_the_tiny_pair_builder_answers_help_and_makes_nothing(tmp_path):
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0 and proc.stdout.startswith("usage: python -m eagle3_ops.doctor.tiny"), proc
     assert list(tmp_path.iterdir()) == [], list(tmp_path.iterdir())
+
+
+def _readme_block(after: str) -> list:
+    """The lines of README.md's code block that starts with ``after``."""
+    from pathlib import Path
+
+    text = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    start = text.index("```\n" + after) + 4
+    return text[start:text.index("```", start)].rstrip("\n").split("\n")
+
+
+def _masked(line: str) -> str:
+    import re
+
+    return re.sub(r"\b\d+(\.\d+)? s\b", "N s", line)  # the search's wall time varies
+
+
+def test_the_readmes_miswired_example_is_one_command_and_its_output(tiny_pair, tmp_path, monkeypatch,  # noqa: F811
+                                                                   capsys):
+    """``python -m eagle3_ops.doctor.tiny tiny --miswired-example`` builds (here: reuses) the tiny pair, edits the ids,
+    records states, runs the doctor twice; README.md shows its real output: every line of the README's block, the
+    elisions (``...``) aside, is a line of the run, in order (wall times masked)."""
+    import shutil
+
+    from eagle3_ops.doctor import tiny
+
+    shutil.copytree(tiny_pair.root, tmp_path / "tiny", ignore=shutil.ignore_patterns("states*.safetensors"))
+    monkeypatch.chdir(tmp_path)
+    assert tiny.main(["tiny", "--miswired-example"]) == 0
+    run = [_masked(x) for x in capsys.readouterr().out.rstrip("\n").split("\n")]
+    block = _readme_block("$ python -m eagle3_ops.doctor.tiny tiny --miswired-example")
+    assert block[0] == "$ python -m eagle3_ops.doctor.tiny tiny --miswired-example"
+    at = 0
+    for line in block[1:]:
+        if line == "...":
+            continue
+        assert _masked(line) in run[at:], f"README line not in the run (after line {at}): {line!r}\n" + "\n".join(run)
+        at = run.index(_masked(line), at) + 1
+    assert (tmp_path / "tiny" / "draft_edited" / "config.json").exists()
+
+
+def test_a_clean_config_check_says_what_it_checked_and_the_verification_runs_as_printed(tiny_pair, tmp_path,  # noqa: F811
+                                                                                      monkeypatch, capsys):
+    """With no error the doctor says what it checked (the configs agree with each other), never that the wiring is
+    right, and prints the two commands that verify it; pasted as printed (capture-states' built-in prompts through
+    the target's tokenizer), they find the edit."""
+    import shlex
+
+    from doctor_fixtures import copy_draft_with_ids
+
+    edited = copy_draft_with_ids(tiny_pair, tmp_path / "draft_edited", nested=[1, 3, 5])
+    monkeypatch.chdir(tmp_path)
+    assert cli.main(["--draft", str(edited), "--target", str(tiny_pair.target_dir)]) == 0
+    out = capsys.readouterr().out
+    assert "looks right" not in out and "the configs agree with each other" in out, out
+    commands = [x.strip() for x in out.split("Result:", 1)[1].split("\n") if x.startswith("  python -m eagle3_ops")]
+    assert [c.split()[3] for c in commands] == ["capture-states", "doctor"], out
+    record, replay = (shlex.split(c)[3:] for c in commands)
+    assert "--prompts" not in record
+    assert cli.capture_states_main(record[1:]) == 0
+    assert cli.main(replay[1:] + ["--json"]) == 1
+    rep = json.loads(capsys.readouterr().out.split("\n", 1)[1])
+    assert rep["replay"]["verdict"]["ids"] == [2, 4, 6] and rep["replay"]["tokens"] > 1000, rep["replay"]["verdict"]

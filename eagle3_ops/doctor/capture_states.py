@@ -12,7 +12,8 @@ STATES file (safetensors), format ``eagle3_ops.doctor.states/1``:
 - metadata: ``format``, ``num_layers``, ``hidden_size``, ``num_prompts``, ``model``
 
 Prompts file: a JSON list whose items are strings (tokenized with the model's tokenizer) or lists
-of token ids; or plain text with one prompt per non-empty line.
+of token ids; or plain text with one prompt per non-empty line. Without one, :data:`BUILTIN_PROMPTS`
+(plain text: needs the model's tokenizer).
 """
 from __future__ import annotations
 
@@ -31,6 +32,36 @@ from .configs import NESTED_TEXT_KEYS, DoctorInputError, check_file
 FORMAT = "eagle3_ops.doctor.states/1"
 _LAYER_NAME = re.compile(r"(?:^|\.)(?:layers|h|blocks)\.(\d+)\.")
 _SIZE_FIELDS = ("num_hidden_layers", "hidden_size", "vocab_size", "num_attention_heads", "intermediate_size")
+
+
+# What capture-states records without --prompts: varied plain text (chat, code, maths, facts, instructions), so
+# that a copy-pasted command runs; each prompt gives the replay its tokens' positions.
+BUILTIN_PROMPTS = [
+    "Explain in a few sentences why the sky is blue, as you would to a ten-year-old.",
+    "Write a Python function that returns the n-th Fibonacci number iteratively, with a docstring.",
+    "What is the capital of Australia, and why is it not Sydney?",
+    "Summarise the plot of Romeo and Juliet in three sentences.",
+    "A train leaves at 3:15 pm and travels 240 km at 80 km/h. When does it arrive? Show your working.",
+    "Translate into French: The meeting has been moved to Thursday morning at nine.",
+    "List five tips for writing clear technical documentation.",
+    "What are the main differences between TCP and UDP?",
+    "Write a haiku about the first snow of winter.",
+    "Give me a recipe for a simple vegetable soup, with ingredients and steps.",
+    "How does a hash table handle collisions? Describe two common strategies.",
+    "Write a short, polite email declining an invitation to speak at a conference.",
+    "Solve for x: 3x + 7 = 22, and explain each step.",
+    "What causes the seasons on Earth?",
+    "Write a SQL query that returns the ten customers with the highest total order value.",
+    "Describe the water cycle, naming each stage.",
+    "Give three arguments for and three against working from home.",
+    "What is the difference between a list and a tuple in Python?",
+    "Tell a short story about a robot who learns to paint.",
+    "Explain what a neural network is without using any mathematics.",
+    "How do vaccines train the immune system?",
+    "Write a bash one-liner that counts the lines of every .py file in a directory tree.",
+    "Why did the Roman Empire split into East and West?",
+    "Compare the time complexity of quicksort and merge sort, best and worst case.",
+]
 
 
 def read_prompts(path) -> List[Union[str, List[int]]]:
@@ -218,6 +249,18 @@ def capture_states(model_dir, prompts, out_path, *, dtype: str = "bfloat16", max
         with _quiet_transformers(transformers):
             effective = _effective_config(model_dir, trust_remote_code)
         check_target_config(model_dir, raw_cfg, effective)
+    # the tokenizer before the model: a missing one is found in seconds, not after minutes of loading
+    tokenizer = None
+    if any(isinstance(p, str) for p in prompts):
+        try:
+            from transformers import AutoTokenizer
+
+            tokenizer = AutoTokenizer.from_pretrained(str(model_dir), trust_remote_code=bool(trust_remote_code))
+        except Exception as e:
+            raise DoctorInputError(f"capture-states: text prompts (the built-in ones without --prompts) need a "
+                                       f"tokenizer in {model_dir}: {e}; copy the model's tokenizer files there, or "
+                                       f"pass --prompts FILE holding token-id lists") from None
+
     torch_dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[dtype]
     try:
         with _quiet_transformers(transformers):
@@ -238,15 +281,6 @@ def capture_states(model_dir, prompts, out_path, *, dtype: str = "bfloat16", max
         more = f" and {len(missing) - 10} more" if len(missing) > 10 else ""
         raise DoctorInputError(f"capture-states: {model_dir} lacks {len(missing)} weight(s) the model needs (they "
                                f"would be random): {', '.join(missing[:10])}{more}")
-    tokenizer = None
-    if any(isinstance(p, str) for p in prompts):
-        try:
-            from transformers import AutoTokenizer
-
-            tokenizer = AutoTokenizer.from_pretrained(str(model_dir), trust_remote_code=bool(trust_remote_code))
-        except Exception as e:
-            raise DoctorInputError(f"capture-states: text prompts need a tokenizer in {model_dir}: {e}") from None
-
     layers = _decoder_layers(model)
     if device_map is not None:  # inputs go where the embedding is
         device = model.get_input_embeddings().weight.device

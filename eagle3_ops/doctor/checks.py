@@ -131,8 +131,31 @@ class Report:
     def add(self, severity: str, code: str, message: str) -> None:
         self.findings.append(Finding(severity, code, message))
 
+    def conclusion(self) -> str:
+        """What the findings establish, naming what was checked, and for a config-only check how to verify it
+        (a config edited since training agrees with itself: only the draft fed recorded states can tell)."""
+        errors = sum(f.severity == "error" for f in self.findings)
+        warns = sum(f.severity == "warning" for f in self.findings)
+        if errors:
+            return "fix the errors above (exit status 1)."
+        verdict = (self.replay or {}).get("verdict") or {}
+        if verdict:
+            told = {"OK": "the replay finds no wiring the draft predicts the target better with",
+                    "BEST": "the replay names the wiring the draft predicts the target best with"}.get(
+                verdict.get("word"), f"the replay's verdict is {verdict.get('word')}")
+            return (f"no error; {told} ({self.replay.get('tokens')} positions)"
+                    + ("; read the warnings above." if warns else "."))
+        checked = ("the configs agree with each other: what " + ENGINE_NAMES[self.options.engine]
+                   + " feeds each slot is what the draft config says it was trained on" if self.slots else
+                   "no error in the configs")
+        return (("no error, but read the warnings above; " if warns else "") + checked
+                + ". A config edited since training agrees with itself too; to verify, record the target's states "
+                  "and replay the draft on them (or serve with the eagle3_ops plugin, whose live wiring check does "
+                  "both):\n" + "\n".join("  " + c for c in verify_commands(self)))
+
     def to_json(self) -> dict:
         out = {
+            "conclusion": self.conclusion(),
             "slots": self.slots,
             "findings": [f.to_json() for f in self.findings],
             "ok": self.ok,
@@ -481,8 +504,11 @@ def _suggest_last_layer_fix(rules: TargetRules, L: int) -> str:
                    "that captures it, e.g. TensorRT-LLM) to get its accuracy back.")
 
 
-def replay_command(rep: "Report") -> str:
-    """The exact commands that settle what the config cannot: record STATES, then replay."""
+def verify_commands(rep: "Report") -> List[str]:
+    """The two commands, ready to paste, that settle what a config cannot show: record the target's states at
+    every layer boundary (capture-states, its built-in prompts), then replay the draft on them."""
+    import shlex
+
     o = rep.options
     engine = f" --engine {o.engine}" if o.engine != "sglang" else ""
     flags = " --trust-remote-code" if _needs_remote_code(rep.target) else ""
@@ -493,13 +519,20 @@ def replay_command(rep: "Report") -> str:
     except (ImportError, ValueError):
         spread = False
     flags += " --device-map auto" if spread else ""
+    t, d = shlex.quote(str(rep.target.path)), shlex.quote(str(rep.draft.path))
+    return [f"python -m eagle3_ops capture-states --model {t} --out states.safetensors{flags}",
+            f"python -m eagle3_ops doctor --draft {d} --target {t}{engine} --replay states.safetensors"]
+
+
+def replay_command(rep: "Report") -> str:
+    """:func:`verify_commands` in a sentence, for a finding's text."""
+    record, replay = verify_commands(rep)
+    spread = "--device-map" in record
     return (f"record states with the target: in SGLang with the eagle3_ops plugin, serve with "
             f"EAGLE3_OPS_DUMP_STATES=states.safetensors and send a few prompts (its live wiring check does this and "
-            f"the replay by itself on the first prompts); or "
-            f"`python -m eagle3_ops capture-states --model {rep.target.path} --prompts prompts.txt --out "
-            f"states.safetensors{flags}`{'' if spread else ' (a model larger than one device: pip install accelerate and add --device-map auto)'}"
-            f"; then `python -m eagle3_ops doctor --draft "
-            f"{rep.draft.path} --target {rep.target.path}{engine} --replay states.safetensors`")
+            f"the replay by itself on the first prompts); or `{record}` (its built-in prompts; --prompts FILE for "
+            f"your own){'' if spread else ' (a model larger than one device: pip install accelerate and add --device-map auto)'}"
+            f"; then `{replay}`")
 
 
 def _needs_remote_code(target) -> bool:

@@ -134,8 +134,9 @@ def _capture_parser() -> argparse.ArgumentParser:
                 description="Record a target's hidden states at every layer boundary with Hugging Face "
                             "transformers, for `doctor --replay`.")
     p.add_argument("--model", required=True, metavar="TARGET_DIR")
-    p.add_argument("--prompts", required=True, metavar="FILE",
-                   help="JSON list of strings or token-id lists, or text with one prompt per line")
+    p.add_argument("--prompts", default=None, metavar="FILE",
+                   help="JSON list of strings or token-id lists, or text with one prompt per line (default: "
+                        "24 built-in plain-text prompts, tokenized with the model's tokenizer)")
     p.add_argument("--out", required=True, metavar="STATES.safetensors")
     p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="bfloat16",
                    help="dtype the model runs and the states are stored in (default bfloat16)")
@@ -351,10 +352,9 @@ def format_report(report) -> str:
     for f in sorted(report.findings, key=lambda f: order[f.severity]):
         out.append(_wrap(f"{f.severity.upper():7s} {f.code}: {f.message}", "  "))
     out.append("")
-    out.append(f"Result: {errors} error(s), {warns} warning(s): "
-               + ("fix the errors above (exit status 1)." if errors else
-                  "no error; read the warnings above before relying on the wiring." if warns else
-                  "the wiring looks right."))
+    said, *commands = report.conclusion().split("\n")  # commands on lines of their own, unwrapped: pasted as is
+    out.append(_wrap(f"Result: {errors} error(s), {warns} warning(s): {said}", ""))
+    out.extend(commands)
     return "\n".join(out)
 
 
@@ -366,7 +366,7 @@ def capture_states_main(argv: Optional[List[str]] = None) -> int:
 
 def _capture(argv) -> int:
     args = _parse(_capture_parser(), argv)
-    from .capture_states import capture_states, read_prompts
+    from .capture_states import BUILTIN_PROMPTS, capture_states, read_prompts
 
     if args.max_tokens < 2:
         raise _UsageError("--max-tokens must be >= 2")
@@ -380,7 +380,7 @@ def _capture(argv) -> int:
     problem = settings.output_file_problem(args.out, create_folders=True)  # before minutes of loading a model
     if problem is not None:
         raise _UsageError(f"--out {args.out}: {problem}")
-    prompts = read_prompts(args.prompts)
+    prompts = read_prompts(args.prompts) if args.prompts is not None else list(BUILTIN_PROMPTS)
     try:
         summary = capture_states(args.model, prompts, args.out, dtype=args.dtype, max_tokens=args.max_tokens,
                                  device=args.device or "cpu", device_map=args.device_map,

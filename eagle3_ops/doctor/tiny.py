@@ -3,9 +3,10 @@
 ``build_tiny_pair(root)`` writes, under ``root``:
 
 - ``target/``: a Hugging Face Llama (8 layers, hidden 64, vocab 64, random init, fixed seed),
-  ``config.json`` + ``model.safetensors``. Layer ``i``'s output projections (``o_proj``,
-  ``down_proj``) are scaled by ``2**(i+1)`` so that every layer boundary is distinct: in a plain
-  random-init model of this size adjacent boundaries are near copies of each other (the residual
+  ``config.json`` + ``model.safetensors`` + a character-level tokenizer (:func:`save_tokenizer`).
+  Layer ``i``'s output projections (``o_proj``, ``down_proj``) are scaled by ``2**(i+1)`` so that
+  every layer boundary is distinct: in a plain random-init model of this size adjacent boundaries
+  are near copies of each other (the residual
   stream changes by a few percent per layer) and no draft could tell them apart. Real models get
   the same distinctness from training (the residual norm grows by orders of magnitude with depth).
 - ``draft/``: an EAGLE-3 draft *trained* on the target's own hidden states at three boundaries
@@ -38,7 +39,7 @@ HIDDEN = 64
 VOCAB = 64
 DRAFT_VOCAB = 32
 LAYER_GAIN = 2.0
-PARAMS_VERSION = 4
+PARAMS_VERSION = 5  # 5: the target has a tokenizer
 
 
 @dataclasses.dataclass
@@ -163,6 +164,24 @@ def _train_loop(draft, opt, sched, x_all, e_all, y_all, steps, batch, gen):
         sched.step()
 
 
+def save_tokenizer(target_dir: Path) -> None:
+    """A character-level tokenizer of the target's 64 ids (0 = unknown, 1 = start; lower-cased letters, digits,
+    space and punctuation), so that text prompts (capture-states' built-in ones) run on the tiny target as they
+    do on a real one."""
+    import string
+
+    from tokenizers import Regex, Tokenizer, models, normalizers, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    chars = string.ascii_lowercase + string.digits + " .,?!:;'\"-()=+*/_<>%[]{}|\n"
+    vocab = {"<unk>": 0, "<s>": 1, **{c: i + 2 for i, c in enumerate(chars)}}
+    assert len(vocab) == VOCAB, len(vocab)
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.normalizer = normalizers.Sequence([normalizers.NFKD(), normalizers.StripAccents(), normalizers.Lowercase()])
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+    PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>").save_pretrained(target_dir)
+
+
 def _write_json(path: Path, obj) -> None:
     path.write_text(json.dumps(obj, indent=2) + "\n")
 
@@ -209,6 +228,7 @@ def _build(root, params, seed, steps, num_train, seq_len, num_prompts, save_file
 
     target_dir, draft_dir = root / "target", root / "draft"
     target.save_pretrained(target_dir, safe_serialization=True)
+    save_tokenizer(target_dir)
     draft_dir.mkdir(parents=True, exist_ok=True)
     _write_json(draft_dir / "config.json", draft_config())
     save_file(draft.checkpoint_state_dict(include_embeddings=False), str(draft_dir / "model.safetensors"),
@@ -219,8 +239,51 @@ def _build(root, params, seed, steps, num_train, seq_len, num_prompts, save_file
     return TinyPair(root, target_dir, draft_dir, root / "prompts.json", list(TRAINED_IDS), seconds, acc)
 
 
+EDITED_IDS = [1, 3, 5]  # the README's mis-wiring: every slot one layer early
+
+
+def miswired_example(root) -> int:
+    """The README's mis-wired example end to end, each step printed as the command it is and then its output:
+    build (or reuse) the tiny pair in ``root``, copy its draft to ``root/draft_edited`` with the ids edited to
+    :data:`EDITED_IDS`, record the target's states of the held-out prompts with ``capture-states``, and run the
+    doctor on the configs alone, then with ``--replay``. Returns 0 when the replay found the edit (the doctor's
+    exit status 1 there), else 1."""
+    import shutil
+    import sys
+
+    from . import cli
+
+    root = Path(root)
+    print(f"# the tiny pair in {root} (its draft trained on ids {TRAINED_IDS}), its draft copied with ids "
+          f"{EDITED_IDS}", flush=True)
+    pair = build_tiny_pair(root)
+    edited = root / "draft_edited"
+    shutil.rmtree(edited, ignore_errors=True)
+    shutil.copytree(pair.draft_dir, edited)
+    cfg = json.loads((edited / "config.json").read_text())
+    cfg["eagle_config"]["eagle_aux_hidden_state_layer_ids"] = list(EDITED_IDS)
+    _write_json(edited / "config.json", cfg)
+
+    def step(name, fn, *args):
+        print(f"$ python -m eagle3_ops {name} {' '.join(args)}", flush=True)
+        rc = fn(list(args))
+        sys.stdout.flush()
+        print(f"(exit status {rc})\n", flush=True)
+        return rc
+
+    states = root / "states.safetensors"
+    if step("capture-states", cli.capture_states_main, "--model", str(pair.target_dir), "--prompts",
+            str(pair.prompts_file), "--out", str(states)) != 0:
+        return 1
+    doctor = ["--draft", str(edited), "--target", str(pair.target_dir)]
+    if step("doctor", cli.main, *doctor) != 0:  # the configs agree with each other: they cannot see the edit
+        return 1
+    return 0 if step("doctor", cli.main, *doctor, "--replay", str(states)) == 1 else 1
+
+
 def main(argv=None) -> int:
-    """``python -m eagle3_ops.doctor.tiny [OUT_DIR]``: build (or reuse) the tiny pair; ``--help`` only prints usage."""
+    """``python -m eagle3_ops.doctor.tiny [OUT_DIR] [--miswired-example]``: build (or reuse) the tiny pair, and with
+    ``--miswired-example`` run the README's example on it; ``--help`` only prints usage."""
     import argparse
 
     p = argparse.ArgumentParser(prog="python -m eagle3_ops.doctor.tiny",
@@ -228,7 +291,12 @@ def main(argv=None) -> int:
                                             "states at ids [2, 4, 6] (boundaries 3, 5, 7), for the doctor's examples.")
     p.add_argument("out", nargs="?", default=os.path.join(os.getcwd(), "tiny_pair"),
                    help="folder to write target/, draft/ and prompts.json into (default: ./tiny_pair)")
+    p.add_argument("--miswired-example", action="store_true",
+                   help=f"then the README's example: the draft's ids edited to {EDITED_IDS}, the target's states "
+                        f"recorded with capture-states, the doctor run on the configs and with --replay")
     args = p.parse_args(argv)
+    if args.miswired_example:
+        return miswired_example(args.out)
     pair = build_tiny_pair(args.out)
     print(json.dumps({"target": str(pair.target_dir), "draft": str(pair.draft_dir),
                       "prompts": str(pair.prompts_file), "seconds": round(pair.seconds, 1),

@@ -536,3 +536,19 @@ def test_every_sglang_eagle3_family_has_a_case_or_is_named_missing():
         covered.update(m.split(".")[3] for m in rows[arch].get("ran_modules", []))
     named = set(re.findall(r"`(\w+)\.py`", (HERE / "README.md").read_text().split("## No real config found")[1]))
     assert files - covered == named, (sorted(files - covered), sorted(named))
+
+
+@pytest.mark.parametrize("ids", [[-1, 2, 30], [1, 15, 28]])
+def test_an_edited_config_that_agrees_with_itself_is_not_called_right(tmp_path, ids):
+    """The EAGLE authors' Llama-3.1-8B draft config with SGLang's head class and ids added by hand (an embedding
+    capture, or any three layers): every reading of the ids is what SGLang feeds, so no finding fires. The
+    conclusion says only that (the configs agree with each other) and gives the commands that verify it; before, it
+    said "the wiring looks right"."""
+    draft, target = make_pair(tmp_path, "llama-3.1-8b_eagle-official-train", ids=ids,
+                              edit={"architectures": ["LlamaForCausalLMEagle3"]})
+    rc, rep = doctor(draft, target, "--engine-code", "table")
+    assert not codes(rep, "error") and not codes(rep, "warning"), rep["findings"]
+    said = rep["conclusion"]
+    assert said.startswith("the configs agree with each other") and "edited since training" in said, said
+    assert f"capture-states --model {target} --out states.safetensors" in said, said
+    assert f"doctor --draft {draft} --target {target} --replay states.safetensors" in said, said
