@@ -265,26 +265,45 @@ def resolve_training(draft: DraftInfo, target: TargetInfo, opts: Options) -> Tra
 
 
 # -------------------------------------------------------------------------------------- checks
-def run_checks(target: TargetInfo, draft: DraftInfo, weights: Dict[str, TensorInfo], opts: Options) -> Report:
+# What only the draft's weight headers show: said when the doctor runs on configs alone (no weight files yet).
+NEEDS_WEIGHTS = ("the fc's input width against the slots the engine feeds (E_FC_WIDTH, E_EMBEDDING_CAPTURE)",
+                 "the draft class against its decoder-layer tensors (E_DRAFT_CLASS names the head that loads them)",
+                 "whether the checkpoint holds a trained lm_head (E_NO_LM_HEAD, E_TIED_DRAFT_VOCAB)",
+                 "the vocabulary maps d2t / t2d against the target's vocabulary (E_VOCAB_MAP)",
+                 "--replay")
+
+
+def run_checks(target: TargetInfo, draft: DraftInfo, weights: Optional[Dict[str, TensorInfo]],
+               opts: Options) -> Report:
+    """Every check the configs and the draft's weight headers allow; ``weights`` None: a draft folder with its
+    configs only (checked before a download of the weights), the checks of :data:`NEEDS_WEIGHTS` named, not run."""
     L = target.num_layers
     H = target.hidden_size
     rep = Report(target, draft, opts, None, None, [], [])
     eng = ENGINE_NAMES[opts.engine]
 
     # ---- weights that everything else needs
-    fc = weights.get("fc.weight")
-    if fc is None:
-        raise DoctorInputError(f"draft: no fc weight (fc.weight or model.fc.weight) in {draft.path}: "
-                               f"not an EAGLE-3 draft checkpoint, or an incomplete one")
-    if len(fc.shape) != 2:
-        raise DoctorInputError(f"draft: fc.weight must be 2-D, found shape {list(fc.shape)}")
-    fc_out, fc_in = fc.shape
-    fc_slots = fc_in // H if fc_in % H == 0 else None
+    if weights is None:
+        fc_in = fc_slots = None
+    else:
+        fc = weights.get("fc.weight")
+        if fc is None:
+            raise DoctorInputError(f"draft: no fc weight (fc.weight or model.fc.weight) in {draft.path}: "
+                                   f"not an EAGLE-3 draft checkpoint, or an incomplete one")
+        if len(fc.shape) != 2:
+            raise DoctorInputError(f"draft: fc.weight must be 2-D, found shape {list(fc.shape)}")
+        fc_out, fc_in = fc.shape
+        fc_slots = fc_in // H if fc_in % H == 0 else None
     rep.fc_slots = fc_slots
 
     rep.add("info", "I_CONFIG", f"Draft config: {draft.describe()}. Target: {target.describe()}"
             + (f", read by {target.lib.reader}" if target.lib is not None and target.lib.obj is not None else "")
             + ".")
+    if weights is None:
+        rep.add("warning", "W_NO_WEIGHTS",
+                f"No weight files in {draft.path}: the configs alone were checked. Not checked without the weights: "
+                + "; ".join(NEEDS_WEIGHTS) + ". Download the weights (or pass the folder that has them) to run "
+                                             "these.")
     if target.lib is not None and target.lib.assumed:
         rep.add("warning", "W_CONFIG_ASSUMED",
                 f"The target config was read by the doctor's own parsing ({target.lib.reader}): it assumes "
@@ -395,7 +414,7 @@ def run_checks(target: TargetInfo, draft: DraftInfo, weights: Dict[str, TensorIn
         rep.add("error", "E_TARGET_HIDDEN",
                 f"The draft's target_hidden_size is {draft.target_hidden_size} but the target's hidden_size is {H}: "
                 f"this draft was trained for another target model.")
-    if fc_slots is None:
+    if fc_slots is None and fc_in is not None:
         rep.add("error", "E_FC_WIDTH",
                 f"The draft's fc weight takes {fc_in} inputs, which is not a multiple of the target's hidden size "
                 f"{H}: the draft was trained for a target with another hidden size "
@@ -913,7 +932,8 @@ def _check_draft_class(rep: Report, draft: DraftInfo, opts: Options,
         rep.add("info", "I_DRAFT_CLASS", f"Draft class not checked for {eng}: {dc.message}.")
         return
     if dc.head is not None:
-        _check_named_head_fits(rep, dc, archs, eng, weights or {})
+        if weights is not None:  # without them: the class is one of the heads, whether it loads the layer is unseen
+            _check_named_head_fits(rep, dc, archs, eng, weights)
         return
     if dc.message:
         how = dc.message
@@ -930,7 +950,8 @@ def _check_draft_class(rep: Report, draft: DraftInfo, opts: Options,
     fits = _layer_fits(dc.rows, tensors) if tensors else None
     heads = ", ".join(_head_names(dc.rows)[c][0] for c in _head_names(dc.rows)) or "none"
     if fits is None:  # nothing to match: name the heads, not one of them
-        why = ("the checkpoint holds no decoder-layer tensors (layers.N.*) to match them against" if not tensors else
+        why = ("its decoder-layer tensors are in the weights, not here" if weights is None else
+               "the checkpoint holds no decoder-layer tensors (layers.N.*) to match them against" if not tensors else
                f"the {eng} table does not record which tensors its heads load")
         rep.add("error", "E_DRAFT_CLASS",
                 f"{how}. Set \"architectures\" in the draft's config.json to the {eng} EAGLE-3 head whose layer "
@@ -1008,7 +1029,7 @@ def _check_named_head_fits(rep: Report, dc, archs: List[str], eng: str, weights:
 def _check_tied(rep: Report, target: TargetInfo, draft: DraftInfo, weights: Dict[str, TensorInfo],
                 opts: Options) -> None:
     """tie_word_embeddings on a draft: what each engine does with its lm_head."""
-    if not draft.tie_word_embeddings:
+    if not draft.tie_word_embeddings or weights is None:  # what the engine does turns on lm_head.weight's presence
         return
     eng = ENGINE_NAMES[opts.engine]
     V = target.vocab_size
@@ -1076,8 +1097,16 @@ def _check_embed_scale(rep: Report, rules: TargetRules, opts: Options) -> None:
             f"embeddings; a draft trained on scaled embeddings reads inputs sqrt(hidden_size) times too small.")
 
 
-def _check_vocab(rep: Report, target: TargetInfo, draft: DraftInfo, weights: Dict[str, TensorInfo]) -> None:
+def _check_vocab(rep: Report, target: TargetInfo, draft: DraftInfo,
+                 weights: Optional[Dict[str, TensorInfo]]) -> None:
     V = target.vocab_size
+    if weights is None:  # the configs' own vocabulary: the maps and the head are in the weights
+        if V is not None and draft.vocab_size is not None and draft.vocab_size != V:
+            rep.add("error", "E_VOCAB_MAP",
+                    f"Draft vocabulary does not match the target: the draft's vocab_size is {draft.vocab_size} but "
+                    f"the target's is {V} (the draft shares the target's embedding and token ids; a different "
+                    f"tokenizer cannot work). Pair the draft with the target it was trained for.")
+        return
     lm = weights.get("lm_head.weight")
     d2t_i = weights.get("d2t")
     emb = weights.get("embed_tokens.weight")

@@ -78,8 +78,10 @@ def _join_negative_lists(argv: List[str]) -> List[str]:
 def _doctor_parser() -> argparse.ArgumentParser:
     p = _Parser(prog="python -m eagle3_ops doctor", description=DOCTOR_DESCRIPTION,
                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--draft", required=True, metavar="DRAFT_DIR", help="EAGLE-3 draft checkpoint directory")
-    p.add_argument("--target", required=True, metavar="TARGET_DIR", help="target model directory (config.json)")
+    p.add_argument("--draft", required=True, metavar="DRAFT_DIR",
+                   help="EAGLE-3 draft checkpoint directory, or its Hugging Face id when it is in the local cache")
+    p.add_argument("--target", required=True, metavar="TARGET_DIR",
+                   help="target model directory (config.json), or its Hugging Face id when it is in the local cache")
     p.add_argument("--engine", choices=("sglang", "vllm", "trtllm"), default="sglang",
                    help="serving engine whose id rules apply (default: sglang)")
     p.add_argument("--tp", type=int, default=1, metavar="N", help="tensor-parallel size of the target")
@@ -133,7 +135,8 @@ def _capture_parser() -> argparse.ArgumentParser:
     p = _Parser(prog="python -m eagle3_ops capture-states",
                 description="Record a target's hidden states at every layer boundary with Hugging Face "
                             "transformers, for `doctor --replay`.")
-    p.add_argument("--model", required=True, metavar="TARGET_DIR")
+    p.add_argument("--model", required=True, metavar="TARGET_DIR",
+                   help="target model directory, or its Hugging Face id when it is in the local cache")
     p.add_argument("--prompts", default=None, metavar="FILE",
                    help="JSON list of strings or token-id lists, or text with one prompt per line (default: "
                         "24 built-in plain-text prompts, tokenized with the model's tokenizer)")
@@ -206,11 +209,15 @@ def _check_numbers(args) -> None:
 
 def build_report(args):
     from .checks import Options, run_checks
-    from .configs import parse_draft, parse_target, read_weight_headers
+    from .configs import checkpoint_files, parse_draft, parse_target, read_weight_headers
 
     from .rules import sglang_mode
 
+    from .configs import resolve_model_dir
+
     _check_numbers(args)
+    args.target = str(resolve_model_dir(args.target, "target"))  # a folder, or a Hugging Face id in the cache
+    args.draft = str(resolve_model_dir(args.draft, "draft"))
     use_sglang = sglang_mode(args.engine_code)[0]
     target = parse_target(args.target, use_sglang=use_sglang)
     snapshot = None
@@ -235,6 +242,12 @@ def build_report(args):
         from .configs import snapshot_weight_files
 
         weights = read_weight_headers(draft.path, files=snapshot_weight_files(snapshot))
+    elif not checkpoint_files(draft.path).files:  # configs only: every check they allow, the others named
+        if args.replay:
+            raise DoctorInputError(f"draft: --replay runs the draft, and {draft.path} holds no weights (expected "
+                                   f"model.safetensors, sharded *.safetensors with an index, or pytorch_model.bin); "
+                                   f"without --replay the doctor checks the configs alone")
+        weights = None
     else:
         weights = read_weight_headers(draft.path)
     opts = Options(engine=args.engine, tp=args.tp, pp=args.pp, pp_partition=args.pp_partition,
@@ -380,6 +393,9 @@ def _capture(argv) -> int:
     problem = settings.output_file_problem(args.out, create_folders=True)  # before minutes of loading a model
     if problem is not None:
         raise _UsageError(f"--out {args.out}: {problem}")
+    from .configs import resolve_model_dir
+
+    args.model = str(resolve_model_dir(args.model, "capture-states"))
     prompts = read_prompts(args.prompts) if args.prompts is not None else list(BUILTIN_PROMPTS)
     try:
         summary = capture_states(args.model, prompts, args.out, dtype=args.dtype, max_tokens=args.max_tokens,

@@ -33,6 +33,7 @@ import contextlib
 import dataclasses
 import json
 import os
+import re
 import stat
 from pathlib import Path
 from typing import TYPE_CHECKING, Dict, List, Optional, Tuple
@@ -111,6 +112,41 @@ def check_file(path, what: str, expected: str = "a file") -> Path:
     except OSError as e:
         raise DoctorInputError(f"{what}: cannot read {p}: {_os_why(e)}") from None
     return p
+
+
+# what Hugging Face accepts as a repo id: owner/name, letters, digits and . _ - (huggingface_hub validate_repo_id)
+_HF_REPO_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9][A-Za-z0-9._-]*$")
+
+
+def hf_cached_snapshot(repo_id: str) -> Optional[Path]:
+    """The folder of ``repo_id``'s snapshot in the local Hugging Face cache (what ``from_pretrained`` and SGLang
+    load from), or None; never downloads. Partial snapshots count (``hf download ID --include '*.json'``)."""
+    try:
+        from huggingface_hub import snapshot_download
+
+        return Path(snapshot_download(repo_id, local_files_only=True))
+    except Exception:  # noqa: BLE001 - not cached (LocalEntryNotFoundError), no huggingface_hub, a bad id
+        return None
+
+
+def resolve_model_dir(arg, what: str) -> Path:
+    """``arg`` as a path when something is there, else a Hugging Face repo id found in the local cache; a repo id
+    that is not cached is one line saying how to get it."""
+    p = Path(arg)
+    if os.path.lexists(p) or not _HF_REPO_ID.match(str(arg)):
+        return p
+    found = hf_cached_snapshot(str(arg))
+    if found is not None:
+        return found
+    try:
+        from huggingface_hub import constants
+
+        cache = f" ({constants.HF_HUB_CACHE})"
+    except ImportError:
+        cache = ""
+    raise DoctorInputError(f"{what}: {arg} is no folder here and not in the Hugging Face cache{cache}: download it "
+                           f"with `hf download {arg}` (the configs alone, enough for the config checks: "
+                           f"`hf download {arg} --include '*.json'`), or pass its folder")
 
 
 def read_config(path, what: str) -> Tuple[Path, dict]:

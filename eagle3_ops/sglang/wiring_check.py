@@ -771,12 +771,12 @@ def _locate_draft(draft_path):
         if stat_.S_ISDIR(mode):
             return p, None
         return None, f"the draft checkpoint {p} is a file, not a folder (SGLang loads a checkpoint folder)"
-    try:
-        from huggingface_hub import snapshot_download
+    from ..doctor.configs import hf_cached_snapshot
 
-        return Path(snapshot_download(str(draft_path), local_files_only=True)), None
-    except Exception:
-        return None, f"the draft checkpoint {str(draft_path)!r} is not a local folder (nor in the Hugging Face cache)"
+    found = hf_cached_snapshot(str(draft_path))
+    if found is not None:
+        return found, None
+    return None, f"the draft checkpoint {str(draft_path)!r} is not a local folder (nor in the Hugging Face cache)"
 
 
 def _doctor_report(target_config, draft_dir: Path, tp_size: int, pp_size: int = 1,

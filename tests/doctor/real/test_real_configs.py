@@ -552,3 +552,70 @@ def test_an_edited_config_that_agrees_with_itself_is_not_called_right(tmp_path, 
     assert said.startswith("the configs agree with each other") and "edited since training" in said, said
     assert f"capture-states --model {target} --out states.safetensors" in said, said
     assert f"doctor --draft {draft} --target {target} --replay states.safetensors" in said, said
+
+
+def _hf_cache(cache: Path, repo_id: str, folder: Path, only=None) -> Path:
+    """``folder`` as huggingface_hub keeps a download of ``repo_id`` in ``cache`` (refs/main -> snapshots/COMMIT);
+    ``only``: the file names downloaded (``hf download ID --include '*.json'``), default all."""
+    repo = cache / ("models--" + repo_id.replace("/", "--"))
+    commit = "0123456789abcdef0123456789abcdef01234567"
+    (repo / "refs").mkdir(parents=True)
+    (repo / "refs" / "main").write_text(commit)
+    snap = repo / "snapshots" / commit
+    snap.mkdir(parents=True)
+    for f in folder.iterdir():
+        if only is None or f.name in only:
+            shutil.copy(f, snap / f.name)
+    return snap
+
+
+def test_hugging_face_ids_are_read_from_the_cache_and_configs_alone_are_checked(tmp_path, monkeypatch, capsys):
+    """``--draft lmsys/...`` with the draft in the Hugging Face cache is read from there (as the live check and
+    SGLang resolve it); with only its configs downloaded every check they allow runs and the ones that need the
+    weights are named (W_NO_WEIGHTS), and --replay says it needs them; an id that is not cached is one line saying
+    how to download it. Before: "does not exist" (exit 2), and "no weights in draft" (exit 2)."""
+    import huggingface_hub.constants
+
+    from eagle3_ops.doctor import cli
+
+    draft, target = make_pair(tmp_path, "llama-3.1-8b_eagle-official-train", ids=[1, 15, 28],
+                              edit={"architectures": ["LlamaForCausalLMEagle3"]})
+    cache = tmp_path / "hub"
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(cache))
+    draft_id, target_id = "lmsys/sglang-EAGLE3-LLaMA3.1-Instruct-8B", "meta-llama/Llama-3.1-8B-Instruct"
+    t_snap = _hf_cache(cache, target_id, target)
+    d_snap = _hf_cache(cache, draft_id, draft)
+    monkeypatch.chdir(tmp_path)
+    rc, rep = doctor(draft_id, target_id, "--engine-code", "table")
+    assert rc == 0 and rep["draft"]["path"] == str(d_snap) and rep["target"]["path"] == str(t_snap), rep
+    assert "W_NO_WEIGHTS" not in codes(rep, "warning")
+
+    shutil.rmtree(cache / ("models--" + draft_id.replace("/", "--")))
+    _hf_cache(cache, draft_id, draft, only={"config.json"})
+    rc, rep = doctor(draft_id, target_id, "--engine-code", "table")
+    assert rc == 0 and codes(rep, "warning") == ["W_NO_WEIGHTS"], rep["findings"]
+    said = finding(rep, "W_NO_WEIGHTS")["message"]
+    assert "E_FC_WIDTH" in said and "E_DRAFT_CLASS" in said and "--replay" in said, said
+    assert [s["capture_index"] for s in rep["slots"]] == [2, 16, 29]
+    capsys.readouterr()
+    assert cli.main(["--draft", draft_id, "--target", target_id, "--engine-code", "table", "--replay", "s.st"]) == 2
+    err = capsys.readouterr().err
+    assert "--replay runs the draft" in err and "holds no weights" in err, err
+
+    rc = cli.main(["--draft", "lmsys/not-downloaded", "--target", target_id, "--engine-code", "table"])
+    err = capsys.readouterr().err
+    assert rc == 2 and len(err.strip().splitlines()) == 1, err
+    assert "not in the Hugging Face cache" in err and "`hf download lmsys/not-downloaded`" in err, err
+
+
+def test_configs_alone_still_find_what_configs_show(tmp_path):
+    """Without weights the config-level errors still fire: the EAGLE authors' training config names a plain
+    LlamaForCausalLM (E_DRAFT_CLASS: which head, says why it cannot tell without the layer tensors), and ids of the
+    last layer SGLang does not capture."""
+    draft, target = make_pair(tmp_path, "llama-3.1-8b_eagle-official-train", ids=[1, 15, 31])
+    for f in draft.glob("*.safetensors"):
+        f.unlink()
+    rc, rep = doctor(draft, target, "--engine-code", "table")
+    assert rc == 1 and set(codes(rep, "error")) == {"E_DRAFT_CLASS", "E_LAST_LAYER_NOT_CAPTURED"}, rep["findings"]
+    assert "decoder-layer tensors are in the weights" in finding(rep, "E_DRAFT_CLASS")["message"]
+    assert codes(rep, "warning") == ["W_NO_WEIGHTS"]
