@@ -31,9 +31,22 @@ EXIT_CLOSED_PIPE = 141
 _DISK_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EIO)
 
 
+def quote_error(e: BaseException, limit: int = 300) -> str:
+    """``e``'s first line, for quoting inside a sentence: whole when it fits in ``limit`` characters, else cut at
+    its last sentence end, or else its last word, within them, and marked (never mid-word)."""
+    first = (str(e).strip().splitlines() or [type(e).__name__])[0].strip()
+    if len(first) <= limit:
+        return first
+    head = first[:limit]
+    end = head.rfind(". ")
+    if end >= limit // 3:
+        return head[:end + 1] + " [...]"
+    return head[:head.rfind(" ")].rstrip(" ,;:") + " [...]" if " " in head else head + " [...]"
+
+
 def resource_failure(e: BaseException) -> Optional[str]:
     """One line naming the resource that ran out, if ``e`` is a resource failure, else None."""
-    first = (str(e).strip().splitlines() or [type(e).__name__])[0][:300]
+    first = quote_error(e)
     if isinstance(e, MemoryError):
         return f"out of host memory ({first})"
     torch = sys.modules.get("torch")

@@ -328,8 +328,8 @@ def run_checks(target: TargetInfo, draft: DraftInfo, weights: Optional[Dict[str,
         # The engine refuses the model: no slot table and no layer verdict, only the refusal.
         rep.add("error", "E_TARGET_UNSUPPORTED",
                 f"{eng} {rules.version} will refuse to start EAGLE-3 with this target: {rules.refusal}. No wiring "
-                f"can fix that; serve the draft with an engine that captures for "
-                f"{rules.class_name.rsplit('.', 1)[-1] or 'this class'}" + _supported_elsewhere(target, opts.engine)
+                f"can fix that; serve the draft with an engine that captures for {_target_class_name(rules, target)}"
+                + _supported_elsewhere(target, opts.engine)
                 + ".")
         _check_vocab(rep, target, draft, weights)
         return rep
@@ -847,6 +847,15 @@ def _check_tp(rep: Report, wiring: EngineWiring, opts: Options) -> None:
                 f"rank feeds its draft a partial sum. Verify, then rerun with --capture-point.")
 
 
+def _target_class_name(rules: TargetRules, target: TargetInfo) -> str:
+    """The target's own class name: the engine's class for it, or, where the engine falls back to its generic
+    Transformers backend (SGLang's and vLLM's TransformersForCausalLM), the architecture the config names."""
+    cls = rules.class_name.rsplit(".", 1)[-1]
+    if (not cls or cls == "TransformersForCausalLM") and target.architectures:
+        return target.architectures[0]
+    return cls or "this class"
+
+
 def _supported_elsewhere(target: TargetInfo, engine: str) -> str:
     """What the other engines' code says about this target (tables only: no engine is imported for this)."""
     parts = []
@@ -855,7 +864,9 @@ def _supported_elsewhere(target: TargetInfo, engine: str) -> str:
             continue
         r = target_rules(other, target, "table")
         if r.supported:
-            parts.append(f"{r.name} {r.version} serves it ({r.class_name})")
+            via = (" through its Transformers backend (" + r.class_name + ")" if
+                   r.class_name.rsplit(".", 1)[-1] == "TransformersForCausalLM" else f" ({r.class_name})")
+            parts.append(f"{r.name} {r.version} serves it{via}")
         elif r.supported is False:
             parts.append(f"{r.name} {r.version} refuses it too")
     return f" ({'; '.join(parts)})" if parts else ""

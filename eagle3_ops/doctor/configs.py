@@ -38,6 +38,7 @@ import stat
 from pathlib import Path
 from typing import TYPE_CHECKING, Dict, List, Optional, Tuple
 
+from .._cli import quote_error
 from .draft import canonical_name
 
 if TYPE_CHECKING:
@@ -267,7 +268,7 @@ def library_config(cfg, model_dir: Optional[Path] = None, use_sglang: bool = Fal
             return LibraryConfig(obj, text, f"SGLang's config parser ({type(obj).__module__}.{type(obj).__name__})",
                                  False)
         except Exception as e:  # noqa: BLE001 - fall back to transformers, saying why
-            sglang_err = f"SGLang's config parser failed ({type(e).__name__}: {str(e)[:200]})"
+            sglang_err = f"SGLang's config parser failed ({type(e).__name__}: {quote_error(e, 200)})"
     else:
         sglang_err = None
     try:

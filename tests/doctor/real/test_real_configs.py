@@ -619,3 +619,39 @@ def test_configs_alone_still_find_what_configs_show(tmp_path):
     assert rc == 1 and set(codes(rep, "error")) == {"E_DRAFT_CLASS", "E_LAST_LAYER_NOT_CAPTURED"}, rep["findings"]
     assert "decoder-layer tensors are in the weights" in finding(rep, "E_DRAFT_CLASS")["message"]
     assert codes(rep, "warning") == ["W_NO_WEIGHTS"]
+
+
+@needs_sglang
+def test_a_family_sglang_has_no_class_for_is_named_as_the_users_model(tmp_path):
+    """OLMo-3 (transformers 5.19's own Olmo3Config, the class that defines the model; SGLang 0.5.23 has OLMo and
+    OLMo-2 classes only): SGLang's own ModelRegistry falls back to its Transformers backend, which has no
+    set_eagle3_layers_to_capture. The advice names the user's Olmo3ForCausalLM, never SGLang's fallback class as if
+    it were theirs. Before: "an engine that captures for TransformersForCausalLM"."""
+    import transformers
+
+    draft, target = make_pair(tmp_path, "llama-3.1-8b_eagle-official-train", ids=[1, 15, 28])
+    cfg = transformers.Olmo3Config(vocab_size=128256).to_dict()
+    cfg["architectures"] = ["Olmo3ForCausalLM"]
+    (target / "config.json").write_text(json.dumps(cfg))
+    rc, rep = doctor(draft, target)
+    said = finding(rep, "E_TARGET_UNSUPPORTED")["message"]
+    assert rc == 1 and rep["engine"]["class"] == "TransformersForCausalLM", rep["engine"]
+    assert "captures for Olmo3ForCausalLM" in said and "captures for TransformersForCausalLM" not in said, said
+    assert "vLLM 0.33.0 serves it through its Transformers backend" in said, said
+
+
+@needs_sglang
+def test_a_quoted_library_error_is_never_cut_mid_word(tmp_path):
+    """A model_type neither transformers nor SGLang defines: SGLang's config parser raises transformers' long
+    ValueError, which the doctor quotes (W_CONFIG_ASSUMED) cut at a sentence end and marked, never mid-word."""
+    import re
+
+    draft, target = make_pair(tmp_path, "llama-3.1-8b_eagle-official-train", ids=[1, 15, 28])
+    cfg = json.loads((target / "config.json").read_text())
+    cfg.update(model_type="acme_llm", architectures=["AcmeForCausalLM"])
+    (target / "config.json").write_text(json.dumps(cfg))
+    rc, rep = doctor(draft, target)
+    said = finding(rep, "W_CONFIG_ASSUMED")["message"]
+    quoted = re.search(r"SGLang's config parser failed \(ValueError: (.*?)\); neither", said).group(1)
+    assert "model type `acme_llm`" in quoted, said
+    assert re.search(r"[.`'\")]( \[\.\.\.\])?$", quoted), f"cut mid-sentence: {quoted!r}"
