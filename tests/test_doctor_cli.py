@@ -58,9 +58,10 @@ def test_exit_2_on_bad_inputs_subprocess(pair, tmp_path):
 def test_exit_2_on_bad_inputs(pair, tmp_path, case):
     t, good, _ = pair
     args = ["--draft", good, "--target", t]
-    if case == "no_weights":
+    if case == "no_weights":  # the configs alone are checked (W_NO_WEIGHTS); a replay needs the weights
         (good / "model.safetensors").unlink()
-        needle = "no weights"
+        args += ["--replay", tmp_path / "states.safetensors"]
+        needle = "holds no weights"
     elif case == "corrupt_safetensors":
         (good / "model.safetensors").write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00not a header")
         needle = "cannot read safetensors header"

@@ -268,7 +268,7 @@ def resolve_training(draft: DraftInfo, target: TargetInfo, opts: Options) -> Tra
 # What only the draft's weight headers show: said when the doctor runs on configs alone (no weight files yet).
 NEEDS_WEIGHTS = ("the fc's input width against the slots the engine feeds (E_FC_WIDTH, E_EMBEDDING_CAPTURE)",
                  "the draft class against its decoder-layer tensors (E_DRAFT_CLASS names the head that loads them)",
-                 "whether the checkpoint holds a trained lm_head (E_NO_LM_HEAD, E_TIED_DRAFT_VOCAB)",
+                 "whether the checkpoint holds a trained lm_head (E_NO_LM_HEAD, E_LM_HEAD_REPLACED, E_TIED_DRAFT_VOCAB)",
                  "the vocabulary maps d2t / t2d against the target's vocabulary (E_VOCAB_MAP)",
                  "--replay")
 
@@ -317,6 +317,7 @@ def run_checks(target: TargetInfo, draft: DraftInfo, weights: Optional[Dict[str,
             f"{rules.class_name or rules.arch or 'no class'}.")
     _check_draft_class(rep, draft, opts, weights)
     _check_tied(rep, target, draft, weights, opts)
+    _check_untied_head(rep, target, draft, weights, opts)
 
     if not draft.use_aux_hidden_state:
         rep.add("info", "I_NO_AUX", "eagle_config.use_aux_hidden_state is false: engines feed this draft the "
@@ -1090,6 +1091,70 @@ def _check_tied(rep: Report, target: TargetInfo, draft: DraftInfo, weights: Dict
                 f"The draft sets tie_word_embeddings{src} (draft vocabulary {dv}, target {V}); the doctor has not "
                 f"read how TensorRT-LLM's EAGLE-3 draft treats a tied lm_head. SGLang drops the trained lm_head of a "
                 f"tied draft; check that {eng} loads lm_head.weight ({has_lm} in the checkpoint).")
+
+
+def _check_untied_head(rep: Report, target: TargetInfo, draft: DraftInfo,
+                       weights: Optional[Dict[str, TensorInfo]], opts: Options) -> None:
+    """An untied draft's lm_head as the engine builds it: SGLang's heads build their own (``draft_vocab_size``
+    rows, allocated uninitialised) unless draft_vocab_size is None, when the worker gives them the target's head;
+    their load_weights loads the tensors present and nothing notices one missing. vLLM shares the target's head
+    when the checkpoint has none. Rules from the engine table (``untied_lm_head``, vLLM's
+    ``shares_target_lm_head_without_own``)."""
+    if draft.tie_word_embeddings:
+        return  # _check_tied
+    V = target.vocab_size
+    raw = draft.config if isinstance(draft.config, dict) else {}
+    d2t = weights is not None and "d2t" in weights
+    lm = None if weights is None else weights.get("lm_head.weight")
+    dv = draft.draft_vocab_size
+    if opts.engine == "sglang":
+        dc = draft_class("sglang", draft, opts.engine_code)
+        rule = (dc.head or {}).get("untied_lm_head")
+        if not rule or rule.get("shares_when") != "draft_vocab_size is None":
+            return
+        cls = dc.head["class"].rsplit(".", 1)[-1]
+        rows = lm.shape[0] if lm is not None and len(lm.shape) == 2 else None
+        keep = ("re-export the draft with its trained lm_head.weight" +
+                ("" if d2t else "; or, if it was trained with the target's own lm_head (all "
+                               f"{V} tokens, no d2t), set \"draft_vocab_size\": null so that SGLang shares it"))
+        if "draft_vocab_size" not in raw and rule.get("reads_draft_vocab_size") == "attribute":
+            rep.add("error", "E_DRAFT_VOCAB_SIZE_MISSING",
+                    f"The draft's config.json has no draft_vocab_size and is untied: SGLang's {cls} reads "
+                    f"config.draft_vocab_size to size its lm_head, so the server fails at start-up (AttributeError). "
+                    + (f"Set \"draft_vocab_size\": {rows} (the rows of the checkpoint's lm_head.weight)." if rows else
+                       "Set it to the number of tokens the draft predicts (the rows of its lm_head.weight)"
+                       + (", or null to share the target's lm_head (only for a draft trained with it)." if not d2t
+                          else ".")))
+            return
+        if weights is None:
+            return
+        if dv is None:  # load_lm_head_from_target: the worker replaces the head with the target's
+            if lm is not None and (rows != V or d2t):
+                rep.add("error", "E_LM_HEAD_REPLACED",
+                        f"The draft's draft_vocab_size is null and it is untied: SGLang's {cls} then sets "
+                        f"load_lm_head_from_target and {rule.get('worker') or 'its EAGLE-3 worker'} gives it the "
+                        f"target's lm_head ({V} rows) in place of the checkpoint's trained lm_head.weight ({rows} "
+                        f"rows{', mapped by d2t' if d2t else ''}): its proposals are scored by the wrong head (no "
+                        f"error, acceptance near zero). Set \"draft_vocab_size\": {rows}.")
+            return
+        if lm is None:
+            rep.add("error", "E_NO_LM_HEAD",
+                    f"The checkpoint has no lm_head.weight, the draft is untied and sets draft_vocab_size {dv}: "
+                    f"SGLang's {cls} builds its own {dv}-row lm_head (ParallelLMHead, allocated uninitialised), shares "
+                    f"the target's only when draft_vocab_size is None ({rule.get('worker') or 'its worker'}: "
+                    f"set_embed, not set_embed_and_head), and its load_weights loads the tensors present without "
+                    f"noticing one missing: the head stays uninitialised memory, and the server starts and accepts "
+                    f"next to nothing. Fix: {keep}.")
+    elif opts.engine == "vllm" and weights is not None and lm is None:
+        if not (tables.load("vllm") or {}).get("shares_target_lm_head_without_own"):
+            return
+        smaller = dv is not None and V is not None and dv < V
+        if smaller or d2t:
+            rep.add("error", "E_NO_LM_HEAD",
+                    f"The checkpoint has no lm_head.weight: vLLM 0.33.0 then shares the target's lm_head ({V} rows; "
+                    f"spec_decode/eagle/utils.load_eagle_model, has_own_lm_head) while the draft's logits cover "
+                    f"{dv or 'its'} draft tokens mapped by d2t: garbage proposals. Re-export the draft with its "
+                    f"trained lm_head.weight.")
 
 
 def _check_embed_scale(rep: Report, rules: TargetRules, opts: Options) -> None:

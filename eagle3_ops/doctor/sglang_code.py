@@ -26,6 +26,7 @@ import contextlib
 import functools
 import importlib
 import inspect
+import re
 import logging
 import types
 import warnings
@@ -633,4 +634,40 @@ def draft_head(cls: type) -> Optional[dict]:
             replaces = False
     return {"class": _qualname(cls), "tied_lm_head": tied,
             "set_embed": _qualname(set_embed) if set_embed is not None and replaces else None,
-            "scaled_embedding": source_scan.scaled_embedding(src), "layer": head_layer(cls)}
+            "scaled_embedding": source_scan.scaled_embedding(src), "layer": head_layer(cls),
+            "untied_lm_head": untied_lm_head(own)}
+
+
+@functools.lru_cache(maxsize=None)
+def worker_lm_head() -> Optional[str]:
+    """The EAGLE-3 worker function that gives a draft whose ``load_lm_head_from_target`` is set the target's
+    embedding and head (``set_embed_and_head``) and any other draft the embedding only (``set_embed``), read from
+    its source; None when the installed worker does not read that flag so."""
+    try:
+        from sglang.srt.speculative import eagle_worker_v2 as w
+
+        fn = w.EagleDraftWorker.init_lm_head
+        src = inspect.getsource(fn)
+    except (ImportError, AttributeError, OSError, TypeError):
+        return None
+    if "load_lm_head_from_target" in src and "set_embed_and_head(embed, head)" in src and "set_embed(embed)" in src:
+        return _qualname(fn)
+    return None
+
+
+def untied_lm_head(init_source: str) -> Optional[dict]:
+    """What an untied head builds for its lm_head, read from its source: ``shares_when`` = the test under which it
+    sets ``load_lm_head_from_target`` (and SGLang's EAGLE-3 worker then gives it the target's head:
+    eagle_worker_v2.init_lm_head calls set_embed_and_head; otherwise set_embed only, and the head keeps what it
+    loaded, or nothing); ``reads_draft_vocab_size``: ``attribute`` (config.draft_vocab_size: a config without the
+    key raises AttributeError at start-up) or ``getattr`` (absent = None). tests/doctor/test_engine_tables.py builds
+    each head on the CPU to hold this to what the class does."""
+    lines = [ln.strip() for ln in init_source.splitlines()]
+    at = next((i for i, ln in enumerate(lines) if ln.startswith("self.load_lm_head_from_target = True")), None)
+    if at is None or at == 0 or not lines[at - 1].startswith("if "):
+        return None
+    test = lines[at - 1]
+    if not re.fullmatch(r"if (config\.)?draft_vocab_size is None:", test):
+        return {"shares_when": test, "reads_draft_vocab_size": None}  # a rule the doctor does not know: said
+    reads = "getattr" if re.search(r"getattr\(config, [\"']draft_vocab_size[\"']", init_source) else "attribute"
+    return {"shares_when": "draft_vocab_size is None", "reads_draft_vocab_size": reads, "worker": worker_lm_head()}

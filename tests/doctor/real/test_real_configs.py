@@ -484,7 +484,11 @@ def test_minimax_m2_5_and_kimi_mla_head(tmp_path):
     for Kimi-K2.5 (Eagle3DeepseekV2ForCausalLM, SGLang's second EAGLE-3 head; ids [1, 29, 57], first id 1: +1)."""
     d, t = make_pair(tmp_path / "m", "minimax-m2.5_torchspec")
     rc, rep = doctor(d, t)
-    assert rc == 0 and slots(rep) == [2, 31, 59]
+    # TorchSpec's template is untied and has no draft_vocab_size: SGLang's own ModelConfig gives the head a
+    # LlamaConfig without it and LlamaForCausalLMEagle3.__init__ reads config.draft_vocab_size (AttributeError at
+    # start-up; tests/sglang/test_untied_lm_head.py builds the class to show it)
+    assert rc == 1 and codes(rep, "error") == ["E_DRAFT_VOCAB_SIZE_MISSING"] and slots(rep) == [2, 31, 59]
+    assert 'Set "draft_vocab_size": 200064' in finding(rep, "E_DRAFT_VOCAB_SIZE_MISSING")["message"]
     d, t = make_pair(tmp_path / "k", "kimi-k25_torchspec-mla")
     rc, rep = doctor(d, t)
     assert rc == 0 and slots(rep) == [2, 30, 58] and "E_DRAFT_CLASS" not in codes(rep)
@@ -655,3 +659,34 @@ def test_a_quoted_library_error_is_never_cut_mid_word(tmp_path):
     quoted = re.search(r"SGLang's config parser failed \(ValueError: (.*?)\); neither", said).group(1)
     assert "model type `acme_llm`" in quoted, said
     assert re.search(r"[.`'\")]( \[\.\.\.\])?$", quoted), f"cut mid-sentence: {quoted!r}"
+
+
+@pytest.mark.parametrize("engine_code", ["table", "auto"])
+def test_an_untied_draft_without_its_lm_head_is_an_error(tmp_path, engine_code):
+    """The EAGLE authors' Llama-3.1-8B draft config (draft_vocab_size 32000, untied) with SGLang's head class and no
+    lm_head.weight in the checkpoint: SGLang 0.5.23's LlamaForCausalLMEagle3 builds its own 32000-row head and never
+    fills it (tests/sglang/test_untied_lm_head.py holds the rule to the class). Before: OK. With draft_vocab_size
+    null SGLang gives it the target's head in place of the trained one; without the key it raises at start-up."""
+    arch = {"architectures": ["LlamaForCausalLMEagle3"]}
+    draft, target = make_pair(tmp_path / "a", "llama-3.1-8b_eagle-official-train", ids=[1, 15, 28], edit=arch,
+                              drop=["lm_head.weight"])
+    rc, rep = doctor(draft, target, "--engine-code", engine_code)
+    assert rc == 1 and codes(rep, "error") == ["E_NO_LM_HEAD"], rep["findings"]
+    said = finding(rep, "E_NO_LM_HEAD")["message"]
+    assert "32000-row lm_head" in said and "uninitialised" in said and "re-export" in said, said
+    assert "null" not in said, "a draft with d2t (a reduced vocabulary) cannot share the target's head"
+
+    draft, target = make_pair(tmp_path / "b", "llama-3.1-8b_eagle-official-train", ids=[1, 15, 28], edit=arch)
+    cfg = json.loads((draft / "config.json").read_text())
+    (draft / "config.json").write_text(json.dumps(dict(cfg, draft_vocab_size=None)))  # the 32000-row head stays
+    rc, rep = doctor(draft, target, "--engine-code", engine_code)
+    assert rc == 1 and codes(rep, "error") == ["E_LM_HEAD_REPLACED"], rep["findings"]
+    assert 'Set "draft_vocab_size": 32000' in finding(rep, "E_LM_HEAD_REPLACED")["message"]
+
+    draft, target = make_pair(tmp_path / "c", "llama-3.1-8b_eagle-official-train", ids=[1, 15, 28], edit=arch)
+    cfg = json.loads((draft / "config.json").read_text())
+    del cfg["draft_vocab_size"]
+    (draft / "config.json").write_text(json.dumps(cfg))
+    rc, rep = doctor(draft, target, "--engine-code", engine_code)
+    assert "E_DRAFT_VOCAB_SIZE_MISSING" in codes(rep, "error"), rep["findings"]
+    assert 'Set "draft_vocab_size": 32000' in finding(rep, "E_DRAFT_VOCAB_SIZE_MISSING")["message"]
