@@ -495,6 +495,29 @@ def transformers_fallback(tree: SourceTree) -> Optional[dict]:
             "resolver": "ModelRegistry._try_resolve_transformers"}
 
 
+# What an EAGLE-3 head reads to size its fc, in the order its __init__ reads them (the first one set wins):
+# ``getattr(self.config, KEY, None)`` of a top-level key, ``eagle_config.get(KEY)`` of an eagle_config key (a list of
+# ids counts its length), and ``... else N``, the default count.
+_FC_READS = re.compile(r"getattr\(\s*self\.config,\s*[\"'](num_aux_layers|num_aux_hidden_states|"
+                       r"eagle_aux_hidden_state_layer_ids)[\"']"
+                       r"|eagle_config\.get\(\s*[\"'](eagle_aux_hidden_state_layer_ids)[\"']\s*\)"
+                       r"|if (?:layer_ids|aux_ids) else (\d+)")
+
+
+def fc_slots_from(src: str) -> Optional[list]:
+    """The keys a head's module reads, in order, to size its fc (``eagle_config.X`` for an eagle_config key), then
+    the default count; None when its source does not read them as :data:`_FC_READS` knows."""
+    out: list = []
+    for top, nested, default in _FC_READS.findall(src):
+        if default:
+            out.append(int(default))
+            break
+        key = top or f"eagle_config.{nested}"
+        if key not in out:
+            out.append(key)
+    return out if out and isinstance(out[-1], int) else None
+
+
 def table(path) -> dict:
     tree = SourceTree(path)
     index = Index(tree)
@@ -524,7 +547,7 @@ def table(path) -> dict:
             heads[arch] = {"class": f"{mod}.{name}", "reads_tie_word_embeddings": "tie_word_embeddings" in src,
                            "lm_head_rows": "draft_vocab_size"
                            if re.search(r"ParallelLMHead\(\s*self\.config\.draft_vocab_size", src) else None,
-                           "layer": head_layer(index, _module_path(mod), name)}
+                           "layer": head_layer(index, _module_path(mod), name), "fc_slots_from": fc_slots_from(src)}
     iface = tree.read(MODELS + "interfaces.py") or ""
     m = re.search(r"def _set_aux_hidden_state_layers\(.*?\n(.*?)\n\n", iface, re.S)
     return {"engine": "vllm", "version": tree.version(), "source": Path(path).name, "targets": targets,

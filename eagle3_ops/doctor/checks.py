@@ -486,6 +486,16 @@ def run_checks(target: TargetInfo, draft: DraftInfo, weights: Optional[Dict[str,
                 f"SGLang sizes the draft's fc from the config ({declared_k} slots: num_aux_hidden_states, else the "
                 f"number of eagle_config ids, else 3) but the checkpoint's fc.weight takes {fc_slots} slots: loading "
                 f"fails with a shape mismatch. Make the config describe {fc_slots} slots.")
+    vllm_k = _vllm_declared_k(draft, opts) if opts.engine == "vllm" else None
+    if vllm_k is not None and fc_slots is not None and vllm_k[0] != fc_slots and not explained_k:
+        k, read, head, reads = vllm_k
+        where = ("transformer_layer_config (vLLM builds the draft's config from it and copies only the ids, "
+                 "at the top level)" if draft.dialect == "speculators" else "the draft's config.json")
+        rep.add("error", "E_FC_WIDTH",
+                f"vLLM 0.33.0's {head} sizes the fc from {', else '.join(map(str, reads))} (its __init__, in that "
+                f"order): here {read}, {k} slots = {k * H} inputs, but the checkpoint's fc.weight takes {fc_in} = "
+                f"{fc_slots} x {H}: loading fails with a shape mismatch ({fc_in} vs {k * H}). Add "
+                f"\"num_aux_hidden_states\": {fc_slots} to {where}.")
 
     # ---- the wiring itself: engine slot k vs trained slot k, under every reading of the ids
     _compare_slots(rep, wiring, training, opts, L)
@@ -505,6 +515,34 @@ def run_checks(target: TargetInfo, draft: DraftInfo, weights: Optional[Dict[str,
     # ---- vocab maps
     _check_vocab(rep, target, draft, weights)
     return rep
+
+
+def _vllm_declared_k(draft: DraftInfo, opts: Options):
+    """(slots, what decided it, head class, what it reads) for vLLM's EAGLE-3 head: the keys its __init__ reads to
+    size the fc, in order (the engine table's ``fc_slots_from``, read from vLLM's source), on the config vLLM builds
+    for the draft (for a speculators draft: transformer_layer_config plus the top-level ids, as
+    speculators/algos.update_eagle3 does); None where the table has no rule for the head."""
+    dc = draft_class("vllm", draft, opts.engine_code)
+    reads = (dc.head or {}).get("fc_slots_from")
+    if not reads:
+        return None
+    if draft.dialect == "speculators":
+        cfg = dict(draft.layer_config or {})
+        if draft.config.get("eagle_aux_hidden_state_layer_ids"):
+            cfg["eagle_aux_hidden_state_layer_ids"] = draft.config["eagle_aux_hidden_state_layer_ids"]
+    else:
+        cfg = draft.config if isinstance(draft.config, dict) else {}
+    head = dc.head["class"].rsplit(".", 1)[-1]
+    for key in reads:
+        if isinstance(key, int):
+            return key, f"none is set, so its default {key}", head, reads
+        holder = cfg.get("eagle_config") or {} if key.startswith("eagle_config.") else cfg
+        value = holder.get(key.split(".", 1)[-1]) if isinstance(holder, dict) else None
+        if isinstance(value, list) and value:
+            return len(value), f"{key} = {value}", head, reads
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value, f"{key} = {value}", head, reads
+    return None
 
 
 def _sglang_declared_k(draft: DraftInfo) -> Optional[int]:

@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from doctor_fixtures import codes, finding, run_doctor
+from eagle3_ops.doctor import tables
 from eagle3_ops.doctor.configs import parse_target, read_weight_headers
 from machine import needs_sglang
 
@@ -690,3 +691,52 @@ def test_an_untied_draft_without_its_lm_head_is_an_error(tmp_path, engine_code):
     rc, rep = doctor(draft, target, "--engine-code", engine_code)
     assert "E_DRAFT_VOCAB_SIZE_MISSING" in codes(rep, "error"), rep["findings"]
     assert 'Set "draft_vocab_size": 32000' in finding(rep, "E_DRAFT_VOCAB_SIZE_MISSING")["message"]
+
+
+def _speculators_draft(tmp_path, ids, extra_layer=None) -> tuple:
+    """A speculators-format (0.9.0 layout: top-level eagle_aux_hidden_state_layer_ids, the layer under
+    transformer_layer_config) draft of the EAGLE authors' Llama-3.1-8B layer config, its fc as wide as its ids."""
+    src = HERE / "llama-3.1-8b_eagle-official-train"
+    target = tmp_path / "target"
+    shutil.copytree(src / "target", target)
+    layer = json.loads((src / "draft" / "config.json").read_text())
+    layer.update(extra_layer or {})
+    cfg = {"speculators_model_type": "eagle3", "architectures": ["Eagle3Speculator"], "transformer_layer_config": layer,
+           "eagle_aux_hidden_state_layer_ids": ids, "draft_vocab_size": layer["draft_vocab_size"],
+           "norm_before_residual": False,
+           "speculators_config": {"algorithm": "eagle3", "verifier": {"architectures": ["LlamaForCausalLM"]}}}
+    draft = tmp_path / "draft"
+    draft.mkdir()
+    (draft / "config.json").write_text(json.dumps(cfg))
+    shapes = draft_shapes(layer, 4096, k=len(ids))
+    write_sparse_safetensors(draft / "model.safetensors", shapes, vocab_maps(32000, 128256))
+    return draft, target
+
+
+def test_vllm_sizes_the_fc_by_its_own_rule_not_the_top_level_ids(tmp_path):
+    """vLLM 0.33.0's Eagle3LlamaForCausalLM sizes its fc from num_aux_hidden_states, else eagle_config's ids, else 3
+    (the table's fc_slots_from, read from llama_eagle3.py), never the top-level ids a speculators draft carries:
+    a speculators draft with 4 aux layers fails to load (16384 vs 12288). Before: OK. With num_aux_hidden_states in
+    transformer_layer_config (which vLLM builds the draft's config from) it loads."""
+    draft, target = _speculators_draft(tmp_path / "a", [2, 10, 20, 29])
+    rc, rep = doctor(draft, target, "--engine", "vllm")
+    assert rc == 1 and "E_FC_WIDTH" in codes(rep, "error"), rep["findings"]
+    said = next(f["message"] for f in rep["findings"] if f["code"] == "E_FC_WIDTH" and "vLLM" in f["message"])
+    assert "(16384 vs 12288)" in said and "Eagle3LlamaForCausalLM" in said, said
+    assert '"num_aux_hidden_states": 4 to transformer_layer_config' in said, said
+    draft, target = _speculators_draft(tmp_path / "b", [2, 10, 20, 29], {"num_aux_hidden_states": 4})
+    rc, rep = doctor(draft, target, "--engine", "vllm")
+    assert "E_FC_WIDTH" not in codes(rep, "error"), rep["findings"]
+    draft, target = _speculators_draft(tmp_path / "c", [2, 16, 29])  # three: vLLM's default happens to fit
+    rc, rep = doctor(draft, target, "--engine", "vllm")
+    assert "E_FC_WIDTH" not in codes(rep, "error"), rep["findings"]
+
+
+def test_the_vllm_fc_rule_is_read_from_its_heads():
+    """The table's fc_slots_from for vLLM 0.33.0's heads, as its source reads the keys (tools/vllm_tables.py)."""
+    heads = tables.load("vllm")["draft_heads"]
+    assert heads["Eagle3LlamaForCausalLM"]["fc_slots_from"] == [
+        "num_aux_hidden_states", "eagle_config.eagle_aux_hidden_state_layer_ids", 3]
+    assert heads["Eagle3Qwen3ForCausalLM"]["fc_slots_from"] == [
+        "num_aux_layers", "num_aux_hidden_states", "eagle_aux_hidden_state_layer_ids",
+        "eagle_config.eagle_aux_hidden_state_layer_ids", 3]
