@@ -109,6 +109,8 @@ class Options:
     vllm_runner: str = "v2"            # v2 (vLLM 0.33.0's default) | v1 (VLLM_USE_V2_MODEL_RUNNER=0, P-EAGLE)
     trtllm_layers: Optional[List[int]] = None  # eagle3_layers_to_capture passed to TensorRT-LLM (None: default)
     engine_code: str = "auto"          # auto | installed | table: where SGLang's rules come from
+    server_running: bool = False       # the live check: the server started (what it refuses at start-up passed)
+    served_context_length: Optional[int] = None  # its --context-length (None: the target's own length)
 
 
 @dataclasses.dataclass
@@ -318,6 +320,7 @@ def run_checks(target: TargetInfo, draft: DraftInfo, weights: Optional[Dict[str,
     _check_draft_class(rep, draft, opts, weights)
     _check_tied(rep, target, draft, weights, opts)
     _check_untied_head(rep, target, draft, weights, opts)
+    _check_context(rep, target, draft, opts)
 
     if not draft.use_aux_hidden_state:
         rep.add("info", "I_NO_AUX", "eagle_config.use_aux_hidden_state is false: engines feed this draft the "
@@ -1193,6 +1196,74 @@ def _check_untied_head(rep: Report, target: TargetInfo, draft: DraftInfo,
                     f"spec_decode/eagle/utils.load_eagle_model, has_own_lm_head) while the draft's logits cover "
                     f"{dv or 'its'} draft tokens mapped by d2t: garbage proposals. Re-export the draft with its "
                     f"trained lm_head.weight.")
+
+
+def _context_lengths(target: TargetInfo, draft: DraftInfo, opts: Options):
+    """(target's, draft's context length, how they were derived): SGLang's own get_context_length on SGLang's
+    reading of each config (the installed pinned SGLang), else each config's max_position_embeddings (the table
+    cannot run that function: its rope_scaling factor is not applied); None where a config has no length."""
+    from .rules import sglang_mode
+
+    t_raw = (target.text_config or {}).get("max_position_embeddings")
+    d_raw = (draft.layer_config or {}).get("max_position_embeddings")
+    if not isinstance(t_raw, int) or not isinstance(d_raw, int):
+        return None
+    if opts.engine == "sglang" and sglang_mode(opts.engine_code)[0]:
+        try:
+            from sglang.srt.utils.hf_transformers.common import get_context_length
+
+            from .configs import _sglang_parse
+
+            t_len = get_context_length(target.lib.text) if target.lib is not None and target.lib.text is not None \
+                else get_context_length(_sglang_parse(dict(target.config), target.path)[1])
+            d_len = get_context_length(_sglang_parse(dict(draft.layer_config), None)[1])
+            return t_len, d_len, "SGLang's get_context_length (rope_scaling factor applied)"
+        except Exception:  # noqa: BLE001 - the raw lengths, said as such
+            pass
+    return t_raw, d_raw, "max_position_embeddings of each config (no rope_scaling factor applied)"
+
+
+def _check_context(rep: Report, target: TargetInfo, draft: DraftInfo, opts: Options) -> None:
+    """A draft trained on a shorter context than the target serves: SGLang 0.5.23 refuses to start (the draft's
+    ModelConfig gets the target's context_len, eagle_worker_v2; model_config._derive_context_length raises unless
+    SGLANG_ALLOW_OVERWRITE_LONGER_CONTEXT_LEN=1, which raises the draft's max_position_embeddings); vLLM 0.33.0 raises
+    the draft's max_position_embeddings to the target's with an INFO line (speculative.py,
+    _maybe_override_draft_max_position_embeddings) for default/linear/llama3 RoPE."""
+    lengths = _context_lengths(target, draft, opts)
+    if lengths is None:
+        return
+    t_len, d_len, how = lengths
+    if opts.served_context_length is not None:
+        t_len, how = opts.served_context_length, how + "; the target's: the server's --context-length"
+    if t_len <= d_len:
+        return
+    past = (f"past {d_len} tokens the draft runs on positions it never saw in training, and its acceptance "
+            f"falls (below no speculation in a vLLM user's report)")
+    if opts.server_running:  # it started, so SGLANG_ALLOW_OVERWRITE_LONGER_CONTEXT_LEN is set
+        rep.add("warning", "W_DRAFT_CONTEXT_SHORT",
+                f"The server serves {t_len} tokens of context, the draft's context length is {d_len} ({how}): "
+                f"SGLang started it with SGLANG_ALLOW_OVERWRITE_LONGER_CONTEXT_LEN, raising the draft's "
+                f"max_position_embeddings, but {past}. Serve with --context-length {d_len} (or less), or use a "
+                f"draft trained on the target's length.")
+    elif opts.engine == "sglang":
+        exact = how.startswith("SGLang's")  # a warning either way: SGLang says it at start-up, the cost is speed
+        rep.add("warning", "W_DRAFT_CONTEXT_SHORT",
+                f"The draft's context length is {d_len}, the target's {t_len} ({how}). SGLang {'0.5.23 ' if exact else ''}"
+                f"gives the draft the target's context length and "
+                + ("refuses to start" if exact else "then refuses to start if this holds with the factor applied")
+                + f" (ValueError: Target model's context_length ({t_len}) is greater than the derived context_length "
+                  f"({d_len}) ... set the env var SGLANG_ALLOW_OVERWRITE_LONGER_CONTEXT_LEN=1); with that variable "
+                  f"it raises the draft's max_position_embeddings to {t_len} and starts, but {past}. Serve with "
+                  f"--context-length {d_len} (or less), or use a draft trained on the target's length; set the "
+                  f"variable only for prompts and outputs that stay within {d_len} tokens.")
+    elif opts.engine == "vllm":
+        rep.add("warning", "W_DRAFT_CONTEXT_SHORT",
+                f"The draft's context length is {d_len}, the target's {t_len} ({how}). vLLM 0.33.0 starts anyway: "
+                f"for default/linear/llama3 RoPE it raises the draft's max_position_embeddings to the target's "
+                f"with an INFO line (config/speculative.py, _maybe_override_draft_max_position_embeddings); for "
+                f"other RoPE types the V2 runner lowers the target's max_model_len to {d_len} "
+                f"(_limit_max_model_len_to_draft). Either way {past}. Serve with --max-model-len {d_len} (or "
+                f"less), or use a draft trained on the target's length.")
 
 
 def _check_embed_scale(rep: Report, rules: TargetRules, opts: Options) -> None:

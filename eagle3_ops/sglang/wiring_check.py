@@ -792,8 +792,12 @@ def _doctor_report(target_config, draft_dir: Path, tp_size: int, pp_size: int = 
     else:
         draft = configs.parse_draft(draft_dir, use_sglang=True)
         weights = configs.read_weight_headers(draft_dir)
+    from .dump_states import _server_args
+
+    served = getattr(_server_args(), "context_length", None)  # None: the target's own length
     report = checks.run_checks(target, draft, weights, checks.Options(
-        engine="sglang", tp=tp_size, pp=pp_size, pp_partition=pp_partition, engine_code="installed"))
+        engine="sglang", tp=tp_size, pp=pp_size, pp_partition=pp_partition, engine_code="installed",
+        server_running=True, served_context_length=served if isinstance(served, int) else None))
     return report, weights
 
 

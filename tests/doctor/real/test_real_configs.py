@@ -549,8 +549,8 @@ def test_an_edited_config_that_agrees_with_itself_is_not_called_right(tmp_path, 
     capture, or any three layers): every reading of the ids is what SGLang feeds, so no finding fires. The
     conclusion says only that (the configs agree with each other) and gives the commands that verify it; before, it
     said "the wiring looks right"."""
-    draft, target = make_pair(tmp_path, "llama-3.1-8b_eagle-official-train", ids=ids,
-                              edit={"architectures": ["LlamaForCausalLMEagle3"]})
+    draft, target = make_pair(tmp_path, "llama-3.1-8b_eagle-official-train", ids=ids,  # the target's context too
+                              edit={"architectures": ["LlamaForCausalLMEagle3"], "max_position_embeddings": 131072})
     rc, rep = doctor(draft, target, "--engine-code", "table")
     assert not codes(rep, "error") and not codes(rep, "warning"), rep["findings"]
     said = rep["conclusion"]
@@ -598,7 +598,7 @@ def test_hugging_face_ids_are_read_from_the_cache_and_configs_alone_are_checked(
     shutil.rmtree(cache / ("models--" + draft_id.replace("/", "--")))
     _hf_cache(cache, draft_id, draft, only={"config.json"})
     rc, rep = doctor(draft_id, target_id, "--engine-code", "table")
-    assert rc == 0 and codes(rep, "warning") == ["W_NO_WEIGHTS"], rep["findings"]
+    assert rc == 0 and codes(rep, "warning") == ["W_NO_WEIGHTS", "W_DRAFT_CONTEXT_SHORT"], rep["findings"]
     said = finding(rep, "W_NO_WEIGHTS")["message"]
     assert "E_FC_WIDTH" in said and "E_DRAFT_CLASS" in said and "--replay" in said, said
     assert [s["capture_index"] for s in rep["slots"]] == [2, 16, 29]
@@ -623,7 +623,7 @@ def test_configs_alone_still_find_what_configs_show(tmp_path):
     rc, rep = doctor(draft, target, "--engine-code", "table")
     assert rc == 1 and set(codes(rep, "error")) == {"E_DRAFT_CLASS", "E_LAST_LAYER_NOT_CAPTURED"}, rep["findings"]
     assert "decoder-layer tensors are in the weights" in finding(rep, "E_DRAFT_CLASS")["message"]
-    assert codes(rep, "warning") == ["W_NO_WEIGHTS"]
+    assert codes(rep, "warning") == ["W_NO_WEIGHTS", "W_DRAFT_CONTEXT_SHORT"]
 
 
 @needs_sglang
@@ -740,3 +740,35 @@ def test_the_vllm_fc_rule_is_read_from_its_heads():
     assert heads["Eagle3Qwen3ForCausalLM"]["fc_slots_from"] == [
         "num_aux_layers", "num_aux_hidden_states", "eagle_aux_hidden_state_layer_ids",
         "eagle_config.eagle_aux_hidden_state_layer_ids", 3]
+
+
+@pytest.mark.parametrize("engine_code", ["table", "auto"])
+def test_a_draft_trained_on_a_shorter_context_is_named(tmp_path, engine_code):
+    """The EAGLE authors' Llama-3.1-8B draft config (max_position_embeddings 2048) on Llama-3.1 (131072, llama3
+    RoPE: SGLang's get_context_length applies no factor): SGLang 0.5.23 gives the draft the target's length and
+    refuses to start without SGLANG_ALLOW_OVERWRITE_LONGER_CONTEXT_LEN=1; vLLM raises the draft's length silently.
+    Either way acceptance past 2048 tokens falls. Before: nothing. A server started with --context-length 2048 is
+    fine; one running longer (the variable set) is told."""
+    from eagle3_ops.doctor.checks import Options, run_checks
+    from eagle3_ops.doctor.configs import parse_draft
+
+    draft, target = make_pair(tmp_path, "llama-3.1-8b_eagle-official-train", ids=[1, 15, 28],
+                              edit={"architectures": ["LlamaForCausalLMEagle3"]})
+    rc, rep = doctor(draft, target, "--engine-code", engine_code)
+    said = finding(rep, "W_DRAFT_CONTEXT_SHORT")["message"]
+    assert rc == 0 and "2048" in said and "131072" in said and "SGLANG_ALLOW_OVERWRITE_LONGER_CONTEXT_LEN" in said
+    assert "--context-length 2048" in said, said
+    assert ("get_context_length" in said) == (engine_code == "auto" and rep["engine"]["rules_from"].startswith(
+        "the installed")), said
+    rc, rep = doctor(draft, target, "--engine", "vllm")
+    assert "_maybe_override_draft_max_position_embeddings" in finding(rep, "W_DRAFT_CONTEXT_SHORT")["message"]
+
+    t, d = parse_target(target), parse_draft(draft)
+    weights = read_weight_headers(draft)
+    for served, fires in ((2048, False), (None, True), (8192, True)):
+        rep = run_checks(t, d, weights, Options(engine_code="table", server_running=True,
+                                                served_context_length=served))
+        got = [f for f in rep.findings if f.code == "W_DRAFT_CONTEXT_SHORT"]
+        assert bool(got) == fires, (served, [f.code for f in rep.findings])
+        if got:
+            assert "started it with SGLANG_ALLOW_OVERWRITE_LONGER_CONTEXT_LEN" in got[0].message
