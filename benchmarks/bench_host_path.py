@@ -231,6 +231,10 @@ if pytest is not None:
 
 
 if __name__ == "__main__":
+    import argparse
+
+    argparse.ArgumentParser(prog="python benchmarks/bench_host_path.py", description=__doc__,
+                            formatter_class=argparse.RawDescriptionHelpFormatter).parse_args()
     print(table(run_all()))
     print(plan_key_table(torch.device("cpu")))
     sys.exit(0)

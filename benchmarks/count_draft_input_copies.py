@@ -186,7 +186,13 @@ def kimi_bytes(units: float, tokens: int, K: int = 3, H: int = 7168, elem: int =
     return units * tokens * K * H * elem
 
 
-def main() -> None:
+def main(argv=None) -> None:
+    import argparse
+
+    ap = argparse.ArgumentParser(prog="python benchmarks/count_draft_input_copies.py", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--json", action="store_true", help="print the counts as one JSON object")
+    args = ap.parse_args(argv)
     from eagle3_ops.demos import sglang_cpu_harness as h
 
     h.disable_dynamo()
@@ -196,7 +202,7 @@ def main() -> None:
     assert h.plugin_install()
     ours = {f: count(plugin=True, family=f) for f in families}
     report = {"stock": stock, "plugin": ours}
-    if "--json" in sys.argv:
+    if args.json:
         print(json.dumps(report, indent=1))
         return
     for family in families:

@@ -50,6 +50,11 @@
 # Needs: python with torch (CUDA) + triton + pytest, nvcc. Not needed: sglang, network.
 # Exit status: 0 when every stage that ran passed (the report's verdict), else 1; 2 for bad settings.
 set -uo pipefail
+case "${1:-}" in  # the header above is the usage; nothing else runs
+  -h|--help) sed -n '2,/^[^#]/{/^#/s/^# \{0,1\}//p}' "$0"; exit 0 ;;
+  "") ;;
+  *) echo "usage: benchmarks/device_check.sh (no arguments; QUICK=1 / OUT=DIR in the environment; --help)" >&2; exit 2 ;;
+esac
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"

@@ -88,6 +88,14 @@ def run_case(case, main):
 
 
 def main():
+    import argparse
+
+    ap = argparse.ArgumentParser(prog="python tests/cli_driver.py", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("cases", metavar="CASES.json")
+    ap.add_argument("results", metavar="RESULTS.json")
+    a = ap.parse_args()
+    sys.argv[1:] = [a.cases, a.results]
     cases = json.loads(open(sys.argv[1]).read())
     from eagle3_ops.__main__ import main as eagle3_ops_main
 

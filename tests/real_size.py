@@ -136,9 +136,16 @@ def run_replay_child(pair: dict, positions: int) -> dict:
             "report": report, "stderr": proc.stderr.decode(errors="replace")[-3000:]}
 
 
-if __name__ == "__main__":  # python tests/real_size.py KIND ROOT [POSITIONS]
-    kind, root = sys.argv[1], sys.argv[2]
-    n = int(sys.argv[3]) if len(sys.argv) > 3 else 256
+if __name__ == "__main__":
+    import argparse
+
+    ap = argparse.ArgumentParser(prog="python tests/real_size.py", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("kind", choices=sorted(PAIRS))
+    ap.add_argument("root", help="folder for the pair and its states (reused when built with the same parameters)")
+    ap.add_argument("positions", nargs="?", type=int, default=256, choices=(256, 1024))
+    a = ap.parse_args()
+    kind, root, n = a.kind, a.root, a.positions
     t0 = time.monotonic()
     pair = build(kind, root)
     print(f"built {kind} in {time.monotonic() - t0:.0f} s", flush=True)

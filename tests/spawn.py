@@ -277,6 +277,9 @@ def _serve(sock: socket.socket):
 
 
 if __name__ == "__main__":
+    if len(sys.argv) != 2 or not sys.argv[1].isdigit():  # --help, or anything but the socket spawn.run passes
+        print(f"usage: python tests/spawn.py SOCKET_FD\n\n{__doc__}")
+        sys.exit(0 if sys.argv[1:] in (["-h"], ["--help"]) else 2)
     _request = _serve(socket.socket(fileno=int(sys.argv[1])))
     if _request is None:
         sys.exit(0)

@@ -90,9 +90,14 @@ def render() -> str:
 
 
 def main(argv=None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
+    import argparse
+
+    ap = argparse.ArgumentParser(prog="python -m tools.doctor_rule_table", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--write", action="store_true", help=f"write the table into {DOC.name} (default: print it)")
+    args = ap.parse_args(sys.argv[1:] if argv is None else argv)
     text = render()
-    if "--write" not in argv:
+    if not args.write:
         sys.stdout.write(text)
         return 0
     doc = DOC.read_text()

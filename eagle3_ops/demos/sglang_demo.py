@@ -144,4 +144,8 @@ def _run(h, capture_state, draft_fc_state, dtype, hidden_size, prompt_len, batch
 
 
 if __name__ == "__main__":
+    import argparse
+
+    argparse.ArgumentParser(prog="python -m eagle3_ops.demos.sglang_demo", description=__doc__,
+                            formatter_class=argparse.RawDescriptionHelpFormatter).parse_args()
     run_sglang_demo()

@@ -205,6 +205,9 @@ def write() -> None:
 
 
 if __name__ == "__main__":
+    if sys.argv[1:] in (["-h"], ["--help"]):  # a test's worker script: its usage, nothing run
+        print(f"usage: python tests/sglang/families.py [--write]\n\n{__doc__}")
+        sys.exit(0)
     if sys.argv[1:] == ["--write"]:
         write()
     else:

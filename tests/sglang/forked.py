@@ -75,4 +75,7 @@ def main(jobs_file: str) -> None:
 
 
 if __name__ == "__main__":
+    if sys.argv[1:] in (["-h"], ["--help"]):  # a test's worker script: its usage, nothing run
+        print(f"usage: python tests/sglang/forked.py JOBS.json\n\n{__doc__}")
+        sys.exit(0)
     main(sys.argv[1])

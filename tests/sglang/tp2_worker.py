@@ -426,4 +426,7 @@ def main(rank: int, port: int, outdir: str) -> None:
 
 
 if __name__ == "__main__":
+    if sys.argv[1:] in (["-h"], ["--help"]):  # a test's worker script: its usage, nothing run
+        print(f"usage: python tests/sglang/tp2_worker.py RANK PORT OUTDIR\n\n{__doc__}")
+        sys.exit(0)
     main(int(sys.argv[1]), int(sys.argv[2]), sys.argv[3])
