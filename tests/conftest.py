@@ -17,6 +17,11 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 if not torch.cuda.is_available():
     os.environ["TRITON_INTERPRET"] = "1"
 
+# The doctor keeps what the installed SGLang's code said (doctor/engine_cache.py) and reads it on later runs; the
+# tests run SGLang's code every time, so each test sees the same path whatever ran before it
+# (tests/doctor/test_engine_cache.py turns keeping on in a folder of its own).
+os.environ["EAGLE3_OPS_DOCTOR_KEEP"] = "0"
+
 
 
 def _fix_interpreter_index() -> str:

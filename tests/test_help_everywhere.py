@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import io
 import os
+import re
 import runpy
 import stat
 import subprocess
@@ -26,7 +27,8 @@ def _tracked():
 
 
 def _python_entry_points():
-    return [f for f in _tracked() if f.endswith(".py") and 'if __name__ == "__main__"' in (ROOT / f).read_text()]
+    main = re.compile(r'^if __name__ == "__main__":', re.M)
+    return [f for f in _tracked() if f.endswith(".py") and main.search((ROOT / f).read_text())]
 
 
 def _scripts():

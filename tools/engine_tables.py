@@ -22,16 +22,7 @@ from eagle3_ops.doctor import sglang_code
 from eagle3_ops.doctor.tables import PINNED, TABLES, dumps, table_path
 
 
-def sglang_table() -> dict:
-    """The whole table for the installed SGLang: every registered class as the doctor reads it at run time
-    (``sglang_code.describe_class``), its EAGLE-3 heads, and the probes behind the id rules."""
-    reg = sglang_code.registry()
-    rows = {arch: sglang_code.describe_class(arch, cls) for arch, cls in sorted(reg.items())}
-    heads = {arch: h for arch, cls in sorted(reg.items()) if (h := sglang_code.draft_head(cls)) is not None}
-    return {"engine": "sglang", "version": sglang_code.installed_version(), "targets": rows, "draft_heads": heads,
-            "probes": {"ids": [list(i) for i in sglang_code.PROBE_IDS], "num_layers": list(sglang_code.PROBE_LAYERS)},
-            "draft_head_rule": "a registered class whose module reads spec_info.hidden_states and sizes its fc by "
-                               "num_aux_hidden_states"}
+sglang_table = sglang_code.sglang_table  # the package derives it (the doctor keeps one per installed SGLang)
 
 
 def build(engine: str, wheel=None) -> dict:

@@ -1202,22 +1202,22 @@ def _context_lengths(target: TargetInfo, draft: DraftInfo, opts: Options):
     """(target's, draft's context length, how they were derived): SGLang's own get_context_length on SGLang's
     reading of each config (the installed pinned SGLang), else each config's max_position_embeddings (the table
     cannot run that function: its rope_scaling factor is not applied); None where a config has no length."""
-    from .rules import sglang_mode
+    from .rules import sglang_source
 
     t_raw = (target.text_config or {}).get("max_position_embeddings")
     d_raw = (draft.layer_config or {}).get("max_position_embeddings")
     if not isinstance(t_raw, int) or not isinstance(d_raw, int):
         return None
-    if opts.engine == "sglang" and sglang_mode(opts.engine_code)[0]:
+    if opts.engine == "sglang" and sglang_source(opts.engine_code)[0] in ("live", "kept"):
         try:
-            from sglang.srt.utils.hf_transformers.common import get_context_length
+            from .configs import sglang_read
 
-            from .configs import _sglang_parse
-
-            t_len = get_context_length(target.lib.text) if target.lib is not None and target.lib.text is not None \
-                else get_context_length(_sglang_parse(dict(target.config), target.path)[1])
-            d_len = get_context_length(_sglang_parse(dict(draft.layer_config), None)[1])
-            return t_len, d_len, "SGLang's get_context_length (rope_scaling factor applied)"
+            t_len = target.lib.context_length if target.lib is not None else None
+            if t_len is None and isinstance(target.config, dict):
+                t_len = sglang_read(dict(target.config), target.path)[3]
+            d_len = sglang_read(dict(draft.layer_config))[3]
+            if t_len is not None and d_len is not None:
+                return t_len, d_len, "SGLang's get_context_length (rope_scaling factor applied)"
         except Exception:  # noqa: BLE001 - the raw lengths, said as such
             pass
     return t_raw, d_raw, "max_position_embeddings of each config (no rope_scaling factor applied)"

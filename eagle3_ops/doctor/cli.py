@@ -209,16 +209,14 @@ def _check_numbers(args) -> None:
 
 def build_report(args):
     from .checks import Options, run_checks
-    from .configs import checkpoint_files, parse_draft, parse_target, read_weight_headers
-
-    from .rules import sglang_mode
-
-    from .configs import resolve_model_dir
+    from .configs import checkpoint_files, parse_draft, parse_target, read_weight_headers, resolve_model_dir
+    from .rules import sglang_source
 
     _check_numbers(args)
     args.target = str(resolve_model_dir(args.target, "target"))  # a folder, or a Hugging Face id in the cache
     args.draft = str(resolve_model_dir(args.draft, "draft"))
-    use_sglang = sglang_mode(args.engine_code)[0]
+    source = sglang_source(args.engine_code)[0]
+    use_sglang = source in ("live", "kept")  # SGLang's parser, run now or as it read these configs before
     target = parse_target(args.target, use_sglang=use_sglang)
     snapshot = None
     if getattr(args, "draft_snapshot", None):  # the live check: the draft as the server read it at start-up
@@ -264,6 +262,10 @@ def build_report(args):
         changes = snapshot_changes(snapshot, roles=("index", "weights"))
         if changes:
             raise DoctorInputError(changed_since_start(snapshot, changes))
+    if source == "live" and args.engine_code == "auto":  # SGLang's registry is loaded: keep what it says
+        from . import engine_cache
+
+        engine_cache.keep_table()
     return report
 
 

@@ -218,6 +218,39 @@ class LibraryConfig:
     text: object                # the decoder-stack config (the same object unless nested), or None
     reader: str                 # who read it, in words
     assumed: bool               # True: neither transformers nor SGLang knows the model type
+    context_length: Optional[int] = None  # SGLang's get_context_length of ``text`` (SGLang's readings only)
+
+
+def sglang_read(cfg: dict, model_dir: Optional[Path] = None) -> Tuple[object, object, str, Optional[int]]:
+    """(config object, text config, who read it, SGLang's get_context_length of it): SGLang's own parser on
+    ``cfg`` (:func:`_sglang_parse`), or what it made of the same config in an earlier run (engine_cache: its
+    ``to_dict()``s, rebuilt; a parser error raised again as it was)."""
+    from . import engine_cache
+
+    kept = engine_cache.parsed(cfg)
+    if kept is not None and "error" in kept:
+        raise type(str(kept["error_type"]), (Exception,), {})(kept["error"])
+    if kept is not None:
+        obj = engine_cache.KeptConfig(kept["obj"], kept["obj_class"])
+        text = obj if kept["text"] is None else engine_cache.KeptConfig(kept["text"], kept["text_class"])
+        return obj, text, kept["reader"], kept["context_length"]
+    try:
+        obj, text = _sglang_parse(cfg, model_dir)
+    except Exception as e:
+        engine_cache.remember(cfg, {"error_type": type(e).__name__, "error": str(e)})
+        raise
+    from sglang.srt.utils.hf_transformers.common import get_context_length
+
+    reader = f"SGLang's config parser ({type(obj).__module__}.{type(obj).__name__})"
+    try:
+        context = int(get_context_length(text))
+    except Exception:  # noqa: BLE001 - no length: the context check does not run
+        context = None
+    engine_cache.remember(cfg, {"obj": engine_cache.attributes(obj), "obj_class": type(obj).__name__,
+                                "text": None if text is obj else engine_cache.attributes(text),
+                                "text_class": type(text).__name__,
+                                "reader": reader, "context_length": context})
+    return obj, text, reader, context
 
 
 def _sglang_parse(cfg: dict, model_dir: Optional[Path]):
@@ -264,9 +297,8 @@ def library_config(cfg, model_dir: Optional[Path] = None, use_sglang: bool = Fal
     mt = cfg.get("model_type")
     if use_sglang:
         try:
-            obj, text = _sglang_parse(cfg, model_dir)
-            return LibraryConfig(obj, text, f"SGLang's config parser ({type(obj).__module__}.{type(obj).__name__})",
-                                 False)
+            obj, text, reader, context = sglang_read(cfg, model_dir)
+            return LibraryConfig(obj, text, reader, False, context)
         except Exception as e:  # noqa: BLE001 - fall back to transformers, saying why
             sglang_err = f"SGLang's config parser failed ({type(e).__name__}: {quote_error(e, 200)})"
     else:

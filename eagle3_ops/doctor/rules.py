@@ -12,6 +12,7 @@ imported). TensorRT-LLM: ``tables/trtllm-1.2.1.json`` where present; its engine-
 from __future__ import annotations
 
 import dataclasses
+import os
 import re
 from typing import Callable, Dict, List, Optional, Tuple
 
@@ -119,21 +120,52 @@ def _table_map(r: TargetRules, ids, L) -> Mapped:
 
 # ------------------------------------------------------------------------------------------- SGLang
 def sglang_mode(engine_code: str = "auto") -> Tuple[bool, str]:
-    """(use the installed SGLang, why). ``engine_code``: auto | installed | table."""
+    """(run the installed SGLang's code now, why). ``engine_code``: auto | installed | table."""
+    source, why = sglang_source(engine_code)
+    return source == "live", why
+
+
+def kept_table(engine_code: str = "auto") -> Optional[dict]:
+    """With ``auto`` and the pinned SGLang installed: the table an earlier run derived from it (engine_cache)."""
+    if engine_code != "auto":
+        return None
+    from . import engine_cache, sglang_code
+
+    if sglang_code.installed_version() != tables.PINNED["sglang"]:
+        return None
+    return engine_cache.table()
+
+
+def sglang_source(engine_code: str = "auto") -> Tuple[str, str]:
+    """Where SGLang's rules come from, and why: ``live`` (its code runs now), ``kept`` (what its code said in an
+    earlier run, :func:`kept_table`; the configs are read as its parser read them then) or ``table`` (the pinned
+    table, SGLang's parser not used)."""
     from . import sglang_code
 
     v = sglang_code.installed_version()
     pinned = tables.PINNED["sglang"]
     if engine_code == "table":
-        return False, f"pinned table tables/sglang-{pinned}.json (--engine-code table)"
+        return "table", f"pinned table tables/sglang-{pinned}.json (--engine-code table)"
     if v == pinned:
-        return True, f"the installed SGLang {v} (its own code ran)"
+        if kept_table(engine_code) is not None:
+            from . import engine_cache
+
+            return "kept", (f"the installed SGLang {v}'s own code, run by an earlier check and kept in "
+                            f"{engine_code_path(engine_cache.table_path())}")
+        return "live", f"the installed SGLang {v} (its own code ran)"
     if engine_code == "installed":
         if v is None:
             raise_input(f"--engine-code installed: SGLang is not installed (pinned: {pinned})")
-        return True, f"the installed SGLang {v} (its own code ran; NOT the pinned {pinned}: --engine-code installed)"
+        return "live", f"the installed SGLang {v} (its own code ran; NOT the pinned {pinned}: --engine-code installed)"
     why = "SGLang is not installed" if v is None else f"the installed SGLang is {v}, not the pinned {pinned}"
-    return False, f"pinned table tables/sglang-{pinned}.json ({why})"
+    return "table", f"pinned table tables/sglang-{pinned}.json ({why})"
+
+
+def engine_code_path(p) -> str:
+    """A kept file's path as said in a report: ``~`` for the home folder."""
+    home = os.path.expanduser("~")
+    s = str(p)
+    return "~" + s[len(home):] if home and home != "/" and s.startswith(home + os.sep) else s
 
 
 def raise_input(msg: str):
@@ -201,8 +233,8 @@ def _sglang_live(target, arch: str, cls) -> TargetRules:
     return r
 
 
-def _sglang_table(arch_list: List[str], source: str) -> TargetRules:
-    t = tables.load("sglang")
+def _sglang_table(arch_list: List[str], source: str, table: Optional[dict] = None) -> TargetRules:
+    t = table if table is not None else tables.load("sglang")
     if t is None:
         return TargetRules("sglang", tables.PINNED["sglang"], source, "", "", None,
                            refusal="the SGLang table is missing from this installation")
@@ -364,7 +396,7 @@ def _resolve(engine: str, target, engine_code: str) -> TargetRules:
             return TargetRules("sglang", sglang_code.installed_version(), why, arch, arch, False,
                                refusal=f"{how}, which has no set_eagle3_layers_to_capture")
         return _sglang_live(target, arch, cls)
-    return _sglang_table(target.architectures, why)
+    return _sglang_table(target.architectures, why, kept_table(engine_code))
 
 
 # ------------------------------------------------------------------------------------------ draft class
@@ -392,7 +424,7 @@ def draft_class(engine: str, draft, engine_code: str = "auto") -> DraftClass:
             cls, arch, how = sglang_code.resolve_architecture(archs)
             version = sglang_code.installed_version() or tables.PINNED["sglang"]
         else:
-            t = tables.load("sglang") or {"targets": {}, "draft_heads": {}}
+            t = kept_table(engine_code) or tables.load("sglang") or {"targets": {}, "draft_heads": {}}
             heads = t["draft_heads"]
             arch = next((a for a in archs if a in t["targets"]), "TransformersForCausalLM")
             version = t.get("version") or tables.PINNED["sglang"]

@@ -671,3 +671,17 @@ def untied_lm_head(init_source: str) -> Optional[dict]:
         return {"shares_when": test, "reads_draft_vocab_size": None}  # a rule the doctor does not know: said
     reads = "getattr" if re.search(r"getattr\(config, [\"']draft_vocab_size[\"']", init_source) else "attribute"
     return {"shares_when": "draft_vocab_size is None", "reads_draft_vocab_size": reads, "worker": worker_lm_head()}
+
+
+def sglang_table() -> dict:
+    """The whole table for the installed SGLang: every registered class as the doctor reads it at run time
+    (:func:`describe_class`), its EAGLE-3 heads, and the probes behind the id rules. The pinned table
+    (``python -m tools.engine_tables sglang``) and the one the doctor keeps per installed SGLang
+    (:mod:`.engine_cache`) are this."""
+    reg = registry()
+    rows = {arch: describe_class(arch, cls) for arch, cls in sorted(reg.items())}
+    heads = {arch: h for arch, cls in sorted(reg.items()) if (h := draft_head(cls)) is not None}
+    return {"engine": "sglang", "version": installed_version(), "targets": rows, "draft_heads": heads,
+            "probes": {"ids": [list(i) for i in PROBE_IDS], "num_layers": list(PROBE_LAYERS)},
+            "draft_head_rule": "a registered class whose module reads spec_info.hidden_states and sizes its fc by "
+                               "num_aux_hidden_states"}
