@@ -31,10 +31,12 @@ EXIT_CLOSED_PIPE = 141
 _DISK_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EIO)
 
 
-def quote_error(e: BaseException, limit: int = 300) -> str:
-    """``e``'s first line, for quoting inside a sentence: whole when it fits in ``limit`` characters, else cut at
-    its last sentence end, or else its last word, within them, and marked (never mid-word)."""
-    first = (str(e).strip().splitlines() or [type(e).__name__])[0].strip()
+def quote_error(e: BaseException, limit: int = 300, whole: bool = False) -> str:
+    """``e``'s first line (``whole``: all its lines, joined), for quoting inside a sentence: whole when it fits in
+    ``limit`` characters, else cut at its last sentence end, or else its last word, within them, and marked (never
+    mid-word)."""
+    text = " ".join(str(e).split()) if whole else (str(e).strip().splitlines() or [""])[0].strip()
+    first = text or type(e).__name__
     if len(first) <= limit:
         return first
     head = first[:limit]

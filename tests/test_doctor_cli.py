@@ -199,3 +199,20 @@ def test_a_clean_config_check_says_what_it_checked_and_the_verification_runs_as_
     assert cli.main(replay[1:] + ["--json"]) == 1
     rep = json.loads(capsys.readouterr().out.split("\n", 1)[1])
     assert rep["replay"]["verdict"]["ids"] == [2, 4, 6] and rep["replay"]["tokens"] > 1000, rep["replay"]["verdict"]
+
+
+def test_capture_states_without_a_tokenizer_says_so_before_loading_the_model(tiny_pair, tmp_path, monkeypatch,  # noqa: F811
+                                                                            capsys):
+    """The built-in prompts are text: a target folder without tokenizer files is one line naming --prompts with
+    token ids, before the model is loaded (the model's load is never reached)."""
+    import shutil
+
+    from eagle3_ops.doctor import capture_states
+
+    target = tmp_path / "target"
+    shutil.copytree(tiny_pair.target_dir, target, ignore=shutil.ignore_patterns("tokenizer*", "special_tokens*"))
+    monkeypatch.setattr(capture_states, "_load_model", lambda *a, **k: pytest.fail("the model was loaded"))
+    rc = cli.capture_states_main(["--model", str(target), "--out", str(tmp_path / "s.safetensors")])
+    err = capsys.readouterr().err
+    assert rc == 2 and "built-in" in err and "--prompts FILE holding token-id lists" in err, err
+    assert len(err.strip().splitlines()) == 1, err

@@ -27,6 +27,7 @@ from typing import List, Union
 
 import torch
 
+from .._cli import quote_error
 from .configs import NESTED_TEXT_KEYS, DoctorInputError, check_file
 
 FORMAT = "eagle3_ops.doctor.states/1"
@@ -258,8 +259,8 @@ def capture_states(model_dir, prompts, out_path, *, dtype: str = "bfloat16", max
             tokenizer = AutoTokenizer.from_pretrained(str(model_dir), trust_remote_code=bool(trust_remote_code))
         except Exception as e:
             raise DoctorInputError(f"capture-states: text prompts (the built-in ones without --prompts) need a "
-                                       f"tokenizer in {model_dir}: {e}; copy the model's tokenizer files there, or "
-                                       f"pass --prompts FILE holding token-id lists") from None
+                                   f"tokenizer in {model_dir}: {quote_error(e, 240, whole=True)}; copy the model's "
+                                   f"tokenizer files there, or pass --prompts FILE holding token-id lists") from None
 
     torch_dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[dtype]
     try:

@@ -21,13 +21,17 @@ errors
   E_FC_WIDTH                 fc input width != (number of captured slots) x (target hidden size)
   E_TARGET_HIDDEN            the draft's target_hidden_size differs from the target's hidden_size
   E_VOCAB_MAP                d2t / t2d / lm_head / embedding do not match the target vocabulary
+  E_NO_LM_HEAD               an untied draft without lm_head.weight: the engine's head stays uninitialised (SGLang)
+                             or is the target's, over a smaller draft vocabulary (vLLM)
+  E_LM_HEAD_REPLACED         draft_vocab_size null: SGLang gives the draft the target's head over its trained one
+  E_DRAFT_VOCAB_SIZE_MISSING an untied draft without draft_vocab_size: SGLang's llama head raises at start-up
   E_REPLAY_BETTER_WIRING     (--replay) another wiring predicts the target's next token clearly better
   E_REPLAY_NO_WIRING_FITS    (--replay) no wiring predicts it clearly better than the draft fed nothing
 warnings
   W_TRAINING_AMBIGUOUS, W_NO_TRAINING_IDS, W_VLLM_RUNNER, W_SLOT_ORDER, W_IDS_IGNORED, W_TP_CAPTURE_UNVERIFIED,
   W_PP_UNVERIFIED, W_RULE_UNKNOWN, W_TARGET_SUPPORT_UNVERIFIED, W_DRAFT_CLASS_UNVERIFIED, W_CAPTURE_VALUE,
   W_EMBED_SCALE, W_TIED_DRAFT, W_CONFIG_ASSUMED, W_NORM_BEFORE_RESIDUAL, W_REPLAY_UNDECIDED,
-  W_REPLAY_FEW_TOKENS
+  W_REPLAY_FEW_TOKENS, W_NO_WEIGHTS, W_DRAFT_CONTEXT_SHORT
 info
   I_CONFIG, I_ENGINE_CODE, I_ENGINE_DEFAULT, I_TP_CAPTURE_OK, I_TIED_DRAFT, I_REPLAY_CONFIGURED_BEST, I_NO_AUX
 """
@@ -496,7 +500,7 @@ def run_checks(target: TargetInfo, draft: DraftInfo, weights: Optional[Dict[str,
                  "at the top level)" if draft.dialect == "speculators" else "the draft's config.json")
         rep.add("error", "E_FC_WIDTH",
                 f"vLLM 0.33.0's {head} sizes the fc from {', else '.join(map(str, reads))} (its __init__, in that "
-                f"order): here {read}, {k} slots = {k * H} inputs, but the checkpoint's fc.weight takes {fc_in} = "
+                f"order): here {read}: {k} slots = {k * H} inputs, but the checkpoint's fc.weight takes {fc_in} = "
                 f"{fc_slots} x {H}: loading fails with a shape mismatch ({fc_in} vs {k * H}). Add "
                 f"\"num_aux_hidden_states\": {fc_slots} to {where}.")
 
@@ -538,7 +542,7 @@ def _vllm_declared_k(draft: DraftInfo, opts: Options):
     head = dc.head["class"].rsplit(".", 1)[-1]
     for key in reads:
         if isinstance(key, int):
-            return key, f"none is set, so its default {key}", head, reads
+            return key, "none of them is set (its default)", head, reads
         holder = cfg.get("eagle_config") or {} if key.startswith("eagle_config.") else cfg
         value = holder.get(key.split(".", 1)[-1]) if isinstance(holder, dict) else None
         if isinstance(value, list) and value:
