@@ -274,7 +274,8 @@ def resolve_training(draft: DraftInfo, target: TargetInfo, opts: Options) -> Tra
 # What only the draft's weight headers show: said when the doctor runs on configs alone (no weight files yet).
 NEEDS_WEIGHTS = ("the fc's input width against the slots the engine feeds (E_FC_WIDTH, E_EMBEDDING_CAPTURE)",
                  "the draft class against its decoder-layer tensors (E_DRAFT_CLASS names the head that loads them)",
-                 "whether the checkpoint holds a trained lm_head (E_NO_LM_HEAD, E_LM_HEAD_REPLACED, E_TIED_DRAFT_VOCAB)",
+                 "whether the checkpoint holds a trained lm_head (E_NO_LM_HEAD, E_LM_HEAD_REPLACED, "
+                 "E_TIED_DRAFT_VOCAB)",
                  "the vocabulary maps d2t / t2d against the target's vocabulary (E_VOCAB_MAP)",
                  "--replay")
 
@@ -596,7 +597,8 @@ def replay_command(rep: "Report") -> str:
     return (f"record states with the target: in SGLang with the eagle3_ops plugin, serve with "
             f"EAGLE3_OPS_DUMP_STATES=states.safetensors and send a few prompts (its live wiring check does this and "
             f"the replay by itself on the first prompts); or `{record}` (its built-in prompts; --prompts FILE for "
-            f"your own){'' if spread else ' (a model larger than one device: pip install accelerate and add --device-map auto)'}"
+            f"your own)"
+            f"{'' if spread else ' (a model larger than one device: pip install accelerate and add --device-map auto)'}"
             f"; then `{replay}`")
 
 
@@ -1227,6 +1229,12 @@ def _context_lengths(target: TargetInfo, draft: DraftInfo, opts: Options):
     return t_raw, d_raw, "max_position_embeddings of each config (no rope_scaling factor applied)"
 
 
+def _sglang_version() -> str:
+    from .sglang_code import installed_version
+
+    return installed_version() or tables.PINNED["sglang"]
+
+
 def _check_context(rep: Report, target: TargetInfo, draft: DraftInfo, opts: Options) -> None:
     """A draft trained on a shorter context than the target serves: SGLang 0.5.23 refuses to start (the draft's
     ModelConfig gets the target's context_len, eagle_worker_v2; model_config._derive_context_length raises unless
@@ -1252,7 +1260,8 @@ def _check_context(rep: Report, target: TargetInfo, draft: DraftInfo, opts: Opti
     elif opts.engine == "sglang":
         exact = how.startswith("SGLang's")  # a warning either way: SGLang says it at start-up, the cost is speed
         rep.add("warning", "W_DRAFT_CONTEXT_SHORT",
-                f"The draft's context length is {d_len}, the target's {t_len} ({how}). SGLang {'0.5.23 ' if exact else ''}"
+                f"The draft's context length is {d_len}, the target's {t_len} ({how}). "
+                f"SGLang {_sglang_version() + ' ' if exact else ''}"
                 f"gives the draft the target's context length and "
                 + ("refuses to start" if exact else "then refuses to start if this holds with the factor applied")
                 + f" (ValueError: Target model's context_length ({t_len}) is greater than the derived context_length "
