@@ -48,11 +48,15 @@ def sglang_cpu():
     return harness
 
 
-@pytest.fixture(autouse=True)
+@pytest.fixture(scope="module", autouse=True)
 def _no_dynamo_in_sglang():
-    """SGLang torch.compiles a few helpers (MoE top-k, vocab-parallel masking); on 2 CPU cores each
-    new batch shape costs seconds of dynamo/inductor for nothing these tests look at. Scoped to
-    each test here so other tests in the session keep torch.compile as they expect."""
+    """SGLang torch.compiles a few helpers (MoE top-k, vocab-parallel masking, gpt-oss's swiglu); on 2 CPU cores
+    each new batch shape costs seconds of dynamo/inductor for nothing these tests look at. Module scope: the
+    module-scoped fixtures that serve SGLang models run inside it too (autouse comes first in its scope). When
+    one ran compiled (test_wiring_search's gpt-oss draft, at function scope here), inductor's swiglu rounds
+    otherwise than eager and its compiled code stayed in use: SGLang's own gpt-oss forward then differed from
+    itself between two runs in a later test (1e-8), failing a bitwise test. Other test folders in the session keep
+    torch.compile as they expect."""
     import torch._dynamo
 
     with torch._dynamo.config.patch(disable=True):
