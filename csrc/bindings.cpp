@@ -1,7 +1,7 @@
 // The compiled kernels as torch ops in the namespace eagle3_cuda (torch.ops.eagle3_cuda.*, callable
 // from C++ through the dispatcher as well), and the Python module eagle3_ops._C, which carries only
-// `compiled_archs`; importing it registers the ops. The public op schemas live in eagle3_ops/ops.py
-// (namespace eagle3); these ops are the `cuda` backend behind them (eagle3_ops/cuda_backend.py decides
+// `compiled_archs`; importing it registers the ops. The public op schemas live in eagle3_ops/registry.py
+// (namespace eagle3, registered by eagle3_ops/ops.py); these ops are the `cuda` backend behind them (eagle3_ops/cuda_backend.py decides
 // draft_fc's path, splits and workspace).
 // Not torch/extension.h (the whole C++ frontend): the registration and a pybind11 module need only these.
 #include <pybind11/pybind11.h>

@@ -1,6 +1,7 @@
 """eagle3_ops: EAGLE-3 draft-input ops (aux hidden-state capture + fused draft fc).
 
-Ops (namespace ``torch.ops.eagle3``, declared once in ``eagle3_ops/ops.py``): ``capture``,
+Ops (namespace ``torch.ops.eagle3``; each op's schema is one row of ``eagle3_ops/registry.py``, registered
+with torch.library by ``eagle3_ops/ops.py``): ``capture``,
 ``fused_add_rmsnorm_capture``, ``draft_fc`` (and its out= form ``draft_fc_out``). Backends:
 ``cuda`` (compiled ``eagle3_ops._C``, ops ``torch.ops.eagle3_cuda``), ``triton``, ``reference``.
 The map of the package: docs/design.md §2.
