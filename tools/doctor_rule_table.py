@@ -17,6 +17,8 @@ from eagle3_ops.doctor.tables import PINNED, load
 
 BEGIN = "<!-- doctor-rules:begin (python -m tools.doctor_rule_table --write) -->"
 END = "<!-- doctor-rules:end -->"
+CODES_BEGIN = "<!-- doctor-codes:begin (python -m tools.doctor_rule_table --write) -->"
+CODES_END = "<!-- doctor-codes:end -->"
 ROOT = Path(__file__).resolve().parents[1]  # the source checkout this tool lives in
 DOC = ROOT / "docs" / "doctor.md"
 
@@ -100,14 +102,18 @@ def main(argv=None) -> int:
     if not args.write:
         sys.stdout.write(text)
         return 0
+    from eagle3_ops.doctor import codes
+
     doc = DOC.read_text()
-    if BEGIN not in doc or END not in doc:
-        print(f"{DOC} has no {BEGIN} ... {END} block", file=sys.stderr)
-        return 1
-    head, rest = doc.split(BEGIN, 1)
-    _, tail = rest.split(END, 1)
-    DOC.write_text(head + BEGIN + "\n" + text + END + tail)
-    print(f"wrote the rule table into {DOC}")
+    for begin, end, block in ((BEGIN, END, text), (CODES_BEGIN, CODES_END, codes.markdown())):
+        if begin not in doc or end not in doc:
+            print(f"{DOC} has no {begin} ... {end} block", file=sys.stderr)
+            return 1
+        head, rest = doc.split(begin, 1)
+        _, tail = rest.split(end, 1)
+        doc = head + begin + "\n" + block + end + tail
+    DOC.write_text(doc)
+    print(f"wrote the rule table and the code table into {DOC}")
     return 0
 
 

@@ -1,39 +1,8 @@
 """The doctor's checks: configs + weight headers -> a slot table and findings.
 
 Every finding has a severity (``error`` | ``warning`` | ``info``), a stable code and a message
-that says what to change. Codes:
-
-errors
-  E_TARGET_UNSUPPORTED       the engine refuses to start EAGLE-3 for the target's class (no capture code for it)
-  E_ENGINE_RAISES            the engine raises at start-up when it configures these ids (its own code says so)
-  E_DRAFT_CLASS              the draft's architectures do not resolve to one of the engine's EAGLE-3 heads
-  E_TIED_DRAFT_VOCAB         a tied draft (tie_word_embeddings) with a smaller vocabulary than the target's
-  E_EMBEDDING_CAPTURE        a slot gets the token embeddings but the draft was trained on a layer output
-                             (or the config lists an embedding capture the fc weight has no columns for)
-  E_CONVENTION_MISMATCH      every mismatched slot is off by the same one layer: the ids were written in
-                             one convention ("output of layer k") and the engine reads them in the other
-  E_WIRING_MISMATCH          a slot gets another boundary than the draft was trained on (other cases)
-  E_LAST_LAYER_NOT_CAPTURED  an id names the output of the last layer, which the engine never captures
-  E_ID_OUT_OF_RANGE          an id names a boundary the model does not have
-  E_PP_NOT_CAPTURED          with pipeline parallelism, a boundary lives on a stage that does not capture
-  E_DUPLICATE_CAPTURE        two slots name the same boundary; the engine captures it once
-  E_TP_PARTIAL_SUM           captures are taken before the tensor-parallel all-reduce (per-rank partial sums)
-  E_FC_WIDTH                 fc input width != (number of captured slots) x (target hidden size)
-  E_TARGET_HIDDEN            the draft's target_hidden_size differs from the target's hidden_size
-  E_VOCAB_MAP                d2t / t2d / lm_head / embedding do not match the target vocabulary
-  E_NO_LM_HEAD               an untied draft without lm_head.weight: the engine's head stays uninitialised (SGLang)
-                             or is the target's, over a smaller draft vocabulary (vLLM)
-  E_LM_HEAD_REPLACED         draft_vocab_size null: SGLang gives the draft the target's head over its trained one
-  E_DRAFT_VOCAB_SIZE_MISSING an untied draft without draft_vocab_size: SGLang's llama head raises at start-up
-  E_REPLAY_BETTER_WIRING     (--replay) another wiring predicts the target's next token clearly better
-  E_REPLAY_NO_WIRING_FITS    (--replay) no wiring predicts it clearly better than the draft fed nothing
-warnings
-  W_TRAINING_AMBIGUOUS, W_NO_TRAINING_IDS, W_VLLM_RUNNER, W_SLOT_ORDER, W_IDS_IGNORED, W_TP_CAPTURE_UNVERIFIED,
-  W_PP_UNVERIFIED, W_RULE_UNKNOWN, W_TARGET_SUPPORT_UNVERIFIED, W_DRAFT_CLASS_UNVERIFIED, W_CAPTURE_VALUE,
-  W_EMBED_SCALE, W_TIED_DRAFT, W_CONFIG_ASSUMED, W_NORM_BEFORE_RESIDUAL, W_REPLAY_UNDECIDED,
-  W_REPLAY_FEW_TOKENS, W_NO_WEIGHTS, W_DRAFT_CONTEXT_SHORT
-info
-  I_CONFIG, I_ENGINE_CODE, I_ENGINE_DEFAULT, I_TP_CAPTURE_OK, I_TIED_DRAFT, I_REPLAY_CONFIGURED_BEST, I_NO_AUX
+that says what to change. The codes, with what each means, why it matters and the fix, are one table:
+:mod:`.codes` (docs/doctor.md renders it).
 """
 from __future__ import annotations
 
@@ -44,7 +13,7 @@ from .configs import (CONVENTION_TEXT, DoctorInputError, DraftInfo, TargetInfo,
                       TensorInfo, convention_to_index, load_tensors)
 from .engines import (ENGINE_NAMES, IDS_LOCATION, EngineWiring, default_boundaries, describe_boundary,
                       ids_for_boundaries, map_ids, resolve_wiring, short_boundary)
-from . import tables
+from . import codes, tables
 from .source_reader import layer_fit
 from .rules import TargetRules, draft_class, target_rules
 
@@ -135,6 +104,7 @@ class Report:
         return not any(f.severity == "error" for f in self.findings)
 
     def add(self, severity: str, code: str, message: str) -> None:
+        codes.check(severity, code)  # every code is in the table, with its severity
         self.findings.append(Finding(severity, code, message))
 
     def conclusion(self) -> str:
