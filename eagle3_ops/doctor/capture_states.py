@@ -18,7 +18,6 @@ of token ids; or plain text with one prompt per non-empty line. Without one, :da
 from __future__ import annotations
 
 import contextlib
-import importlib.util
 import json
 import os
 import re
@@ -29,6 +28,7 @@ import torch
 
 from .._cli import quote_error
 from .configs import NESTED_TEXT_KEYS, DoctorInputError, check_file
+from .configs import accelerate_available as _accelerate_available  # the doctor's advice asks the same
 
 FORMAT = "eagle3_ops.doctor.states/1"
 _LAYER_NAME = re.compile(r"(?:^|\.)(?:layers|h|blocks)\.(\d+)\.")
@@ -190,10 +190,6 @@ def _missing_weights(model, info) -> List[str]:
             continue
         out.append(name)
     return out
-
-
-def _accelerate_available() -> bool:
-    return importlib.util.find_spec("accelerate") is not None
 
 
 @contextlib.contextmanager

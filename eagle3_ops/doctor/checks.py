@@ -9,7 +9,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Dict, List, Optional
 
-from .configs import (CONVENTION_TEXT, DoctorInputError, DraftInfo, TargetInfo,
+from .configs import (CONVENTION_TEXT, DoctorInputError, DraftInfo, TargetInfo, accelerate_available,
                       TensorInfo, convention_to_index, load_tensors)
 from .engines import (ENGINE_NAMES, IDS_LOCATION, EngineWiring, default_boundaries, describe_boundary,
                       ids_for_boundaries, map_ids, resolve_wiring, short_boundary)
@@ -548,13 +548,8 @@ def verify_commands(rep: "Report") -> List[str]:
     o = rep.options
     engine = f" --engine {o.engine}" if o.engine != "sglang" else ""
     flags = " --trust-remote-code" if _needs_remote_code(rep.target) else ""
-    try:  # --device-map needs accelerate (capture-states refuses it without): offered only where it would run
-        import importlib.util
-
-        spread = importlib.util.find_spec("accelerate") is not None
-    except (ImportError, ValueError):
-        spread = False
-    flags += " --device-map auto" if spread else ""
+    # --device-map needs accelerate (capture-states refuses it without): offered only where it would run
+    flags += " --device-map auto" if accelerate_available() else ""
     t, d = shlex.quote(str(rep.target.path)), shlex.quote(str(rep.draft.path))
     return [f"python -m eagle3_ops capture-states --model {t} --out states.safetensors{flags}",
             f"python -m eagle3_ops doctor --draft {d} --target {t}{engine} --replay states.safetensors"]
@@ -563,7 +558,7 @@ def verify_commands(rep: "Report") -> List[str]:
 def replay_command(rep: "Report") -> str:
     """:func:`verify_commands` in a sentence, for a finding's text."""
     record, replay = verify_commands(rep)
-    spread = "--device-map" in record
+    spread = accelerate_available()
     return (f"record states with the target: in SGLang with the eagle3_ops plugin, serve with "
             f"EAGLE3_OPS_DUMP_STATES=states.safetensors and send a few prompts (its live wiring check does this and "
             f"the replay by itself on the first prompts); or `{record}` (its built-in prompts; --prompts FILE for "
@@ -1175,9 +1170,10 @@ def _check_untied_head(rep: Report, target: TargetInfo, draft: DraftInfo,
 
 
 def _context_lengths(target: TargetInfo, draft: DraftInfo, opts: Options):
-    """(target's, draft's context length, how they were derived): SGLang's own get_context_length on SGLang's
-    reading of each config (the installed pinned SGLang), else each config's max_position_embeddings (the table
-    cannot run that function: its rope_scaling factor is not applied); None where a config has no length."""
+    """(target's, draft's context length, whether SGLang's own get_context_length derived them): that function on
+    SGLang's reading of each config (the installed pinned SGLang; the target's is read with its config,
+    LibraryConfig.context_length), else each config's max_position_embeddings (the table cannot run that function:
+    its rope_scaling factor is not applied); None where a config has no length."""
     from .rules import sglang_source
 
     t_raw = (target.text_config or {}).get("max_position_embeddings")
@@ -1189,14 +1185,12 @@ def _context_lengths(target: TargetInfo, draft: DraftInfo, opts: Options):
             from .configs import sglang_read
 
             t_len = target.lib.context_length if target.lib is not None else None
-            if t_len is None and isinstance(target.config, dict):
-                t_len = sglang_read(dict(target.config), target.path)[3]
-            d_len = sglang_read(dict(draft.layer_config))[3]
+            d_len = sglang_read(dict(draft.layer_config))[3] if t_len is not None else None
             if t_len is not None and d_len is not None:
-                return t_len, d_len, "SGLang's get_context_length (rope_scaling factor applied)"
+                return t_len, d_len, True
         except Exception:  # noqa: BLE001 - the raw lengths, said as such
             pass
-    return t_raw, d_raw, "max_position_embeddings of each config (no rope_scaling factor applied)"
+    return t_raw, d_raw, False
 
 
 def _sglang_version() -> str:
@@ -1214,7 +1208,9 @@ def _check_context(rep: Report, target: TargetInfo, draft: DraftInfo, opts: Opti
     lengths = _context_lengths(target, draft, opts)
     if lengths is None:
         return
-    t_len, d_len, how = lengths
+    t_len, d_len, exact = lengths
+    how = ("SGLang's get_context_length (rope_scaling factor applied)" if exact else
+           "max_position_embeddings of each config (no rope_scaling factor applied)")
     if opts.served_context_length is not None:
         t_len, how = opts.served_context_length, how + "; the target's: the server's --context-length"
     if t_len <= d_len:
@@ -1228,8 +1224,7 @@ def _check_context(rep: Report, target: TargetInfo, draft: DraftInfo, opts: Opti
                 f"max_position_embeddings, but {past}. Serve with --context-length {d_len} (or less), or use a "
                 f"draft trained on the target's length.")
     elif opts.engine == "sglang":
-        exact = how.startswith("SGLang's")  # a warning either way: SGLang says it at start-up, the cost is speed
-        rep.add("warning", "W_DRAFT_CONTEXT_SHORT",
+        rep.add("warning", "W_DRAFT_CONTEXT_SHORT",  # a warning: SGLang says it at start-up, the cost is speed
                 f"The draft's context length is {d_len}, the target's {t_len} ({how}). "
                 f"SGLang {_sglang_version() + ' ' if exact else ''}"
                 f"gives the draft the target's context length and "
@@ -1268,12 +1263,13 @@ def _check_embed_scale(rep: Report, rules: TargetRules, opts: Options) -> None:
 def _check_vocab(rep: Report, target: TargetInfo, draft: DraftInfo,
                  weights: Optional[Dict[str, TensorInfo]]) -> None:
     V = target.vocab_size
+    other_tokenizer = (f"the draft's vocab_size is {draft.vocab_size} but the target's is {V} (the draft shares the "
+                       f"target's embedding and token ids; a different tokenizer cannot work)"
+                       if V is not None and draft.vocab_size is not None and draft.vocab_size != V else None)
     if weights is None:  # the configs' own vocabulary: the maps and the head are in the weights
-        if V is not None and draft.vocab_size is not None and draft.vocab_size != V:
-            rep.add("error", "E_VOCAB_MAP",
-                    f"Draft vocabulary does not match the target: the draft's vocab_size is {draft.vocab_size} but "
-                    f"the target's is {V} (the draft shares the target's embedding and token ids; a different "
-                    f"tokenizer cannot work). Pair the draft with the target it was trained for.")
+        if other_tokenizer:
+            rep.add("error", "E_VOCAB_MAP", f"Draft vocabulary does not match the target: {other_tokenizer}. Pair the "
+                                            f"draft with the target it was trained for.")
         return
     lm = weights.get("lm_head.weight")
     d2t_i = weights.get("d2t")
@@ -1286,9 +1282,8 @@ def _check_vocab(rep: Report, target: TargetInfo, draft: DraftInfo,
         if problems:
             rep.add("error", "E_VOCAB_MAP", "; ".join(problems) + ".")
         return
-    if draft.vocab_size is not None and draft.vocab_size != V:
-        problems.append(f"the draft's vocab_size is {draft.vocab_size} but the target's is {V} (the draft shares the "
-                        f"target's embedding and token ids; a different tokenizer cannot work)")
+    if other_tokenizer:
+        problems.append(other_tokenizer)
     if emb is not None and emb.shape[0] != V:
         problems.append(f"embed_tokens.weight has {emb.shape[0]} rows but the target vocab has {V}")
     if d2t_i is None:

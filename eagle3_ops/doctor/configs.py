@@ -119,6 +119,16 @@ def check_file(path, what: str, expected: str = "a file") -> Path:
 _HF_REPO_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9][A-Za-z0-9._-]*$")
 
 
+def accelerate_available() -> bool:
+    """Whether ``accelerate`` is installed: transformers' ``device_map`` (capture-states --device-map) needs it."""
+    import importlib.util
+
+    try:
+        return importlib.util.find_spec("accelerate") is not None
+    except (ImportError, ValueError):
+        return False
+
+
 def hf_cached_snapshot(repo_id: str) -> Optional[Path]:
     """The folder of ``repo_id``'s snapshot in the local Hugging Face cache (what ``from_pretrained`` and SGLang
     load from), or None; never downloads. Partial snapshots count (``hf download ID --include '*.json'``)."""
@@ -221,6 +231,16 @@ class LibraryConfig:
     context_length: Optional[int] = None  # SGLang's get_context_length of ``text`` (SGLang's readings only)
 
 
+def sglang_context_length(text_config) -> Optional[int]:
+    """SGLang's own get_context_length of a (text) config object; None where it cannot tell."""
+    try:
+        from sglang.srt.utils.hf_transformers.common import get_context_length
+
+        return int(get_context_length(text_config))
+    except Exception:  # noqa: BLE001 - no length: the context check does not run
+        return None
+
+
 def sglang_read(cfg: dict, model_dir: Optional[Path] = None) -> Tuple[object, object, str, Optional[int]]:
     """(config object, text config, who read it, SGLang's get_context_length of it): SGLang's own parser on
     ``cfg`` (:func:`_sglang_parse`), or what it made of the same config in an earlier run (engine_cache: its
@@ -239,13 +259,8 @@ def sglang_read(cfg: dict, model_dir: Optional[Path] = None) -> Tuple[object, ob
     except Exception as e:
         engine_cache.remember(cfg, {"error_type": type(e).__name__, "error": str(e)})
         raise
-    from sglang.srt.utils.hf_transformers.common import get_context_length
-
     reader = f"SGLang's config parser ({type(obj).__module__}.{type(obj).__name__})"
-    try:
-        context = int(get_context_length(text))
-    except Exception:  # noqa: BLE001 - no length: the context check does not run
-        context = None
+    context = sglang_context_length(text)
     engine_cache.remember(cfg, {"obj": engine_cache.attributes(obj), "obj_class": type(obj).__name__,
                                 "text": None if text is obj else engine_cache.attributes(text),
                                 "text_class": type(text).__name__,
@@ -293,7 +308,8 @@ def library_config(cfg, model_dir: Optional[Path] = None, use_sglang: bool = Fal
     config class for ``model_type`` (``attribute_map`` aliases, defaults, nested sub-configs); neither: None."""
     if not isinstance(cfg, dict):  # a config object from a running engine
         text = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
-        return LibraryConfig(cfg, text, f"the caller's {type(cfg).__name__} object", False)
+        return LibraryConfig(cfg, text, f"the caller's {type(cfg).__name__} object", False,
+                             sglang_context_length(text) if use_sglang else None)
     mt = cfg.get("model_type")
     if use_sglang:
         try:
