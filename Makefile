@@ -15,6 +15,7 @@ UV_LOCAL = $(shell for u in $$($(PYTHON) -m pip config get global.extra-index-ur
 TORCH_VERSION  ?= 2.14.1
 TORCHVISION_VERSION ?= 0.29.1
 SGLANG_VERSION ?= 0.5.23
+RUFF_VERSION ?= 0.17.6
 
 .PHONY: venv deps build install demo test test-real-size test-fast bench clean
 
@@ -40,7 +41,7 @@ $(VENV)/.torch-stamp: Makefile
 
 $(VENV)/.deps-stamp: $(VENV)/.torch-stamp
 	$(UV_INSTALL) $(TORCH_REQS) "sglang==$(SGLANG_VERSION)" \
-		pytest pytest-benchmark pytest-xdist hypothesis safetensors transformers tabulate cmake
+		pytest pytest-benchmark pytest-xdist hypothesis safetensors transformers tabulate cmake "ruff==$(RUFF_VERSION)"
 	$(PY) -c "import torch, sglang, pytest, triton; assert torch.__version__.startswith('$(TORCH_VERSION)'), torch.__version__"
 	touch $@
 

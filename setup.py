@@ -112,7 +112,8 @@ def cuda_extensions():
     try:
         import nvidia
 
-        extra = [str(Path(base, "cu13", "include")) for base in nvidia.__path__ if Path(base, "cu13", "include").is_dir()]
+        extra = [str(Path(base, "cu13", "include")) for base in nvidia.__path__
+                 if Path(base, "cu13", "include").is_dir()]
     except ImportError:
         pass
     if extra:

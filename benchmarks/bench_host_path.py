@@ -8,8 +8,8 @@ per round ``CALLS`` calls of each, the per-call time of the round is the round's
 ``CALLS``; reported per side: the median round (and the spread: min-max of the rounds);
 ``overhead_us`` = median over rounds of (face - backend). The clock is the calling thread's CPU
 time (``time.thread_time``): on a machine shared with other processes it counts what the call
-costs, not the time spent waiting for a core (``EAGLE3_HOST_BENCH_CLOCK=wall`` for wall time). On the CPU the backend is the reference
-(the only one that serves the CPU outside tests); on a GPU the one ``eagle3_ops.backends()``
+costs, not the time spent waiting for a core (``EAGLE3_HOST_BENCH_CLOCK=wall`` for wall time). On the CPU the
+backend is the reference (the only one that serves the CPU outside tests); on a GPU the one ``eagle3_ops.backends()``
 picks, with a ``torch.cuda.synchronize`` per round only (calls are asynchronous; the host path is
 what is timed, not the GPU).
 

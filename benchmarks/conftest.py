@@ -270,8 +270,9 @@ def measure_copy_bandwidth(device: torch.device) -> Bandwidth:
     nbytes = STREAM_BYTES_GPU if device.type == "cuda" else STREAM_BYTES_CPU
     src = torch.randint(0, 256, (nbytes,), dtype=torch.uint8, device=device)
     dst = torch.empty_like(src)
-    # Far larger than L2, so no flush is needed: it streams from and to DRAM.
-    us = time_us(lambda: dst.copy_(src), device, flush=None, reps=20 if device.type == "cuda" else 5)
+    # Far larger than L2, so no flush is needed: it streams from and to DRAM. The lambda runs inside time_us,
+    # before the `del` below (a closure, not default args, so the del frees the buffers).
+    us = time_us(lambda: dst.copy_(src), device, flush=None, reps=20 if device.type == "cuda" else 5)  # noqa: F821
     del src, dst
     if device.type == "cuda":
         torch.cuda.empty_cache()
@@ -307,13 +308,14 @@ def measure_read_bandwidth(device: torch.device) -> Bandwidth:
     src = torch.rand(n, dtype=torch.float32, device=device)
     sink = torch.zeros((), dtype=torch.float32, device=device)
     reps = 20 if device.type == "cuda" else 5
-    candidates = {f"torch.sum of {nbytes >> 20} MiB fp32": lambda: torch.sum(src, dim=0, out=sink)}
+    # The lambdas close over src (no default args) so that the `del src` below frees the buffer; they all run before it.
+    candidates = {f"torch.sum of {nbytes >> 20} MiB fp32": lambda: torch.sum(src, dim=0, out=sink)}  # noqa: F821
     if device.type == "cuda" and _read_kernel is not None:
         BLOCK, ITERS = 2048, 8
         grid = (-(-n // (BLOCK * ITERS)),)
         partials = torch.empty(grid[0], dtype=torch.float32, device=device)
         candidates[f"triton streaming read of {nbytes >> 20} MiB fp32"] = (
-            lambda: _read_kernel[grid](src, partials, n, BLOCK=BLOCK, ITERS=ITERS, num_warps=8))
+            lambda: _read_kernel[grid](src, partials, n, BLOCK=BLOCK, ITERS=ITERS, num_warps=8))  # noqa: F821
     methods, best = {}, None
     for name, fn in candidates.items():
         try:

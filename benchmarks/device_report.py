@@ -30,7 +30,8 @@ SHORT_BENCH_ROWS = 40  # key rows printed on stdout (all rows are in summary.txt
 KEY_H = 7168           # the Kimi-K2.5 / DeepSeek-V3 hidden size: key rows are at this H
 # bench -> the sizes (M or T) of its key rows at H = KEY_H; draft_fc_rows_tp = N != H (sharded fc)
 KEY_SIZES = {"draft_fc_rows": {1, 16, 64, 256, 4096}, "draft_fc_rows_tp": {1, 64},
-             "draft_fc_chunk_norm": {1, 64}, "draft_fc_chunk_norm_folded": {1, 64}, "capture3_llama": {1, 8192}, "capture3_packer": {8192},
+             "draft_fc_chunk_norm": {1, 64}, "draft_fc_chunk_norm_folded": {1, 64}, "capture3_llama": {1, 8192},
+             "capture3_packer": {8192},
              "fused_add_rmsnorm_capture": {1, 8192}}
 
 
@@ -488,7 +489,8 @@ def report(args) -> int:
     benches = [b for b in (_load_json(os.path.join(res, n)) for n in ("bench.json", "bench_capture.json")) if b]
     verdict_text = _verdict(args, stages, tests)
     head = [f"eagle3_ops device check: {verdict_text}   {args.elapsed}s of {args.budget}s"
-            f"{'   QUICK=1 (stages 1-4)' if args.quick else ''}   results: {res}", f"  build ({args.arch}): {args.build}"]
+            f"{'   QUICK=1 (stages 1-4)' if args.quick else ''}   results: {res}",
+            f"  build ({args.arch}): {args.build}"]
     failing_full, failing_short = [], []
     for kind, t in tests.items():
         if t.get("failed"):
@@ -496,8 +498,10 @@ def report(args) -> int:
             failing_short += [f"failing {kind} tests ({len(t['failed'])}; all in summary.txt):"] + \
                              ["  " + n for n in t["failed"][:8]]
         if t.get("unimportable"):
-            failing_full.append(f"{kind} test modules not importable here (not counted): " + ", ".join(t["unimportable"]))
-    bench_full = [ln for b, n in zip(benches, ("draft_fc", "capture")) for ln in [f"-- {n} timings"] + bench_lines(b, True)]
+            failing_full.append(f"{kind} test modules not importable here (not counted): "
+                                + ", ".join(t["unimportable"]))
+    bench_full = [ln for b, n in zip(benches, ("draft_fc", "capture"))
+                  for ln in [f"-- {n} timings"] + bench_lines(b, True)]
     bench_short = [ln for b in benches for ln in bench_summary_lines(b.get("rows", []), False)]
     host = _tail(os.path.join(res, "host_path.txt"), 1500).strip().splitlines()
     table = final_table(args, stages, qual, benches, tests)

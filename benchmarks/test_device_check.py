@@ -81,12 +81,13 @@ def test_script_rejects_bad_settings(tmp_path):
         assert p.returncode == 2 and says in p.stderr, (var, p.stderr)
 
 
-JUNIT = """<?xml version="1.0" encoding="utf-8"?><testsuites><testsuite name="pytest" errors="{errors}"
+JUNIT = ("""<?xml version="1.0" encoding="utf-8"?><testsuites><testsuite name="pytest" errors="{errors}"
 failures="{failures}" skipped="0" tests="{tests}">
 <testcase classname="tests.ops.test_capture" name="test_a[cuda-cuda]"/>
 {failure}
-<testcase classname="tests.sglang.test_x" name="tests.sglang.test_x"><error message="collection failure">x</error></testcase>
-</testsuite></testsuites>"""
+<testcase classname="tests.sglang.test_x" name="tests.sglang.test_x">"""
+         """<error message="collection failure">x</error></testcase>
+</testsuite></testsuites>""")
 
 
 def _row(bench, shape, ours, us, stock, graph=None, stock_graph=None, **kw):
@@ -134,7 +135,8 @@ def _results(tmp_path, failing_test=False, qualify_rc=0, stages=STAGES):
                             "12.5", str(out), str(err)])
     rows = [_row("draft_fc_rows", f"M={m},H={h},K=3" + ("" if n == h else f",N={n}"), b, 60.0 + m, 90.0 + m,
                  58.0 + m, 88.0 + m, path="skinny")
-            for h, n in ((7168, 7168), (7168, 896), (4096, 4096)) for m in (1, 8, 16, 32, 64) for b in ("cuda", "triton")]
+            for h, n in ((7168, 7168), (7168, 896), (4096, 4096)) for m in (1, 8, 16, 32, 64)
+            for b in ("cuda", "triton")]
     meta = {"device": "NVIDIA H100 80GB HBM3", "smoke": False, "read_bw_GBps": 3000.0, "copy_bw_GBps": 2900.0,
             "gemm_TFLOPs": 780.0, "l2_bytes": 50 << 20, "l2_flush": {"method": "read", "bytes": 256 << 20}}
     (res / "bench.json").write_text(json.dumps({"meta": meta, "rows": rows}))

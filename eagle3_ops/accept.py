@@ -247,8 +247,8 @@ def draft_fc_accepted(x, weight, bias, rows, chunk_norm_weight, input_norm_weigh
 
 
 # ---- the C++ twins --------------------------------------------------------------------------------
-# csrc/accept.cpp implements the three tests above (the same conditions) at ~0.1-0.3 us instead of ~2-5 us. Where the extension
-# is built they serve the faces; the Python twins stay under these names for builds without it and for
+# csrc/accept.cpp implements the three tests above (the same conditions) at ~0.1-0.3 us instead of ~2-5 us. Where the
+# extension is built they serve the faces; the Python twins stay under these names for builds without it and for
 # tests/ops/test_accept.py, which holds both to the contract.
 python_capture_accepted = capture_accepted
 python_fused_add_rmsnorm_capture_accepted = fused_add_rmsnorm_capture_accepted

@@ -212,7 +212,8 @@ def draft_fc(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]
     if M >= 0:
         out = torch.empty((M, weight.shape[0]), dtype=x.dtype, device=x.device)
         _run_draft_fc(x, weight, bias, rows, chunk_norm_weight, input_norm_weight, eps, out, workspace,
-                      "draft_fc" if workspace is None else "draft_fc_out", norm_folded, True)  # the op the full path names
+                      # the op the full path names
+                      "draft_fc" if workspace is None else "draft_fc_out", norm_folded, True)
         return out
     validation.check_eps("draft_fc", eps)
     norm_folded = bool(norm_folded)

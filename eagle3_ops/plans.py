@@ -136,4 +136,5 @@ def choose(backend: str, device: torch.device, M: int) -> str:
     return crossover_for(backend, device).path(M)
 
 
-__all__ = ["CROSSOVER", "Crossover", "PATHS", "arch_key", "capability", "choose", "crossover_for", "forced", "forced_path"]
+__all__ = ["CROSSOVER", "Crossover", "PATHS", "arch_key", "capability", "choose", "crossover_for", "forced",
+           "forced_path"]

@@ -21,8 +21,9 @@ the matrix product, elementwise for the norm) exceeds the dtype's tolerance, or 
 rejected with that reason and never chosen. The target norm replaces one of SGLang's kernels in the
 target's forward, whose tokens are not ours to change: its three outputs (the normed input the
 attention reads, the new residual, the capture) must be BITWISE stock's on this device, or it is
-rejected. Timing: median of CUDA events over repetitions with the L2 flushed by reading a buffer of twice its size before each (cold weights, as in serving); on the
-CPU ``perf_counter`` (a CPU time says nothing about a GPU; there the mechanism is what is tested).
+rejected. Timing: median of CUDA events over repetitions with the L2 flushed by reading a buffer of twice its size
+before each (cold weights, as in serving); on the CPU ``perf_counter`` (a CPU time says nothing about a GPU; there the
+mechanism is what is tested).
 
 Results are cached per (device name, driver/torch versions, eagle3_ops version, op, shapes, buckets,
 margin, rules version) in ``$XDG_CACHE_HOME/eagle3_ops/qualify.json`` (default ``~/.cache``), each
@@ -317,7 +318,8 @@ def _qualify_fused(shape: Shape, rows: int, device, timer: Timer, plan: Plan, ma
             once()
             err = _fused_error(q, normed64, sum64)
         except Exception as e:
-            plan.rejected.append(Rejection("fused_add_rmsnorm_capture", rows, backend, None, f"{type(e).__name__}: {e}"))
+            plan.rejected.append(Rejection("fused_add_rmsnorm_capture", rows, backend, None,
+                                           f"{type(e).__name__}: {e}"))
             continue
         if not err <= tol:
             plan.rejected.append(Rejection("fused_add_rmsnorm_capture", rows, backend, None,
@@ -607,7 +609,8 @@ def main(argv=None) -> int:
     ap.add_argument("--hidden", type=_positive, required=True, help="the target's hidden size H")
     ap.add_argument("--captures", type=_positive, required=True, help="K, the number of captured layers")
     ap.add_argument("--out-features", type=_positive, default=None, help="the draft fc's N (default H)")
-    ap.add_argument("--tp", type=_positive, default=1, help="tensor-parallel size: the fc is timed at N/tp rows per rank")
+    ap.add_argument("--tp", type=_positive, default=1,
+                    help="tensor-parallel size: the fc is timed at N/tp rows per rank")
     ap.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"))
     ap.add_argument("--chunk-norm", action="store_true", help="the draft has fc_norm (per-capture RMSNorm)")
     ap.add_argument("--input-norm", action="store_true", help="the draft has norm_before_fc (input RMSNorm)")

@@ -209,7 +209,8 @@ def get(name: str, env: Optional[Mapping[str, str]] = None) -> Any:
     """The parsed value of ``name`` (its default when unset or empty); raises SettingError."""
     setting = SETTINGS.get(name) or BUILD_SETTINGS.get(name)
     if setting is None:
-        raise KeyError(f"{name} is not an eagle3_ops setting (known: {', '.join(list(SETTINGS) + list(BUILD_SETTINGS))})")
+        raise KeyError(f"{name} is not an eagle3_ops setting "
+                       f"(known: {', '.join(list(SETTINGS) + list(BUILD_SETTINGS))})")
     raw = (os.environ if env is None else env).get(name)
     if raw is None or raw.strip() == "":
         return setting.default

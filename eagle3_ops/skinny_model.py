@@ -72,7 +72,8 @@ def split_shape(CH: int, NC: int, asked: int) -> Tuple[int, int]:
     """(splits per chunk, split length) the op launches for ``asked`` splits per chunk: the clamp of
     csrc/draft_fc.cu skinny_plan (whole 64-wide steps, at least 8 of them, at most 64 splits)."""
     per_chunk = max(1, min(asked, CH // (MIN_STEPS_PER_SPLIT * SPLIT_STEP), MAX_SPLITS // NC))
-    split_len = -(-(-(-CH // per_chunk)) // SPLIT_STEP) * SPLIT_STEP
+    per_split = -(-CH // per_chunk)  # ceil(CH / per_chunk)
+    split_len = -(-per_split // SPLIT_STEP) * SPLIT_STEP  # rounded up to whole steps
     return -(-CH // split_len), split_len
 
 
@@ -325,7 +326,8 @@ def best_plan(M: int, N: int, CH: int, NC: int, device: Device, kernels: Sequenc
     return best
 
 
-__all__ = ["DEFAULT_ROWS", "DEVICES", "Device", "READ_FRACTION", "device_for", "Kernel", "LOSSES", "MAX_SPLITS", "MAX_TOKEN_GROUPS",
+__all__ = ["DEFAULT_ROWS", "DEVICES", "Device", "READ_FRACTION", "device_for", "Kernel", "LOSSES", "MAX_SPLITS",
+           "MAX_TOKEN_GROUPS",
            "MIN_STEPS_PER_SPLIT", "PIECE", "Prediction", "SKINNY_SHAPES", "SM_LIMITS", "SPLIT_STEP",
            "STAGES", "STATIC_SHARED_LIMIT", "SmLimits", "best_plan", "best_splits", "blocks_per_sm",
            "in_flight_bytes", "max_splits_per_chunk", "predict", "shapes_for", "shared_bytes", "split_shape", "threads",

@@ -98,7 +98,7 @@ class Timer:
                 pairs.append(pair)
         times = []
         for start, end in pairs:
-            us = self._guarded(lambda: (end.synchronize(), start.elapsed_time(end) * 1e3)[1])
+            us = self._guarded(lambda start=start, end=end: (end.synchronize(), start.elapsed_time(end) * 1e3)[1])
             if us is not None:
                 times.append(us)
         return times

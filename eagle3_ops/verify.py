@@ -91,7 +91,8 @@ def selfcheck_draft_fc(fn, device, dtype, functions):
         need = int(workspace_bytes(*args, norm_folded)) if workspace_bytes is not None else 0
         ws = torch.empty(need, dtype=torch.uint8, device=device) if need else None
         out = p.out()
-        problems.run_canaried(lambda: fn(*args, p.eps, out, ws, norm_folded), [out], poison=[out])
+        problems.run_canaried(lambda args=args, p=p, out=out, ws=ws, norm_folded=norm_folded:
+                              fn(*args, p.eps, out, ws, norm_folded), [out], poison=[out])
         truth = reference.draft_fc_ref(*args, p.eps, norm_folded=norm_folded, acc_dtype=torch.float64)
         results.append((what, problems.rel_err(out, truth, normwise=True), problems.MATMUL_TOL[dtype]))
     return _within(results)

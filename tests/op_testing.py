@@ -120,7 +120,8 @@ def unusable_reason(target: Target) -> Optional[str]:
         from eagle3_ops.triton import capture as triton_capture
 
         if not shim.interpreted(triton_capture._capture_kernel):
-            return "Triton on CPU tensors needs the interpreter (TRITON_INTERPRET=1, set by tests/conftest.py without a GPU)"
+            return ("Triton on CPU tensors needs the interpreter (TRITON_INTERPRET=1, set by tests/conftest.py "
+                    "without a GPU)")
     if target.backend == "cuda" and target.device == "cuda":
         from eagle3_ops import cuda_backend
 

@@ -152,6 +152,6 @@ if __name__ == "__main__":
     res = run_replay_child(pair, n)
     rep = res.pop("report") or {}
     r = rep.get("replay") or {}
-    print(json.dumps({**res, "compute_dtype": r.get("compute_dtype"), "verdict": r.get("verdict"), "search": {k: v for k, v in (r.get("search") or {}).items()
-                                                                      if k != "top"},
+    print(json.dumps({**res, "compute_dtype": r.get("compute_dtype"), "verdict": r.get("verdict"),
+                      "search": {k: v for k, v in (r.get("search") or {}).items() if k != "top"},
                       "findings": [f.get("code") for f in rep.get("findings", [])]}, indent=1))

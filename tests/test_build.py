@@ -1,6 +1,6 @@
 """The build: one source list for setup.py and CMake, a metadata step that other installed
-distributions cannot break (make install builds while SGLang is being installed), and when nvcc is present the extension is
-built (a missing extension is a failure) with a cubin of every arch asked for (TORCH_CUDA_ARCH_LIST; by
+distributions cannot break (make install builds while SGLang is being installed), and when nvcc is present the
+extension is built (a missing extension is a failure) with a cubin of every arch asked for (TORCH_CUDA_ARCH_LIST; by
 default sm_90a and sm_120a; the device check asks for its own card's only) for every kernel family,
 registers its torch ops (tests/test_cuda_ops_registration.py checks them), no kernel uses local
 memory (no stack frame, no register spills), the skinny kernels' registers, shared memory and hot-loop
@@ -285,9 +285,9 @@ def test_norm_variants_run_the_plain_hot_loop(built_sass):
     """Issue 21 item 2: the norm statistics and x*g are computed by the pre-pass
     (fc_norm_prepass_kernel: no MMA, no weight load), so every skinny launch — plain, norm, folded —
     runs one fc_skinny_kernel<T, NT, rows, stages> per (dtype, block shape): every skinny
-    instantiation of a (dtype, block shape) has a hot loop within 1.25x of the plain one's instructions per step (today there is exactly one,
-    so the ratio is 1; a variant that brings work back into the loop fails here), and the hot loop's
-    instruction counts are the ones the planner uses (cuda_backend.SKINNY_STEP_INSTRUCTIONS)."""
+    instantiation of a (dtype, block shape) has a hot loop within 1.25x of the plain one's instructions per step
+    (today there is exactly one, so the ratio is 1; a variant that brings work back into the loop fails here), and the
+    hot loop's instruction counts are the ones the planner uses (cuda_backend.SKINNY_STEP_INSTRUCTIONS)."""
     sk = _skinny_sass(built_sass)
     by_shape = {}
     for (arch, fn), ins in sk.items():

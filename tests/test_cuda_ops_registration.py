@@ -1,7 +1,7 @@
 """The compiled CUDA backend as torch ops (namespace ``eagle3_cuda``, csrc/bindings.cpp): the ops are
 registered with the agreed schemas, the kernels are CUDA-only (plus do-nothing Meta kernels for
-tracing) while the workspace size query is a catch-all op (so it runs here, on the CPU), the query's bytes for a few shapes and paths,
-``cuda_backend``'s plan (path, splits, workspace bytes) against the query, and, on a GPU (marker
+tracing) while the workspace size query is a catch-all op (so it runs here, on the CPU), the query's bytes for a
+few shapes and paths, ``cuda_backend``'s plan (path, splits, workspace bytes) against the query, and, on a GPU (marker
 ``gpu``), each op against the reference.
 
 Needs the extension: skipped where no nvcc was found at install time (as tests/test_build.py)."""
@@ -36,7 +36,8 @@ SCHEMAS = {
     "draft_fc_workspace_bytes": (
         "eagle3_cuda::draft_fc_workspace_bytes(int M, int N, int KH, int K, bool chunk_norm, bool input_norm, "
         "int path, int splits, ScalarType dtype, bool norm_folded=False) -> int"),
-    "skinny_occupancy": "eagle3_cuda::skinny_occupancy(int nt, ScalarType dtype, int block_rows=64, int stages=0) -> int",
+    "skinny_occupancy": ("eagle3_cuda::skinny_occupancy(int nt, ScalarType dtype, int block_rows=64, int stages=0) "
+                         "-> int"),
 }
 SKINNY, TILED, CUBLAS = (plans.PATHS.index(p) for p in ("skinny", "tiled", "cublas"))
 
@@ -458,8 +459,9 @@ def test_gpu_every_block_shape_replays_in_a_cuda_graph(ops):
         if cuda_backend.table_blocks_per_sm(arch, (nt, rows_per_block, stages), torch.bfloat16) == 0:
             continue
         out = torch.full((64, 896), float("nan"), dtype=torch.bfloat16, device=dev)
-        run = lambda: ops.draft_fc(x, w, b, rows, cn, inw, 1e-6, out, ws, SKINNY, 3, False,  # noqa: E731
-                                   rows_per_block, stages)
+        def run(out=out, rows_per_block=rows_per_block, stages=stages):
+            return ops.draft_fc(x, w, b, rows, cn, inw, 1e-6, out, ws, SKINNY, 3, False, rows_per_block, stages)
+
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):

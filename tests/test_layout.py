@@ -11,7 +11,8 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "eagle3_ops"
-TEST_MODULES = {p.stem for p in (ROOT / "tests").rglob("*.py")} | {"tests", "benchmarks", "tools", "pytest", "hypothesis"}
+TEST_MODULES = ({p.stem for p in (ROOT / "tests").rglob("*.py")}
+                | {"tests", "benchmarks", "tools", "pytest", "hypothesis"})
 
 
 def _modules() -> dict:

@@ -244,7 +244,8 @@ def test_a_broken_file_is_ignored_with_one_line_and_replaced(case, caplog, fast_
     p.parent.mkdir(parents=True)
     content = BROKEN_FILES[case]
     if content is None:
-        content = json.dumps({qualify_cache.key(qualify._plan_made_for(CPU, NORM, BUCKETS, qualify.MARGIN)): [1]}).encode()
+        content = json.dumps(
+            {qualify_cache.key(qualify._plan_made_for(CPU, NORM, BUCKETS, qualify.MARGIN)): [1]}).encode()
     p.write_bytes(content)
     with caplog.at_level(logging.WARNING, logger="eagle3_ops"):
         plan = qualify.qualify(NORM, CPU, BUCKETS)
@@ -371,7 +372,8 @@ def test_concurrent_processes_and_threads_never_lose_or_corrupt_an_entry(caplog)
     for p in range(PROCESSES):
         for t in range(THREADS):
             for i in range(WRITES):
-                assert qualify_cache.load(_made_for(p, t, i), lambda v: v) == {"p": p, "t": t, "i": i, "pad": "x" * 2000}
+                assert qualify_cache.load(_made_for(p, t, i), lambda v: v) == {"p": p, "t": t, "i": i,
+                                                                               "pad": "x" * 2000}
     assert not [f for f in os.listdir(qualify.cache_path().parent) if f.endswith(".tmp")]
 
 
@@ -379,7 +381,8 @@ def test_the_cache_keeps_a_bounded_number_of_entries(monkeypatch):
     monkeypatch.setattr(qualify_cache, "MAX_ENTRIES", 4)
     for i in range(6):
         qualify_cache.store({"what": "test.bound", "i": i}, i)
-    assert [qualify_cache.load({"what": "test.bound", "i": i}, lambda v: v) for i in range(6)] == [None, None, 2, 3, 4, 5]
+    assert ([qualify_cache.load({"what": "test.bound", "i": i}, lambda v: v) for i in range(6)]
+            == [None, None, 2, 3, 4, 5])
 
 
 # ---- the draft fc sharding decision (draft_fc_hooks), cached through the same functions ---------------------

@@ -92,11 +92,11 @@ def test_a_collapsed_ring_fails_the_build_criterion(listing_body, want):
 def test_register_pipeline_distance_crosses_the_back_edge_only_when_loads_are_used_next_iteration():
     load = "LDG.E.NA.LTC256B.128.CONSTANT R20, desc[UR6][R2.64]"
     mma = "HMMA.16816.F32.BF16 R12, R20, R24, R12"
-    used_now = ["MOV R1, R2", load, "LDG.E.NA.LTC256B.128.CONSTANT R24, desc[UR6][R4.64]", mma, "IADD3 R2, R2, 0x40, RZ",
-                "@!P0 BRA @1", "EXIT"]
+    used_now = ["MOV R1, R2", load, "LDG.E.NA.LTC256B.128.CONSTANT R24, desc[UR6][R4.64]", mma,
+                "IADD3 R2, R2, 0x40, RZ", "@!P0 BRA @1", "EXIT"]
     # the loads of the next iteration are issued after this iteration's MMA (a double buffer ptxas kept)
-    used_next = ["MOV R1, R2", mma, load, "LDG.E.NA.LTC256B.128.CONSTANT R24, desc[UR6][R4.64]", "IADD3 R2, R2, 0x40, RZ",
-                 "@!P0 BRA @1", "EXIT"]
+    used_next = ["MOV R1, R2", mma, load, "LDG.E.NA.LTC256B.128.CONSTANT R24, desc[UR6][R4.64]",
+                 "IADD3 R2, R2, 0x40, RZ", "@!P0 BRA @1", "EXIT"]
     a, b = only(listing(("a", used_now))), only(listing(("b", used_next)))
     pa, pb = (sass.pipeline(x, sass.hot_loop(x), sass.WEIGHT_LOAD) for x in (a, b))
     assert pa.kind == pb.kind == "registers"
@@ -107,8 +107,8 @@ def test_register_pipeline_distance_crosses_the_back_edge_only_when_loads_are_us
 
 def test_norm_loop_ratio_fails_when_the_gains_are_back_in_the_loop():
     plain = only(listing(("plain", ring(2))))
-    gains = ["HADD2.F32 R40, -RZ, R20.H0_H0", "FMUL R40, R40, R41", "FMUL R42, R42, R43", "F2FP.BF16.F32.PACK_AB R44, R42, R40",
-             "FFMA R50, R40, R40, R50", "FFMA R51, R42, R42, R51"] * 3
+    gains = ["HADD2.F32 R40, -RZ, R20.H0_H0", "FMUL R40, R40, R41", "FMUL R42, R42, R43",
+             "F2FP.BF16.F32.PACK_AB R44, R42, R40", "FFMA R50, R40, R40, R50", "FFMA R51, R42, R42, R51"] * 3
     lean = only(listing(("lean", ring(2, extra=["IADD3 R32, R32, 0x1, RZ"]))))
     fat = only(listing(("fat", ring(2, extra=gains))))
     assert sass.hot_loop_ratio(plain, plain) == 1.0

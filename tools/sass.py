@@ -272,6 +272,7 @@ def resource_usage(text: str) -> Dict[Tuple[str, str], Dict[str, int]]:
     return usage
 
 
-__all__ = ["Instr", "Loop", "NORM_LOOP_MAX_RATIO", "PIPELINE_MIN_STAGES", "Pipeline", "WEIGHT_LOAD", "arch_base", "count",
+__all__ = ["Instr", "Loop", "NORM_LOOP_MAX_RATIO", "PIPELINE_MIN_STAGES", "Pipeline", "WEIGHT_LOAD", "arch_base",
+           "count",
            "hot_loop", "hot_loop_instructions_per_step", "hot_loop_ratio", "loops", "parse_sass", "pipeline",
            "resource_usage", "resources", "weight_stages_in_flight"]

@@ -23,7 +23,7 @@ from ..doctor.sglang_cpu import _cpu_environment
 
 _cpu_environment()  # before the demo or a test imports SGLang's distributed code
 
-from ..doctor.sglang_cpu import (DEVICE, KVCache, Req, _construct, _fill_req_to_token,  # noqa: F401
+from ..doctor.sglang_cpu import (DEVICE, KVCache, Req, _construct, _fill_req_to_token,  # noqa: E402, F401
                                  _mla_only_backend_name, decode_batch, extend_batch, free_port,
                                  init_distributed, run)
 

@@ -323,7 +323,7 @@ class ForwardCapture:
         return self.state.buffer.view(self.num_tokens)
 
 
-# ---- the fusable norms (candidates, at install) --------------------------------------------------------------------------------
+# ---- the fusable norms (candidates, at install) -----------------------------------------------------------------
 def _norm_fusable_statically(norm, dtype: torch.dtype) -> Optional[str]:
     """None if SGLang would run this RMSNorm's ``norm(x, residual)`` as a plain fused add+RMSNorm
     (the math of eagle3::fused_add_rmsnorm_capture), else the reason it would not."""
@@ -570,8 +570,8 @@ def _qualify_norm(state: TargetCaptureState, name: str, dtype: torch.dtype, devi
     except Exception:
         log.exception("eagle3_ops: %s fused norm: qualification failed on this rank; SGLang's norm serves", name)
         failed = True
-    state.norm_plan = lockstep.agreed_plan(plan, failed, "fused_add_rmsnorm_capture", device, shape, buckets, groups.tp_group(),
-                                  f"{name} fused norm")
+    state.norm_plan = lockstep.agreed_plan(plan, failed, "fused_add_rmsnorm_capture", device, shape, buckets,
+                                           groups.tp_group(), f"{name} fused norm")
     for line in state.norm_plan.table().splitlines():
         log.info("eagle3_ops: %s fused norm %s", name, line)
 

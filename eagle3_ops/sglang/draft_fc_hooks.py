@@ -23,8 +23,8 @@ in full by every rank on every draft extend). With sharding on (the default;
 ``EAGLE3_OPS_SGLANG_SHARD_FC=0`` turns it off) the plugin may replace ``fc`` by a
 ``ColumnShardedFc`` (fc_sharding.py, where the decision lives) holding only this rank's output rows
 (and bias), release the replicated weight, and follow the fused call by ONE all-gather along the
-last dimension through the draft's TP group (SGLang's ``tensor_model_parallel_all_gather``). Qualification decides it per row bucket from
-timings every rank measured (the max over ranks), cached with the rest of qualification.
+last dimension through the draft's TP group (SGLang's ``tensor_model_parallel_all_gather``). Qualification decides
+it per row bucket from timings every rank measured (the max over ranks), cached with the rest of qualification.
 
 **Ranks decide together** (lockstep.py): every step that may fail on one rank alone (its backend, a
 timing, an allocation) runs locally first and is followed by a vote in which every rank takes part;

@@ -198,7 +198,8 @@ def decide_sharding(state, name: str, tp_rank: int, tp_size: int, buckets, quali
     made_for = sharding_made_for(state, tp_size, buckets)
     cached = qualify_cache.load(made_for, lambda value: sharding_from_json(value, tp_rank, tp_size, buckets))
     hit = cached is not None
-    if lockstep.all_ranks_agree(hit, group) and lockstep.same_on_all_ranks(json.dumps(cached.to_json()) if hit else "", group):
+    if lockstep.all_ranks_agree(hit, group) and lockstep.same_on_all_ranks(json.dumps(cached.to_json()) if hit else "",
+                                                                           group):
         log_sharding(cached, name, tp_size)
         return cached, True
 
@@ -217,8 +218,8 @@ def decide_sharding(state, name: str, tp_rank: int, tp_size: int, buckets, quali
                 gen = problems.generator(weight.device, "sharding", m, weight.shape[1])
                 x = problems.randn((m, weight.shape[1]), weight.dtype, weight.device, gen, scale=3.0)
                 measured.append([
-                    timer(lambda: ops.draft_fc(x, weight, bias, None, chunk, input_norm_weight, state.eps)),
-                    timer(lambda: ops.draft_fc(x, rows_w, rows_b, None, chunk, input_norm_weight, state.eps)),
+                    timer(lambda x=x: ops.draft_fc(x, weight, bias, None, chunk, input_norm_weight, state.eps)),
+                    timer(lambda x=x: ops.draft_fc(x, rows_w, rows_b, None, chunk, input_norm_weight, state.eps)),
                 ])
                 del x
             local = torch.zeros((buckets[-1], n), dtype=weight.dtype, device=weight.device)

@@ -58,7 +58,8 @@ def decode_graph_rows(sa) -> int:
             decode = cfg.get("decode")
         if decode is None:
             continue
-        get = decode.get if isinstance(decode, dict) else (lambda k, d=None: getattr(decode, k, d))
+        # called only within this iteration (and with positional args), so the late binding is harmless
+        get = decode.get if isinstance(decode, dict) else (lambda k, d=None: getattr(decode, k, d))  # noqa: B023
         sizes = [int(b) for b in (get("bs") or []) if isinstance(b, int)]
         max_bs = get("max_bs")
         best = max(sizes + ([int(max_bs)] if isinstance(max_bs, int) else []), default=0)

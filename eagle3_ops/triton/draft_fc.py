@@ -195,8 +195,8 @@ def _row_scales_kernel(x_ptr, stride_x, rows_ptr, in_w_ptr, chunk_w_ptr, scale_p
                 if HAS_CHUNK_NORM and APPLY_GAINS:
                     v = v * tl.load(chunk_w_ptr + kk, mask=k_in, other=0.0).to(tl.float32)
                 v = tl.where(valid[:, None], v, float("nan"))
-                tl.store(prep_ptr + offs_m[:, None] * stride_prep + kk, cast(v, prep_ptr.dtype.element_ty, INTERPRETER_BF16),
-                         mask=m_in[:, None] & k_in)
+                tl.store(prep_ptr + offs_m[:, None] * stride_prep + kk,
+                         cast(v, prep_ptr.dtype.element_ty, INTERPRETER_BF16), mask=m_in[:, None] & k_in)
         else:
             tl.store(scale_ptr + offs_m * NC + c, tl.where(valid, a, float("nan")), mask=m_in)
 
@@ -295,8 +295,8 @@ def _splitk_reduce_kernel(ws_ptr, bias_ptr, rows_ptr, out_ptr, stride_out, M, N,
     if HAS_ROWS:
         _, valid = _gather_rows(rows_ptr, offs_m, m_in, R, HAS_ROWS)
         acc = tl.where(valid[:, None], acc, float("nan"))  # masked-off rows are not stored
-    tl.store(out_ptr + offs_m[:, None] * stride_out + offs[None, :], cast(acc, out_ptr.dtype.element_ty, INTERPRETER_BF16),
-             mask=mask)
+    tl.store(out_ptr + offs_m[:, None] * stride_out + offs[None, :],
+             cast(acc, out_ptr.dtype.element_ty, INTERPRETER_BF16), mask=mask)
 
 
 @triton.jit
@@ -481,7 +481,8 @@ def _skinny(x, weight, bias, rows, chunk_norm_weight, input_norm_weight, eps, ou
         _dummy(chunk_norm_weight, x), _dummy(scales, x), _dummy(bias, x), out, out.stride(0), _dummy(ws, x),
         p.M, p.N, p.R, p.CH, p.NC, pl.splits_per_chunk, pl.split_len,
         HAS_ROWS=rows is not None, HAS_SCALE=p.has_scale, HAS_BIAS=bias is not None,
-        **_gain_flags(chunk_norm_weight, input_norm_weight, folded), WRITE_PARTIAL=S > 1, INTERPRETER_BF16=interpreter_bf16(_skinny_kernel, x.dtype),
+        **_gain_flags(chunk_norm_weight, input_norm_weight, folded), WRITE_PARTIAL=S > 1,
+        INTERPRETER_BF16=interpreter_bf16(_skinny_kernel, x.dtype),
         INPUT_PRECISION=_input_precision(x.dtype), **cfg)
     if S > 1:
         block = 1024 if device.type == "cuda" else 256

@@ -416,7 +416,8 @@ def test_the_face_gives_what_the_full_path_gives(monkeypatch):
             full = _outcome(make())
         if fast[0] == "ok" and isinstance(fast[1], tuple) and fast[1] and isinstance(fast[1][0], tuple):
             fast, full = ("ok", fast[1][0]), ("ok", full[1][0])  # jvp: (primal, tangent)
-        assert _same(fast, full), (i, fast[0], full[0], fast[1] if fast[0] != "ok" else "", full[1] if full[0] != "ok" else "")
+        assert _same(fast, full), (i, fast[0], full[0], fast[1] if fast[0] != "ok" else "",
+                                   full[1] if full[0] != "ok" else "")
 
 
 def test_the_faces_skip_the_full_checks_only_for_accepted_calls(monkeypatch):
@@ -427,7 +428,8 @@ def test_the_faces_skip_the_full_checks_only_for_accepted_calls(monkeypatch):
     reached = []
     for name in ("check_capture", "check_fused_add_rmsnorm_capture", "check_draft_fc"):
         real = getattr(validation, name)
-        monkeypatch.setattr(validation, name, lambda *a, name=name, real=real, **k: reached.append(name) or real(*a, **k))
+        monkeypatch.setattr(validation, name,
+                            lambda *a, name=name, real=real, **k: reached.append(name) or real(*a, **k))
     x, r, buffer = torch.randn(3, 8, dtype=DT), torch.randn(3, 8, dtype=DT), torch.zeros(3, 16, dtype=DT)
     fc_x, fc_w, fc_out = torch.randn(3, 16, dtype=DT), torch.randn(5, 16, dtype=DT), torch.empty(2, 5, dtype=DT)
     rows = torch.tensor([2, 0], dtype=torch.int32)

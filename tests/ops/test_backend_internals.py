@@ -28,7 +28,7 @@ import triton
 import triton.language as tl
 
 import eagle3_ops
-from eagle3_ops import dispatch, ops, plans, reference, registry, workspace
+from eagle3_ops import dispatch, plans, reference, registry, workspace
 import op_testing as testing
 from op_testing import MATMUL_TOL, VARIANTS, assert_close, fc_problem, params, same_bits
 from eagle3_ops.triton import _interpreter_shim as shim
@@ -160,7 +160,8 @@ def test_triton_plan_regions():
     p = fc_problem(7, 80, 3, BF16, CPU, N=72, key=("plan",), **VARIANTS["all"])
     with plans.forced_path("skinny"):
         pl = triton_fc.plan(*p.args, split_len=64)
-        assert pl.scale_bytes == workspace.aligned(7 * 3 * 4) and pl.partial_bytes == workspace.aligned(pl.S * 7 * 72 * 4)
+        assert (pl.scale_bytes == workspace.aligned(7 * 3 * 4)
+                and pl.partial_bytes == workspace.aligned(pl.S * 7 * 72 * 4))
         assert pl.copy_bytes == 0 and pl.prepared_bytes == 0
         s = p.strided_1d()
         assert triton_fc.plan(*s.args).copy_bytes == workspace.aligned(72 * 2) + workspace.aligned(7 * 8)
@@ -422,7 +423,8 @@ _FC_COMPILE = textwrap.dedent('''
                         constexprs={(kernel.arg_names.index(n),): v for n, v in consts.items()})
         ck = triton.compile(src, target=GPUTarget("cuda", cc, 32), options=opts)
         ptx = ck.asm["ptx"]
-        return dict(shared=ck.metadata.shared, mma=sorted(set(re.findall(r"(?:wgmma\\.mma_async|mma\\.sync)\\S*", ptx))),
+        return dict(shared=ck.metadata.shared,
+                    mma=sorted(set(re.findall(r"(?:wgmma\\.mma_async|mma\\.sync)\\S*", ptx))),
                     cp_async_16="cp.async.cg.shared.global" in ptx or "cp.async.bulk" in ptx)
 
     flags = dict(HAS_ROWS=True, HAS_IN_NORM=True, HAS_CHUNK_NORM=True, HAS_SCALE=True, HAS_BIAS=True,
@@ -436,9 +438,11 @@ _FC_COMPILE = textwrap.dedent('''
                                                           opts, fp32_ptrs=("scale_ptr", "ws_ptr"))
         cfg = d.tiled_config(cc // 10, 2)
         opts = dict(num_warps=cfg.pop("num_warps"), num_stages=cfg.pop("num_stages"))
-        report[f"tiled_sm{cc}"] = compile_kernel(d._tiled_kernel, cc, dict(flags, **cfg), opts, fp32_ptrs=("scale_ptr",))
-        report[f"reduce_sm{cc}"] = compile_kernel(d._splitk_reduce_kernel, cc, dict(HAS_ROWS=True, HAS_BIAS=True, BLOCK=1024,
-                                                                                              ROWS=1, INTERPRETER_BF16=False),
+        report[f"tiled_sm{cc}"] = compile_kernel(d._tiled_kernel, cc, dict(flags, **cfg), opts,
+                                                 fp32_ptrs=("scale_ptr",))
+        report[f"reduce_sm{cc}"] = compile_kernel(d._splitk_reduce_kernel, cc,
+                                                  dict(HAS_ROWS=True, HAS_BIAS=True, BLOCK=1024, ROWS=1,
+                                                       INTERPRETER_BF16=False),
                                                   dict(num_warps=4), fp32_ptrs=("ws_ptr",))
         for prep in (False, True):
             report[f"rows_sm{cc}_prep{prep}"] = compile_kernel(

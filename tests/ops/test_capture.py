@@ -114,7 +114,8 @@ class ThreeCaptures:
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("target,T,H", params(TARGETS, lambda t: [(64, 4096), (3, 7000)] if t.gpu else [(5, 64), (3, 37)]))
+@pytest.mark.parametrize("target,T,H",
+                         params(TARGETS, lambda t: [(64, 4096), (3, 7000)] if t.gpu else [(5, 64), (3, 37)]))
 def test_three_captures_replay_like_eager_without_allocating(target, T, H, dtype, device):
     graph_side, eager_side = ThreeCaptures(T, H, dtype, device, ()), ThreeCaptures(T, H, dtype, device, ())
     replay = testing.Replay(graph_side.run, device)  # GPU: eager warm-up on a side stream, then capture

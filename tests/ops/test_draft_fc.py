@@ -217,7 +217,8 @@ def test_same_inputs_twice_give_bitwise_equal_outputs(target, path, M, H, device
     assert same_bits(outs[0], outs[1])
 
 
-@pytest.mark.parametrize("target,path", params(TARGETS, lambda t: [None] + (["skinny"] if "skinny" in FC_PATHS[t.backend] else [])))
+@pytest.mark.parametrize("target,path",
+                         params(TARGETS, lambda t: [None] + (["skinny"] if "skinny" in FC_PATHS[t.backend] else [])))
 def test_fp16_large_activations_with_norm_weights_stay_finite(target, path, device):
     """fp16: x * norm weights = 80000 > 65504 before the RMS scale brings it back; no path may round
     that to inf (forced skinny, whose dot would see the unscaled product, takes its fallback)."""
@@ -410,7 +411,8 @@ if given is not None:
         cn = (torch.rand(K, H, generator=gen) + 0.5).to(device) if data.draw(st.booleans()) else None
         inw = (torch.rand(K * H, generator=gen) + 0.5).to(device) if data.draw(st.booleans()) else None
         a = eagle3_ops.draft_fc(x, w1 + w2, None, rows, cn, inw, 1e-6)
-        b = eagle3_ops.draft_fc(x, w1, None, rows, cn, inw, 1e-6) + eagle3_ops.draft_fc(x, w2, None, rows, cn, inw, 1e-6)
+        b = (eagle3_ops.draft_fc(x, w1, None, rows, cn, inw, 1e-6)
+             + eagle3_ops.draft_fc(x, w2, None, rows, cn, inw, 1e-6))
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
 else:
     @pytest.mark.parametrize("target", params(TARGETS))

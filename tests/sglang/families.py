@@ -163,7 +163,7 @@ def document() -> str:
                   "|---|---|"]
         lines += [f"| {what} | {why} |" for what, why in PARTLY.items()]
     lines += ["", f"## Drafts that inherit the capture code ({len(drafts)})", "",
-              f"Found in SGLang's code by `families.draft_classes()`: the class or its decoder reads",
+              "Found in SGLang's code by `families.draft_classes()`: the class or its decoder reads",
               f"`forward_batch.{DRAFT_MARK}` (a draft's input: the target's states). SGLang configures",
               "EAGLE-3 capture on the target worker only (`spec_aux_hidden_state._resolve_eagle_aux_hidden_state`",
               "returns on `is_draft_worker`; `tests/sglang/test_families_doc.py` checks it), so these never capture",
@@ -191,7 +191,7 @@ def family_block() -> str:
     return "\n".join([
         BEGIN,
         f"SGLang 0.5.23 can capture for EAGLE-3 on {len(supported)} target classes (its own code says so; the",
-        f"list, per class, is `docs/sglang_families.md`). Tested on CPU with the plugin on and off, bitwise:",
+        "list, per class, is `docs/sglang_families.md`). Tested on CPU with the plugin on and off, bitwise:",
         ", ".join(f"`{k}`" for k in tested) + ".",
         f"The other {len(supported) - len(tested)} have no CPU test (why, per class: the same document).",
         END])

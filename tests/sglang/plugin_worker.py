@@ -84,14 +84,14 @@ def main(mode: str) -> None:
     dtype = torch.float32
     cfg = h.FAMILIES["llama"].make_config()
     target = h.sglang_model("llama", cfg, dtype, seed=0)
-    before = set(vars(target.model)) | {f"norm{i}:{k}" for i, l in enumerate(target.model.layers)
-                                         for k in vars(l.input_layernorm)}
+    before = set(vars(target.model)) | {f"norm{i}:{k}" for i, layer in enumerate(target.model.layers)
+                                         for k in vars(layer.input_layernorm)}
     h.configure_capture(target, [0, 1, 2])  # looked up on the module: hooked if the plugin is on
     dcfg = h.eagle3_draft_config(cfg, layer_ids=[0, 1, 2], fc_norm=True)
     draft = h.eagle3_draft(dcfg, dtype)
     h.configure_capture(draft, None, eagle=False)
-    after = set(vars(target.model)) | {f"norm{i}:{k}" for i, l in enumerate(target.model.layers)
-                                        for k in vars(l.input_layernorm)}
+    after = set(vars(target.model)) | {f"norm{i}:{k}" for i, layer in enumerate(target.model.layers)
+                                        for k in vars(layer.input_layernorm)}
 
     prompts = [[5, 17, 3, 99, 42], [7, 1, 64, 23, 88, 120, 11]]
     kv = h.KVCache(cfg, dtype)

@@ -28,10 +28,13 @@ def _draft(path, *, hidden=16, draft_vocab=64, heads=4, kv_heads=2, layers=1, fc
     t = {"fc.weight": r(hidden, K * TARGET_H), "norm.weight": norm(hidden)}
     for i in range(layers):
         p, width = f"layers.{i}." if i else "midlayer.", 2 * hidden if i == 0 else hidden
-        t.update({p + "self_attn.q_proj.weight": r(heads * hd, width), p + "self_attn.k_proj.weight": r(kv_heads * hd, width),
-                  p + "self_attn.v_proj.weight": r(kv_heads * hd, width), p + "self_attn.o_proj.weight": r(hidden, heads * hd),
+        t.update({p + "self_attn.q_proj.weight": r(heads * hd, width),
+                  p + "self_attn.k_proj.weight": r(kv_heads * hd, width),
+                  p + "self_attn.v_proj.weight": r(kv_heads * hd, width),
+                  p + "self_attn.o_proj.weight": r(hidden, heads * hd),
                   p + "input_layernorm.weight": norm(hidden), p + "hidden_norm.weight": norm(hidden),
-                  p + "post_attention_layernorm.weight": norm(hidden), p + "mlp.gate_proj.weight": r(2 * hidden, hidden),
+                  p + "post_attention_layernorm.weight": norm(hidden),
+                  p + "mlp.gate_proj.weight": r(2 * hidden, hidden),
                   p + "mlp.up_proj.weight": r(2 * hidden, hidden), p + "mlp.down_proj.weight": r(hidden, 2 * hidden)})
     if fc_norm:
         t.update({f"fc_norm.{k}.weight": norm(TARGET_H) for k in range(K)})
@@ -70,7 +73,8 @@ def _draft(path, *, hidden=16, draft_vocab=64, heads=4, kv_heads=2, layers=1, fc
 VARIANTS = {
     "plain": {}, "fc_norm": dict(fc_norm=True), "norm_before_fc": dict(norm_before_fc=True),
     "mha": dict(kv_heads=4), "two_layers": dict(layers=2, fc_norm=True),
-    "own_embedding_h24": dict(hidden=24, heads=4, kv_heads=2), "tied_h24": dict(hidden=24, tied=True, draft_vocab=VOCAB, d2t=False),
+    "own_embedding_h24": dict(hidden=24, heads=4, kv_heads=2),
+    "tied_h24": dict(hidden=24, tied=True, draft_vocab=VOCAB, d2t=False),
     "no_d2t": dict(draft_vocab=VOCAB, d2t=False),
     # config "bias": fc and every o_proj get one; "attention_bias": o_proj only (the checkpoint's q/k/v biases are
     # not loaded); an fc.bias the config does not ask for is not loaded either

@@ -75,7 +75,8 @@ COVERED = {
                         "HF ExaoneMoeForCausalLM",
                         "fp32"),
     "test_bailing_moe_v2": ("Bailing MoE V2 (Ling-2.0 shape), Bailing V1, Sarvam-MoE",
-                            "BailingMoeV2ForCausalLM, BailingMoeForCausalLM, BailingMoEForCausalLM, SarvamMoEForCausalLM",
+                            "BailingMoeV2ForCausalLM, BailingMoeForCausalLM, BailingMoEForCausalLM, "
+                            "SarvamMoEForCausalLM",
                             "model: BailingMoEModel", "stock only (seeded)", "fp32"),
     "test_deepseek_v3": ("DeepSeek-V3", "DeepseekV3ForCausalLM", "model: DeepseekV2Model (AuxHiddenStatePacker)",
                          "HF DeepseekV3ForCausalLM", "fp32"),
@@ -908,7 +909,8 @@ def _mistral_native_names(weights):
         parts = re.split(r"\\(\d)", deepseek)  # literal, group number, literal, ...
         pattern = "".join(re.escape(p) if i % 2 == 0 else f"({groups[int(p) - 1]})" for i, p in enumerate(parts))
         n = iter(range(1, len(groups) + 1))
-        template = re.sub(r"\((\\d\+|\\w\+)\)", lambda _m: f"\\{next(n)}", mistral).replace(r"\.", ".")
+        # re.sub calls the lambda right here (with the match as a positional arg): the late binding is harmless
+        template = re.sub(r"\((\\d\+|\\w\+)\)", lambda _m: f"\\{next(n)}", mistral).replace(r"\.", ".")  # noqa: B023
         inverse.append((pattern, template))
     out = []
     for name, t in weights:
