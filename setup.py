@@ -126,7 +126,8 @@ def cuda_extensions():
         sources=read_sources(),
         include_dirs=[str(ROOT / "csrc")],
         # -g0: Python's own flags carry -g, and debug info for the torch headers a .cpp parses doubled
-        # the host files' compile time (accept.cpp 67 s -> 31 s on a 2-core box); the kernels keep -lineinfo.
+        # the host files' compile time (a pybind11 host file took 67 s -> 31 s on a 2-core box); the kernels
+        # keep -lineinfo.
         extra_compile_args={
             "cxx": ["-O3", "-g0"] + define,
             "nvcc": ["-O3", "-lineinfo", "--expt-relaxed-constexpr"],

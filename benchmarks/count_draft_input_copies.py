@@ -7,8 +7,9 @@ What is counted: every write of aux-state bytes between the target's layers and 
 from the capture to the tensor the draft's first step reads, in units of one ``[T, K*H]`` tensor:
 
 * the captures: SGLang's ``hidden.clone()`` per captured layer (``AuxHiddenStateList.capture``) or
-  the plugin's slot writes (``eagle3::capture`` / the slot part of
-  ``eagle3::fused_add_rmsnorm_capture``);
+  the plugin's slot writes (its bound ``capture`` / the slot part of its bound ``fused_add_rmsnorm_capture``,
+  ``eagle3_ops.bound``: marked where the install binds them, the backend's own aten ops inside not counted
+  again; the public ops ``eagle3::capture`` / ``eagle3::fused_add_rmsnorm_capture`` are counted alike);
 * ``torch.cat`` / any other op whose output is ``[*, K*H]`` (``pack_aux_hidden_states``);
 * ``copy_`` into a ``[*, K*H]`` destination (the graph runners' static buffers and the BCG shared
   output buffer) or into a ``[T, H]`` slot of one (SGLang's ``AuxHiddenStatePacker``), or of a
@@ -50,12 +51,16 @@ class AuxWrites(TorchDispatchMode):
         super().__init__()
         self.width, self.hidden = width, hidden
         self.in_capture = 0
+        self.in_bound = 0          # inside one of the plugin's bound capture calls (counted once, by mark())
+        self.active = False        # inside ``with counter:``
         self.aux_sources = set()   # data_ptrs of the [T, H] aux leaves a copy may read (stock list path)
         self.rows = []   # (what, bytes)
 
     def __torch_dispatch__(self, func, types_, args=(), kwargs=None):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
+        if self.in_bound:
+            return out
         name = str(func.overloadpacket.__name__) if hasattr(func, "overloadpacket") else str(func)
         ns = getattr(func, "namespace", "")
         if ns == "eagle3" and name in ("capture", "fused_add_rmsnorm_capture"):
@@ -80,6 +85,43 @@ class AuxWrites(TorchDispatchMode):
 
     def total(self) -> int:
         return sum(b for _, b in self.rows)
+
+    def __enter__(self):
+        self.active = True
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        self.active = False
+        return super().__exit__(*exc)
+
+    def mark(self, name: str, fn):
+        """``fn`` (a bound capture op: hidden or input first) counted as one slot write of its [T, H] while
+        this mode is active (as the dispatch mode counts the ops)."""
+        def call(*args):
+            if not self.active:
+                return fn(*args)
+            self.rows.append((f"eagle3.{name} slot write", args[0].numel() * args[0].element_size()))
+            self.in_bound += 1
+            try:
+                return fn(*args)
+            finally:
+                self.in_bound -= 1
+
+        return call
+
+
+def _mark_bound_captures(counter: AuxWrites):
+    """The plugin's bound capture calls, as its install makes them (dispatch.verified_function), marked."""
+    from eagle3_ops import dispatch
+
+    original = dispatch.verified_function
+
+    def verified_function(op, *args, **kwargs):
+        fn = original(op, *args, **kwargs)
+        return counter.mark(op, fn) if op in ("capture", "fused_add_rmsnorm_capture") else fn
+
+    dispatch.verified_function = verified_function
+    return lambda: setattr(dispatch, "verified_function", original)
 
 
 def _flag_captures(counter: AuxWrites):
@@ -122,11 +164,16 @@ def count(plugin: bool, family: str = "llama", dtype=torch.bfloat16) -> dict:
     cfg = h.FAMILIES[family].make_config()
     model = h.sglang_model(family, cfg, dtype, seed=0)
     installed, capture_hooks._installed = capture_hooks._installed, weakref.WeakSet()
+    H, KH = cfg.hidden_size, len(LAYER_IDS) * cfg.hidden_size
+    counter = AuxWrites(KH, H)
     if plugin:
-        h.configure_capture(model, LAYER_IDS)   # the plugin's hook installs the buffer
+        unmark = _mark_bound_captures(counter)
+        try:
+            h.configure_capture(model, LAYER_IDS)   # the plugin's hook installs the buffer and binds its calls
+        finally:
+            unmark()
     else:
         model.set_eagle3_layers_to_capture(LAYER_IDS)  # what SGLang does without the plugin
-    H, KH = cfg.hidden_size, len(LAYER_IDS) * cfg.hidden_size
     bcg = BreakableCudaGraphBackend.__new__(BreakableCudaGraphBackend)
 
     class PrefillRunner:  # the draft's prefill BCG runner: its static input (SGLang: torch.zeros)
@@ -146,7 +193,6 @@ def count(plugin: bool, family: str = "llama", dtype=torch.bfloat16) -> dict:
     kv = h.KVCache(cfg, dtype)
     reqs = [h.Req(kv.new_req()) for _ in VERIFY]
     result = {}
-    counter = AuxWrites(KH, H)
     undo = _flag_captures(counter)
     try:
         # ---- prefill (one request of T tokens; target BCG, then the draft's prefill BCG) ----

@@ -62,13 +62,7 @@ TORCH_LIBRARY_IMPL(eagle3_cuda, Meta, m) {
   m.impl("draft_fc", &draft_fc_meta);
 }
 
-namespace eagle3 {
-void bind_accept(pybind11::module_& m);  // accept.cpp: the faces' fast acceptance
-}
-
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.doc() = "eagle3_ops compiled CUDA kernels: importing this module registers the torch ops eagle3_cuda::*; "
-            "also the eager faces' fast acceptance (accept_*)";
-  eagle3::bind_accept(m);
+  m.doc() = "eagle3_ops compiled CUDA kernels: importing this module registers the torch ops eagle3_cuda::*";
   m.attr("compiled_archs") = EAGLE3_STR(EAGLE3_OPS_ARCHS);
 }

@@ -66,6 +66,8 @@ SKINNY_VARIANTS = ("plain", "norm", "folded")
 
 
 def skinny_variant(chunk_norm_weight, input_norm_weight, norm_folded: bool) -> str:
+    """Which of :data:`SKINNY_VARIANTS` a skinny launch with these norm arguments runs: ``plain`` (no norm weight),
+    ``folded`` (norm weights already in the fc weight), else ``norm`` (a pre-pass writing the statistics and x*g)."""
     if not fc_rules.has_norm(chunk_norm_weight, input_norm_weight):
         return "plain"
     return "folded" if norm_folded else "norm"
@@ -203,10 +205,14 @@ def _ops():
 
 # ---- capture ops -----------------------------------------------------------------------------------
 def capture(hidden, residual, buffer, slot) -> None:
+    """Backend ``capture``: ``eagle3_cuda::capture`` (``buffer[:T, slot*H:(slot+1)*H] = hidden + residual``, or
+    ``hidden``), on validated arguments."""
     _ops().capture.default(hidden, residual, buffer, slot)
 
 
 def fused_add_rmsnorm_capture(input, residual, weight, eps, buffer, slot) -> None:
+    """Backend ``fused_add_rmsnorm_capture``: ``eagle3_cuda::fused_add_rmsnorm_capture`` (SGLang's in-place fused
+    add+RMSNorm that also writes the new residual into buffer slot ``slot``), on validated arguments."""
     _ops().fused_add_rmsnorm_capture.default(input, residual, weight, float(eps), buffer, slot)
 
 
@@ -320,6 +326,8 @@ def _op_bytes(M: int, N: int, KH: int, K: int, chunk_norm: bool, input_norm: boo
 
 @dataclass(frozen=True)
 class Plan:
+    """The plan of one CUDA ``draft_fc`` call (from :func:`plan`): path, split-K splits, skinny block shape and the
+    workspace bytes it carves."""
     path: str        # "skinny" or "cublas"
     splits: int      # split-K splits per chunk asked for (skinny), else 0
     copy_bytes: int  # unit-stride copies of strided 1-D arguments (first in the workspace)
@@ -329,57 +337,20 @@ class Plan:
 
     @property
     def nbytes(self) -> int:
+        """Workspace bytes the call needs: the unit-stride copies, then what the op carves."""
         return self.copy_bytes + self.op_bytes
 
 
-def _meta(t):
-    """What a plan reads of a tensor argument: shape, strides, dtype, 16-byte alignment."""
-    return None if t is None else (t.shape, t.stride(), t.dtype, fc_rules.aligned16(t))
+def plan(x, weight, bias, rows, chunk_norm_weight, input_norm_weight, norm_folded: bool = False,
+         path: Optional[str] = None) -> Plan:
+    """Path, splits, block shape and workspace bytes of one draft_fc call (pure; nothing runs on the GPU):
+    ``path`` when given (a forced ``tiled``, or a skinny call outside the kernel's launch contract, takes
+    cublas), else the crossover table's (``plans.choose``). The caller plans once per call (the face), or
+    once per row count at install (the plugin's bound call, eagle3_ops.bound)."""
+    return _plan(x, weight, bias, rows, chunk_norm_weight, input_norm_weight, norm_folded, path)
 
 
-def python_plan_fields(x, weight, bias, rows, chunk_norm_weight, input_norm_weight) -> tuple:
-    """What a plan reads of its tensor arguments (:func:`_meta` of each) and weight's device."""
-    return (_meta(x), _meta(weight), weight.device, _meta(bias), _meta(rows), _meta(chunk_norm_weight),
-            _meta(input_norm_weight))
-
-
-def _compiled_plan_fields():
-    """The extension's ``draft_fc_plan_key`` (the same fields as :func:`python_plan_fields` packed into
-    bytes in ~0.1 us instead of ~5 us per argument; None for an argument it cannot read without
-    Python, e.g. a fake tensor), or None without the extension."""
-    ext = cuda_extension()
-    return getattr(ext, "draft_fc_plan_key", None) if ext is not None else None
-
-
-def plan_key(x, weight, bias, rows, chunk_norm_weight, input_norm_weight, norm_folded: bool = False) -> tuple:
-    """The cache key of :func:`plan`: what it reads of the arguments, ``norm_folded`` and the forced
-    path. Two calls with equal keys get the same plan (``tests/ops/test_backend_internals.py`` holds
-    the compiled fields to the Python ones)."""
-    fields = _plan_fields(x, weight, bias, rows, chunk_norm_weight, input_norm_weight) \
-        if _plan_fields is not None else None
-    if fields is None:
-        fields = python_plan_fields(x, weight, bias, rows, chunk_norm_weight, input_norm_weight)
-    return fields, bool(norm_folded), plans.forced()
-
-
-_plans: dict = {}
-
-
-def plan(x, weight, bias, rows, chunk_norm_weight, input_norm_weight, norm_folded: bool = False) -> Plan:
-    """Path, splits and workspace bytes of one draft_fc call (pure; nothing runs on the GPU). A pure
-    function of the arguments' metadata, weight's device and the forced path: cached on those (a
-    call plans twice, for its workspace size and to launch). Only plans for a GPU are cached: the CPU
-    and meta calls are tests and workspace sizing, which may stub the device model."""
-    if not weight.is_cuda:
-        return _plan(x, weight, bias, rows, chunk_norm_weight, input_norm_weight, norm_folded)
-    key = plan_key(x, weight, bias, rows, chunk_norm_weight, input_norm_weight, norm_folded)
-    hit = _plans.get(key)
-    if hit is not None:
-        return hit
-    if len(_plans) > 4096:
-        _plans.clear()
-    _plans[key] = p = _plan(x, weight, bias, rows, chunk_norm_weight, input_norm_weight, norm_folded)
-    return p
+draft_fc_plan = plan  # the name every backend's planner has (registry.py)
 
 
 @functools.lru_cache(maxsize=None)
@@ -388,14 +359,15 @@ def _note_unlaunchable(device, shapes, dtype) -> None:
                 "draft_fc takes the cublas path there", device, shapes, dtype)
 
 
-def _plan(x, weight, bias, rows, chunk_norm_weight, input_norm_weight, norm_folded: bool = False) -> Plan:
+def _plan(x, weight, bias, rows, chunk_norm_weight, input_norm_weight, norm_folded: bool = False,
+          path: Optional[str] = None) -> Plan:
     M, N, KH = fc_rules.num_rows(x, rows), int(weight.shape[0]), int(x.shape[1])
     copy_bytes = fc_rules.unit_stride_copy_bytes(bias, rows, input_norm_weight)
     if M == 0 or N == 0:
         return Plan("cublas", 0, 0, 0)  # nothing to compute (the face never calls with an empty output)
     # The GPU is weight's device: x and rows may be meta tensors when sizing a workspace (ops.py).
     device = weight.device
-    path = plans.choose("cuda", device, M)
+    path = path or plans.choose("cuda", device, M)
     if path != "skinny" or not skinny_launchable(x, weight, chunk_norm_weight, input_norm_weight, norm_folded):
         path = "cublas"
     NC, CH = fc_rules.chunks(x, chunk_norm_weight)
@@ -427,10 +399,12 @@ def draft_fc_workspace_bytes(x, weight, bias, rows, chunk_norm_weight, input_nor
 
 
 def draft_fc(x, weight, bias, rows, chunk_norm_weight, input_norm_weight, eps, out, workspace,
-             norm_folded: bool = False) -> None:
-    """out = linear(norm(x[rows]), weight, bias) by eagle3_cuda::draft_fc; scratch is carved from
-    ``workspace`` (uint8, >= draft_fc_workspace_bytes(...) bytes; None when that is 0)."""
-    p = plan(x, weight, bias, rows, chunk_norm_weight, input_norm_weight, norm_folded)
+             norm_folded: bool = False, planned: Optional[Plan] = None) -> None:
+    """out = linear(norm(x[rows]), weight, bias) by eagle3_cuda::draft_fc on ``planned`` (this call's
+    :func:`plan`, made once by the caller; planned here when None); scratch is carved from ``workspace``
+    (uint8, >= the plan's bytes; None when that is 0)."""
+    p = planned if planned is not None else _plan(x, weight, bias, rows, chunk_norm_weight, input_norm_weight,
+                                                  norm_folded)
     carver = Carver(workspace)
     bias, rows, input_norm_weight = fc_rules.unit_stride_copies(carver, bias, rows, input_norm_weight)
     op_ws = carver.take(p.op_bytes, torch.uint8) if p.op_bytes > 0 else None
@@ -438,12 +412,10 @@ def draft_fc(x, weight, bias, rows, chunk_norm_weight, input_norm_weight, eps, o
                             PATH_INDEX[p.path], p.splits, bool(norm_folded), p.block_rows, p.stages)
 
 
-_plan_fields = _compiled_plan_fields()  # (eagle3_ops.accept has imported the extension already)
-
 __all__ = ["MAX_SPLITS", "OPS", "PATH_INDEX", "Plan", "SKINNY_REGISTERS", "SKINNY_SHAPES", "SKINNY_STEP_INSTRUCTIONS",
            "SKINNY_VARIANTS", "SM_LIMITS", "SmLimits", "blocks_per_sm_from_registers", "capture", "compiled_archs",
            "cuda_extension", "device_arch", "device_model", "draft_fc", "draft_fc_workspace_bytes",
-           "fused_add_rmsnorm_capture", "kernel_model", "ops_registered", "plan", "plan_key", "python_plan_fields",
+           "fused_add_rmsnorm_capture", "kernel_model", "ops_registered", "plan", "draft_fc_plan",
            "serves", "skinny_blocks_per_sm",
            "skinny_choice", "skinny_launchable", "skinny_split_shape",
            "skinny_variant", "sm_count", "table_blocks_per_sm", "token_groups"]

@@ -12,16 +12,13 @@ device, the op raises instead of quietly using another. Each accelerated backend
 backend that fails is disabled for the process with an error log, and the next one serves.
 ``EAGLE3_OPS_VERIFY=0`` skips that check.
 
-The choice is resolved once per (op, device, dtype, backend scope, raw values of the variables it
-depends on) and cached (:func:`select`): a call then costs one dictionary lookup plus reading those
-variables' raw values (:func:`raw_env`, a lookup each), so a changed variable (a test's
-``monkeypatch.setenv``) still takes effect on the next call; every value is parsed once
-(``settings`` caches the parse). Only final answers are cached: a backend that passed its
-verification, the reference, or one whose verification is off.
+:func:`select` decides on every call of the public ops (the variables are read each time, so a changed
+one takes effect on the next call; ``settings`` caches each value's parse; verification results are kept
+per (op, backend, device, dtype)). The SGLang plugin decides once, at install: :func:`verified_function`
+gives it the function it then calls directly (``eagle3_ops.bound``).
 """
 from __future__ import annotations
 
-import contextlib
 import functools
 import importlib
 import logging
@@ -40,28 +37,6 @@ class BackendUnavailableError(RuntimeError):
     """The forced backend cannot serve this op on this device."""
 
 
-_ENV_DATA = getattr(os.environ, "_data", None)  # POSIX: the raw bytes -> bytes mapping under os.environ
-_ENV_KEYS: Dict[str, object] = {}
-
-
-def raw_env(name: str):
-    """The raw value of environment variable ``name`` (None when unset), for cache keys and "is it
-    set at all" tests: os.environ's own mapping read without decoding (~0.05 us instead of ~0.5 us)
-    where the platform has one (POSIX), else ``os.environ.get``. Parse values with ``settings``."""
-    if _ENV_DATA is None:
-        return os.environ.get(name)
-    key = _ENV_KEYS.get(name)
-    if key is None:
-        key = _ENV_KEYS[name] = os.environ.encodekey(name)
-    return _ENV_DATA.get(key)
-
-
-# select()'s raw reads of its three variables, without raw_env's call (select runs on every op call)
-_ENV_GET = _ENV_DATA.get if _ENV_DATA is not None else os.environ.get
-_KEY_BACKEND, _KEY_VERIFY, _KEY_INTERPRET = (os.environ.encodekey(n) if _ENV_DATA is not None else n
-                                             for n in ("EAGLE3_OPS_BACKEND", "EAGLE3_OPS_VERIFY", "TRITON_INTERPRET"))
-
-
 def forced_backend() -> Optional[str]:
     """The backend EAGLE3_OPS_BACKEND forces, or None (auto). A bad value raises
     ``settings.SettingError`` (a ValueError) naming the variable and the accepted values."""
@@ -71,6 +46,8 @@ def forced_backend() -> Optional[str]:
 
 
 def verification_enabled() -> bool:
+    """Whether accelerated backends are checked against the reference before first use (``EAGLE3_OPS_VERIFY``, default
+    on; a bad value is reported once and counts as on)."""
     from . import settings
 
     return bool(settings.get_or_default("EAGLE3_OPS_VERIFY", log))
@@ -78,13 +55,13 @@ def verification_enabled() -> bool:
 
 def resolve(backend: str) -> Dict[str, Callable]:
     """{name: function} of ``backend`` for every op it implements (``registry.BACKEND_OPS``) and each
-    ``<op>_workspace_bytes`` the registry names. Raises ImportError naming what is missing; the caller
+    ``<op>_plan`` / ``<op>_workspace_bytes`` the registry names. Raises ImportError naming what is missing; the caller
     decides whether the backend's own dependency (triton) being absent just means the backend is
     unavailable."""
     fns, missing = {}, []
     for op in BACKEND_OPS:
         module = importlib.import_module(OPS[op].backends[backend])
-        for name in [op] + ([f"{op}_workspace_bytes"] if OPS[op].workspace_bytes else []):
+        for name in [op] + ([f"{op}_plan", f"{op}_workspace_bytes"] if OPS[op].planned else []):
             fn = getattr(module, name, None)
             if fn is None:
                 missing.append(f"{module.__name__}.{name}")
@@ -108,20 +85,12 @@ def _backend_functions(backend: str) -> Optional[Dict[str, Callable]]:
     return resolve(backend)
 
 
-# (backend, name) -> function: what function() found (one dict lookup a call; the face's draft_fc
-# workspace query runs through it on every call).
-_functions: Dict[tuple, Callable] = {}
-
-
 def function(backend: str, name: str) -> Callable:
-    """The function ``name`` (an op, or ``<op>_workspace_bytes``) of ``backend``."""
-    fn = _functions.get((backend, name))
-    if fn is None:
-        fns = _backend_functions(backend)
-        if fns is None:
-            raise BackendUnavailableError(f"backend {backend} is not installed")
-        fn = _functions[(backend, name)] = fns[name]
-    return fn
+    """The function ``name`` (an op, ``<op>_plan`` or ``<op>_workspace_bytes``) of ``backend``."""
+    fns = _backend_functions(backend)
+    if fns is None:
+        raise BackendUnavailableError(f"backend {backend} is not installed")
+    return fns[name]
 
 
 def _compiled_archs() -> tuple:
@@ -131,6 +100,8 @@ def _compiled_archs() -> tuple:
 
 
 def triton_interpreter() -> bool:
+    """Whether ``TRITON_INTERPRET=1`` is set: the Triton backend may then serve the CPU (the interpreter; how CI runs
+    the Triton kernels)."""
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
@@ -202,53 +173,10 @@ def candidate_backends(device: torch.device) -> tuple:
     return BACKENDS if device.type == "cuda" else ("reference",)
 
 
-class _Scope(threading.local):
-    # The class attribute is what a thread that never entered ``using`` reads: no AttributeError
-    # raised and caught on every ``select`` (that alone cost ~1 us a call).
-    backend: Optional[str] = None
-
-
-_scoped = _Scope()
-
-
-@contextlib.contextmanager
-def using(backend: Optional[str]):
-    """Within this scope (this thread), every op is served by ``backend`` (None: the usual choice),
-    as with EAGLE3_OPS_BACKEND: an op it cannot serve raises. Qualification and the SGLang plugin
-    use it to run the backend chosen for a call."""
-    if backend is not None and backend not in BACKENDS:
-        raise ValueError(f"unknown backend {backend!r} (one of {', '.join(BACKENDS)})")
-    previous = _scoped.backend
-    _scoped.backend = backend
-    try:
-        yield
-    finally:
-        _scoped.backend = previous
-
-
-# (op, device, dtype, scoped backend, raw EAGLE3_OPS_BACKEND, raw EAGLE3_OPS_VERIFY, raw TRITON_INTERPRET)
-# -> (backend, function): final answers of _select only (see the module doc).
-_selected: Dict[tuple, tuple] = {}
-
-
 def select(op: str, device: torch.device, dtype: torch.dtype = torch.bfloat16) -> tuple:
-    """(backend name, function) serving ``op`` on ``device`` for inputs of ``dtype``."""
-    scoped = _scoped.backend
-    key = (op, device, dtype, scoped, _ENV_GET(_KEY_BACKEND), _ENV_GET(_KEY_VERIFY), _ENV_GET(_KEY_INTERPRET))
-    hit = _selected.get(key)
-    if hit is not None:
-        return hit
-    backend, fn = _select(op, device, dtype, scoped)
-    final = backend == "reference" or not verification_enabled() or \
-        _verified.get((op, backend, str(device), dtype)) is True
-    if final and not (device.type == "cuda" and device.index is None):  # index-less: the current device may change
-        with _lock:
-            _selected[key] = (backend, fn)
-    return backend, fn
-
-
-def _select(op: str, device: torch.device, dtype: torch.dtype, scoped: Optional[str]) -> tuple:
-    forced = scoped or forced_backend()
+    """(backend name, function) serving ``op`` on ``device`` for inputs of ``dtype``: the forced backend
+    (EAGLE3_OPS_BACKEND), else the first of :func:`candidate_backends` that serves and passes verification."""
+    forced = forced_backend()
     if forced is not None:
         fn = implementation(forced, op, device)
         if fn is None:
@@ -264,6 +192,20 @@ def _select(op: str, device: torch.device, dtype: torch.dtype, scoped: Optional[
         if fn is not None and _passes_verification(op, backend, device, fn, dtype):
             return backend, fn
     raise AssertionError("unreachable: the reference backend serves every op")
+
+
+def verified_function(op: str, backend: str, device: torch.device, dtype: torch.dtype) -> Callable:
+    """The function of ``backend`` serving ``op`` on ``device`` for ``dtype``, verified (``verify.py``) before
+    it is handed out: what a caller that decides once (the plugin's install, qualification) then calls
+    directly. Raises BackendUnavailableError when the backend cannot serve the device or fails verification."""
+    if backend not in BACKENDS:
+        raise ValueError(f"unknown backend {backend!r} (one of {', '.join(BACKENDS)})")
+    fn = implementation(backend, op, device)
+    if fn is None:
+        raise BackendUnavailableError(f"eagle3::{op}: backend {backend} cannot serve device {device}")
+    if not _passes_verification(op, backend, device, fn, dtype):
+        raise BackendUnavailableError(f"eagle3::{op}: backend {backend} failed verification on {device} for {dtype}")
+    return fn
 
 
 def backends(device=None, dtype: torch.dtype = torch.bfloat16) -> Dict[str, str]:
@@ -282,4 +224,3 @@ def reset_verification() -> None:
     with _lock:
         _verified.clear()
         _used_unverified_in_graph.clear()
-        _selected.clear()

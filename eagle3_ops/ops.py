@@ -5,14 +5,15 @@ modules, self-check); this module defines the ops from those rows, registers the
 (one function per op below, ``@_implements``), the fakes and the forward-only autograd kernels, and
 holds the Python functions at the bottom.
 
-Every backend function has the signature of the op (draft_fc: into ``out``, with a ``workspace``),
-receives validated arguments and a non-empty output, and allocates nothing (docs/design.md §4, §7.2).
-Model code calls the Python functions at the bottom, never ``torch.ops.eagle3`` directly. In plain
-eager mode those run the op's implementation themselves, sparing two dispatcher round trips per
-call: straight to the backend when :mod:`accept` finds the call certainly within the contract and
-no mode or transform active (the usual call: the whole face ~0.6-1.3 µs above the backend function,
-docs/design.md §5.1), else through the full checks and forward-only guard (:func:`_call`); under
-torch.compile, fake tensors or any Python mode they call ``torch.ops.eagle3``.
+Every backend function has the signature of the op (draft_fc: into ``out``, with a ``workspace``, and
+the ``planned`` call of its ``draft_fc_plan``), receives validated arguments and a non-empty output, and
+allocates nothing (docs/design.md §4, §7.2).
+
+One contract, one way through: each face calls ``torch.ops.eagle3.<op>``; the dispatcher runs the
+forward-only Autograd guard, then the impl, which checks the contract (``validation.py``, the same
+function the op's fake is) and runs the backend ``dispatch.select`` names. Under torch.compile, fake
+tensors or any mode the same op is traced. The SGLang plugin's hot calls do not come through here:
+they run calls planned once at install (:mod:`eagle3_ops.bound`).
 """
 from __future__ import annotations
 
@@ -21,7 +22,7 @@ from typing import Callable, Dict, Optional
 
 import torch
 
-from . import accept, dispatch, validation
+from . import dispatch, validation
 from . import workspace as _workspace
 from .registry import OPS
 
@@ -65,16 +66,14 @@ def _implements(name: str):
 
 
 def _debug() -> bool:
-    # EAGLE3_OPS_DEBUG unset (the usual case) is decided by one environment lookup; a set value is
-    # parsed once per value (settings caches the parse) and a bad one reported once.
-    if dispatch.raw_env("EAGLE3_OPS_DEBUG") is None:
-        return False
     from . import settings
 
     return bool(settings.get_or_default("EAGLE3_OPS_DEBUG", log))
 
 
 # ---- the real impls ------------------------------------------------------------------------------
+# Each checks the op's contract (the same check is the op's fake, registry.py), then runs the backend
+# dispatch.select names for the device and dtype.
 @_implements("capture")
 def _capture_impl(hidden, residual, buffer, slot):
     validation.check_capture(hidden, residual, buffer, slot)
@@ -93,24 +92,23 @@ def _fused_impl(input, residual, weight, eps, buffer, slot):
 
 
 def _run_draft_fc(x, weight, bias, rows, chunk_norm_weight, input_norm_weight, eps, out, workspace, op,
-                  norm_folded=False, accepted=False):
-    """After validation: range-check host rows, skip an empty output (both already settled when the
-    fast acceptance took the call: ``accepted``), size the workspace, run the selected backend,
-    debug-check device rows."""
-    if not accepted:
-        validation.check_host_rows_in_range(x, rows, op=op)
-        if out.numel() == 0:
-            return
+                  norm_folded=False):
+    """After validation: range-check host rows, skip an empty output, plan the call once on the selected
+    backend (path, launch, workspace bytes), check or take the workspace, run it, debug-check device rows."""
+    validation.check_host_rows_in_range(x, rows, op=op)
+    if out.numel() == 0:
+        return
     backend, fn = dispatch.select("draft_fc", x.device, x.dtype)
     args = (x, weight, bias, rows, chunk_norm_weight, input_norm_weight)
-    need = dispatch.function(backend, "draft_fc_workspace_bytes")(*args, norm_folded)
+    planned = dispatch.function(backend, "draft_fc_plan")(*args, norm_folded)
+    need = planned.nbytes
     if workspace is None:
         workspace = _workspace.scratch(x.device, need) if need else None
     elif workspace.numel() < need:
         raise validation.Eagle3ArgumentError(
             f"eagle3::{op}: workspace has {workspace.numel()} bytes, this call needs {need} "
             f"(eagle3_ops.draft_fc_workspace_bytes gives the size)")
-    fn(*args, eps, out, workspace, norm_folded)
+    fn(*args, eps, out, workspace, norm_folded, planned=planned)
     if rows is not None and not rows.is_cpu and _debug():
         # Device-side indices give NaN rows when out of range; debug mode makes that an error:
         # an async device assert inside CUDA-graph capture (no sync allowed), else a host check.
@@ -144,59 +142,22 @@ assert set(_impls) == set(OPS), f"ops.py implements {sorted(_impls)}, registry.p
 
 
 # ---- the Python face -----------------------------------------------------------------------------
-# Each face first asks whether torch.compile is tracing it (dynamo folds this call to True: the traced
-# face takes torch.ops.eagle3), then the fast acceptance (``accept``: plain eager mode and arguments
-# certainly within the contract) whether it may run the backend itself; otherwise the full path.
-_compiling = torch.compiler.is_compiling
-
-
-def _runs_directly(args) -> bool:
-    """Whether a face call may run the op's implementation itself instead of going through
-    ``torch.ops.eagle3`` (the same checks and backend, without two dispatcher round trips: ~tens of
-    us of host time per call): plain eager mode only — not while torch.compile traces, no Python
-    dispatch or function mode active (FakeTensorMode, functionalization, TorchFunctionMode), every
-    tensor argument a plain CPU or CUDA tensor (or nn.Parameter: :func:`accept.plain_tensor_type`).
-    Anything else takes the op, as before."""
-    if torch.compiler.is_compiling() or torch._C._len_torch_dispatch_stack() or \
-            torch._C._is_torch_function_mode_enabled():
-        return False
-    for a in args:
-        if a is not None and isinstance(a, torch.Tensor) and (not accept.plain_tensor_type(type(a)) or
-                                                              not (a.is_cuda or a.is_cpu)):
-            return False
-    return True
-
-
-def _call(name: str, *args):
-    """Op ``name`` with its schema's arguments: directly when :func:`_runs_directly` (after the
-    autograd guard the op's Autograd kernel applies: forward-only), else ``torch.ops.eagle3``."""
-    if _runs_directly(args):
-        if torch.is_grad_enabled():
-            validation.check_no_grad_inputs(name, _tensor_args(name, args))
-        return _impls[name](*args)
-    return getattr(torch.ops.eagle3, name).default(*args)
-
-
+# One way through: every face calls its torch.ops.eagle3 op (the dispatcher runs the Autograd guard, then the
+# impl above: the contract, the backend). The faces only normalise the Python scalars the schema types.
+# The plugin's hot calls do not come here: they run the call planned at install (eagle3_ops.bound).
 def capture(hidden: torch.Tensor, residual: Optional[torch.Tensor], buffer: torch.Tensor, slot: int) -> None:
     """``buffer[:T, slot*H:(slot+1)*H] = hidden + residual`` (or ``hidden``); nothing else changes."""
-    if not _compiling() and accept.capture_accepted(hidden, residual, buffer, slot):
-        dispatch.select("capture", hidden.device, hidden.dtype)[1](hidden, residual, buffer, slot)
-        return
     validation.check_int("capture", "slot", slot)
-    _call("capture", hidden, residual, buffer, slot)
+    torch.ops.eagle3.capture.default(hidden, residual, buffer, slot)
 
 
 def fused_add_rmsnorm_capture(input: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
                               buffer: torch.Tensor, slot: int) -> None:
     """SGLang ``fused_add_rmsnorm(input, residual, weight, eps)`` that also writes the new residual
     into ``buffer`` slot ``slot``."""
-    if not _compiling() and accept.fused_add_rmsnorm_capture_accepted(input, residual, weight, eps, buffer, slot):
-        dispatch.select("fused_add_rmsnorm_capture", input.device, input.dtype)[1](
-            input, residual, weight, eps, buffer, slot)
-        return
     validation.check_int("fused_add_rmsnorm_capture", "slot", slot)
     validation.check_eps("fused_add_rmsnorm_capture", eps)
-    _call("fused_add_rmsnorm_capture", input, residual, weight, float(eps), buffer, slot)
+    torch.ops.eagle3.fused_add_rmsnorm_capture.default(input, residual, weight, float(eps), buffer, slot)
 
 
 def draft_fc(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None,
@@ -207,23 +168,16 @@ def draft_fc(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]
     scratch (uint8, at least :func:`draft_fc_workspace_bytes`); default: the face's per-stream one.
     ``norm_folded``: ``weight`` is :func:`fold_norm_weights` of the fc weight with these norm
     weights (the kernels then apply only the RMS scales: the plain hot loop)."""
-    M = -1 if _compiling() else accept.draft_fc_accepted(x, weight, bias, rows, chunk_norm_weight, input_norm_weight,
-                                                          eps, None, workspace, norm_folded)
-    if M >= 0:
-        out = torch.empty((M, weight.shape[0]), dtype=x.dtype, device=x.device)
-        _run_draft_fc(x, weight, bias, rows, chunk_norm_weight, input_norm_weight, eps, out, workspace,
-                      # the op the full path names
-                      "draft_fc" if workspace is None else "draft_fc_out", norm_folded, True)
-        return out
     validation.check_eps("draft_fc", eps)
     norm_folded = bool(norm_folded)
     if workspace is None:
-        return _call("draft_fc", x, weight, bias, rows, chunk_norm_weight, input_norm_weight, float(eps), norm_folded)
-    M = validation.check_draft_fc(x, weight, bias, rows, chunk_norm_weight, input_norm_weight, eps,
-                                  workspace=workspace, norm_folded=norm_folded)
-    out = torch.empty((M, weight.shape[0]), dtype=x.dtype, device=x.device)
-    _call("draft_fc_out", x, weight, bias, rows, chunk_norm_weight, input_norm_weight, float(eps), out, workspace,
-          norm_folded)
+        return torch.ops.eagle3.draft_fc.default(x, weight, bias, rows, chunk_norm_weight, input_norm_weight,
+                                                 float(eps), norm_folded)
+    # With a workspace: the out= op (the functional op takes none, see registry.py) into a new output, whose
+    # shape needs only the row count; the op checks everything else, once.
+    out = torch.empty(validation.draft_fc_output_shape("draft_fc", x, weight, rows), dtype=x.dtype, device=x.device)
+    torch.ops.eagle3.draft_fc_out.default(x, weight, bias, rows, chunk_norm_weight, input_norm_weight, float(eps),
+                                          out, workspace, norm_folded)
     return out
 
 
@@ -232,14 +186,9 @@ def draft_fc_out(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Ten
                  input_norm_weight: Optional[torch.Tensor], eps: float, out: torch.Tensor,
                  workspace: Optional[torch.Tensor] = None, *, norm_folded: bool = False) -> None:
     """``draft_fc`` into a preallocated ``out`` [M, N] (no allocation: CUDA-graph friendly)."""
-    if not _compiling() and accept.draft_fc_accepted(x, weight, bias, rows, chunk_norm_weight, input_norm_weight,
-                                                     eps, out, workspace, norm_folded) >= 0:
-        _run_draft_fc(x, weight, bias, rows, chunk_norm_weight, input_norm_weight, eps, out, workspace,
-                      "draft_fc_out", norm_folded, True)
-        return
     validation.check_eps("draft_fc_out", eps)
-    _call("draft_fc_out", x, weight, bias, rows, chunk_norm_weight, input_norm_weight, float(eps), out, workspace,
-          bool(norm_folded))
+    torch.ops.eagle3.draft_fc_out.default(x, weight, bias, rows, chunk_norm_weight, input_norm_weight, float(eps),
+                                          out, workspace, bool(norm_folded))
 
 
 def draft_fc_workspace_bytes(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None,
@@ -249,8 +198,8 @@ def draft_fc_workspace_bytes(x: torch.Tensor, weight: torch.Tensor, bias: Option
     on ``weight``'s device. Only shapes, strides and dtypes are read: ``x`` and ``rows`` may be meta
     tensors (to size a workspace for a larger M than any real tensor at hand)."""
     backend, _ = dispatch.select("draft_fc", weight.device, weight.dtype)
-    return int(dispatch.function(backend, "draft_fc_workspace_bytes")(x, weight, bias, rows, chunk_norm_weight,
-                                                                       input_norm_weight, bool(norm_folded)))
+    return int(dispatch.function(backend, "draft_fc_plan")(x, weight, bias, rows, chunk_norm_weight,
+                                                           input_norm_weight, bool(norm_folded)).nbytes)
 
 
 def fold_norm_weights(weight: torch.Tensor, chunk_norm_weight: Optional[torch.Tensor] = None,

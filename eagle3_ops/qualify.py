@@ -47,7 +47,7 @@ from typing import Callable, List, Optional, Sequence, Tuple
 
 import torch
 
-from . import dispatch, plans, problems, qualify_cache
+from . import bound, dispatch, plans, problems, qualify_cache
 from .timing import Timer
 
 log = logging.getLogger("eagle3_ops")
@@ -59,7 +59,9 @@ MARGIN = 1.05          # a candidate must be at least 5% faster than stock to re
 # 3: the target norm bitwise in all three outputs, against the site's own norm module.
 # 4: the CUDA skinny kernels v2 (cp.async ring, norm pre-pass, new split planner): plans measured on
 #    the v1 kernels must not stand for them.
-RULES_VERSION = 4
+# 5: candidates timed as the plugin runs them (bound calls planned once, eagle3_ops.bound), not through the
+#    public face: plans timed with the face's host path must not stand for them.
+RULES_VERSION = 5
 DEFAULT_BUCKETS = (1, 4, 16, 64, 128, 512, 2048)   # decode / verify / prefill row counts
 TOL = {"draft_fc": problems.MATMUL_TOL, "fused_add_rmsnorm_capture": problems.NORM_TOL}
 
@@ -79,11 +81,14 @@ class Shape:
 
     @property
     def torch_dtype(self) -> torch.dtype:
+        """``dtype`` (a name such as ``bfloat16``) as a torch dtype."""
         return getattr(torch, self.dtype)
 
 
 @dataclass
 class Choice:
+    """What serves one (op, row bucket): the fastest candidate that passed (backend, path, folded, its error and median
+    time) or stock (``backend`` None), with the stock time it was compared against."""
     op: str
     rows: int
     backend: Optional[str]         # None: stock
@@ -97,6 +102,7 @@ class Choice:
 
 @dataclass
 class Rejection:
+    """One candidate (op, rows, backend, path, folded) that qualification refused, and why."""
     op: str
     rows: int
     backend: str
@@ -107,6 +113,8 @@ class Rejection:
 
 @dataclass
 class Plan:
+    """The qualification of one :class:`Shape` on one device: a :class:`Choice` per row bucket, the rejected candidates,
+    how long it took and whether it came from the cache."""
     device: str
     shape: Shape
     choices: List[Choice] = field(default_factory=list)
@@ -122,11 +130,14 @@ class Plan:
         return self.choices[-1]
 
     def to_json(self) -> dict:
+        """The plan as a JSON-able dict (shape, choices and rejections as dicts; seconds rounded to ms)."""
         return {"device": self.device, "shape": asdict(self.shape), "seconds": round(self.seconds, 3),
                 "cached": self.cached, "choices": [asdict(c) for c in self.choices],
                 "rejected": [asdict(r) for r in self.rejected]}
 
     def table(self) -> str:
+        """The plan as text for a person: a header line, one row per bucket (what serves, max rel err, us, stock us,
+        what stock ran), then one line per rejection."""
         lines = [f"qualification on {self.device}: {self.shape.op} H={self.shape.hidden} K={self.shape.captures}"
                  + (f" N={self.shape.out_features}" if self.shape.out_features else "")
                  + f" {self.shape.dtype} ({'cached' if self.cached else f'{self.seconds:.1f} s'})",
@@ -240,8 +251,6 @@ def _qualify_fc(shape: Shape, rows: int, device, timer: Timer, plan: Plan, margi
     """A site with pre-fc norms: every candidate also runs on the folded weight, as
     ``norm_folded=True`` (``folded_weight``: the site's, prepared once; without ``tensors`` each
     bucket's random problem is folded here). Truth is the unfolded float64 answer for both."""
-    import eagle3_ops
-
     p = _fc_problem(shape, rows, device, tensors)
     if tensors is None:
         folded_weight = _fold(p.weight, p.chunk_norm_weight, p.input_norm_weight)
@@ -254,11 +263,15 @@ def _qualify_fc(shape: Shape, rows: int, device, timer: Timer, plan: Plan, margi
         args = (p.x, folded_weight, *p.args[2:]) if folded else p.args
         for backend, path in candidates("draft_fc", device):
             out = torch.full((p.M, p.N), float("nan"), dtype=p.dtype, device=device)
-
-            def call(backend=backend, path=path, out=out, args=args, folded=folded):
-                with dispatch.using(backend), plans.forced_path(path):
-                    (run_candidate or eagle3_ops.draft_fc_out)(*args, p.eps, out, norm_folded=folded)
             try:
+                # the call the plugin would make: bound (backend verified, path fixed), planned once
+                run = _bound_fc(backend, path, device, args, folded)
+
+                def call(backend=backend, path=path, run=run, out=out, args=args, folded=folded):
+                    if run_candidate is None:
+                        run(*args, p.eps, out, norm_folded=folded)
+                    else:
+                        run_candidate(backend, run, *args, p.eps, out, norm_folded=folded)
                 call()
                 err = problems.rel_err(out, truth, normwise=True)
             except Exception as e:  # a crashing candidate is rejected, never chosen
@@ -273,6 +286,20 @@ def _qualify_fc(shape: Shape, rows: int, device, timer: Timer, plan: Plan, margi
             if best is None or us < best[2]:
                 best = (backend, path, us, err, folded)
     _record(plan, "draft_fc", rows, best, stock_us, stock_label, margin)
+
+
+def _bound_fc(backend: str, path: Optional[str], device, args, folded: bool) -> Callable:
+    """``run(x, weight, bias, rows, chunk_norm_weight, input_norm_weight, eps, out, norm_folded)``: draft_fc
+    bound to ``backend`` and ``path`` (eagle3_ops.bound), planned once for these arguments, with its own
+    workspace: per call only the launch runs, as in the plugin's forwards."""
+    fc = bound.DraftFc(backend, path, torch.device(device), args[0].dtype)
+    planned = fc.plan(*args, folded)
+    workspace = torch.empty(planned.nbytes, dtype=torch.uint8, device=device) if planned.nbytes else None
+
+    def run(x, weight, bias, rows, chunk_norm_weight, input_norm_weight, eps, out, norm_folded=False):
+        fc(planned, x, weight, bias, rows, chunk_norm_weight, input_norm_weight, eps, out, workspace, norm_folded)
+
+    return run
 
 
 def _fused_error(q: problems.CaptureProblem, normed64: torch.Tensor, sum64: torch.Tensor) -> float:
@@ -290,8 +317,6 @@ def _qualify_fused(shape: Shape, rows: int, device, timer: Timer, plan: Plan, ma
     reads): the target's tokens are not ours to change. Also within tolerance of float64 (a stock
     that is itself wrong must not make a wrong candidate pass). ``stock_norm``: the site's own norm
     module, whose weight and eps the problem uses."""
-    import eagle3_ops
-
     base = problems.capture_problem(rows, shape.hidden, shape.captures, shape.torch_dtype, device, key=("qualify",),
                                    slot=0, fused=True)
     if stock_norm is not None:
@@ -310,12 +335,13 @@ def _qualify_fused(shape: Shape, rows: int, device, timer: Timer, plan: Plan, ma
         q = base.clone()
         q.slot_view.fill_(float("nan"))
 
-        def once(backend=backend, q=q):
-            with dispatch.using(backend):
-                (run_candidate or eagle3_ops.fused_add_rmsnorm_capture)(q.hidden, q.residual, q.weight, q.eps,
-                                                                         q.buffer, q.slot)
+        def launch(fn, backend, t):
+            args = (t.hidden, t.residual, t.weight, t.eps, t.buffer, t.slot)
+            fn(*args) if run_candidate is None else run_candidate(backend, fn, *args)
+
         try:
-            once()
+            fn = bound.fused_add_rmsnorm_capture(backend, torch.device(device), base.hidden.dtype)
+            launch(fn, backend, q)
             err = _fused_error(q, normed64, sum64)
         except Exception as e:
             plan.rejected.append(Rejection("fused_add_rmsnorm_capture", rows, backend, None,
@@ -335,10 +361,8 @@ def _qualify_fused(shape: Shape, rows: int, device, timer: Timer, plan: Plan, ma
             continue
         t = base.clone()  # timing mutates input/residual in place: time on a copy
 
-        def timed(backend=backend, t=t):
-            with dispatch.using(backend):
-                (run_candidate or eagle3_ops.fused_add_rmsnorm_capture)(t.hidden, t.residual, t.weight, t.eps,
-                                                                         t.buffer, t.slot)
+        def timed(fn=fn, backend=backend, t=t):
+            launch(fn, backend, t)
         us = timer(timed)
         if best is None or us < best[2]:
             best = (backend, None, us, err)
@@ -356,6 +380,7 @@ def _record(plan: Plan, op: str, rows: int, best, stock_us: float, stock_label: 
 
 # ---- the cache (qualify_cache.py: validated reads, locked atomic writes) -------------------------------
 def cache_path() -> Path:
+    """Where qualification plans are cached (:func:`eagle3_ops.qualify_cache.path`)."""
     return qualify_cache.path()
 
 
@@ -507,7 +532,8 @@ def qualify(shape: Shape, device=None, buckets: Sequence[int] = DEFAULT_BUCKETS,
     ``tensors``: the site's own draft_fc weights (weight, bias, chunk_norm_weight,
     input_norm_weight, eps) instead of random ones. ``stock_norm``: for the fused norm, the site's
     own norm module, the stock every candidate must match bitwise. ``timer`` / ``run_candidate``
-    replace the timing and the op call (tests)."""
+    replace the timing and the candidate's call (tests: ``run_candidate(backend, run, *args, **kw)`` is called
+    instead of ``run(*args, **kw)``, ``run`` being the bound call the plugin would make)."""
     if device is None:
         device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
     device = torch.device(device)

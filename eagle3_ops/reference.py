@@ -125,19 +125,41 @@ def fold_norm_weights_ref(weight: torch.Tensor, chunk_norm_weight: Optional[torc
 
 # ---- the backend functions (the contract of eagle3_ops/ops.py: the op's name, into caller memory) ----
 def capture(hidden, residual, buffer, slot) -> None:
+    """Backend ``capture`` in plain PyTorch: :func:`capture_ref` into ``buffer`` slot ``slot``."""
     capture_ref(hidden, residual, buffer, slot)
 
 
 def fused_add_rmsnorm_capture(input, residual, weight, eps, buffer, slot) -> None:
+    """Backend ``fused_add_rmsnorm_capture`` in plain PyTorch: :func:`fused_add_rmsnorm_capture_ref` (in place on input
+    and residual, the new residual into ``buffer`` slot ``slot``)."""
     fused_add_rmsnorm_capture_ref(input, residual, weight, eps, buffer, slot)
 
 
+class Plan:
+    """The reference's plan of a draft_fc call: one path (plain PyTorch), no workspace."""
+    path = None
+    nbytes = 0
+
+
+_PLAN = Plan()
+
+
+def draft_fc_plan(x, weight, bias, rows, chunk_norm_weight, input_norm_weight, norm_folded: bool = False,
+                  path=None) -> Plan:
+    """The reference's planner: the same :class:`Plan` for every call (no path, no workspace); the arguments are the
+    other backends' planner signature."""
+    return _PLAN
+
+
 def draft_fc(x, weight, bias, rows, chunk_norm_weight, input_norm_weight, eps, out, workspace,
-             norm_folded: bool = False) -> None:
+             norm_folded: bool = False, planned=None) -> None:
+    """Backend ``draft_fc`` in plain PyTorch: :func:`draft_fc_ref` (fp32 accumulation) rounded into ``out`` [M, N];
+    ``workspace`` and ``planned`` are ignored."""
     out.copy_(draft_fc_ref(x, weight, bias, rows, chunk_norm_weight, input_norm_weight, eps,
                            norm_folded=norm_folded).to(out.dtype))
 
 
 def draft_fc_workspace_bytes(x, weight, bias, rows, chunk_norm_weight, input_norm_weight,
                              norm_folded: bool = False) -> int:
+    """Always 0: the reference needs no workspace (PyTorch allocates its own temporaries)."""
     return 0  # plain PyTorch allocates its temporaries itself

@@ -8,9 +8,11 @@ passes before it first serves (``verify.py``). Nothing here imports the rest of 
 flow is one way, ``registry`` -> ``dispatch`` (which backend serves) -> ``ops`` (registration with
 torch and the Python face).
 
-Adding an op: a row here, its check in ``validation.py``, its self-check in ``verify.py``, the
-function in each backend module (``reference.py``, ``triton/``, ``cuda_backend.py`` + ``csrc/``) and
-its face in ``ops.py``. ``tests/ops/test_contract.py`` resolves every row on every backend.
+Adding an op: a row here, its check in ``validation.py`` (the op's one contract: the impl runs it and the
+fake is it), its self-check in ``verify.py``, the function in each backend module (``reference.py``,
+``triton/``, ``cuda_backend.py`` + ``csrc/``, whose checks guard memory safety only), its impl and face in
+``ops.py``, and, where the plugin calls it, a bound call in ``bound.py``. ``tests/ops/test_contract.py``
+resolves every row on every backend.
 """
 from __future__ import annotations
 
@@ -24,6 +26,8 @@ BACKENDS = ("cuda", "triton", "reference")
 
 @dataclass(frozen=True)
 class Op:
+    """One eagle3 op as every layer reads it: schema, contract (also the fake), tensor argument names, the backend
+    modules that implement it and the self-check each passes before first use."""
     name: str
     schema: str                                # the public op: torch.ops.eagle3.<name>
     fake: Callable                             # the contract on (fake) tensors; returns the output
@@ -31,10 +35,12 @@ class Op:
     backends: Mapping[str, str]                # backend -> the module holding its function ``implemented_by``
     selfcheck: Callable                        # verify.selfcheck_*: (fn, device, dtype, functions) -> (ok, detail)
     implemented_by: str = ""                   # the backend function's name (default: the op's own)
-    workspace_bytes: bool = False              # backends also export <implemented_by>_workspace_bytes
+    planned: bool = False                      # backends also export <implemented_by>_plan (a call's path, launch
+                                               # and workspace bytes: .nbytes) and <implemented_by>_workspace_bytes
 
     @property
     def function(self) -> str:
+        """The name of the backend function that implements the op: ``implemented_by``, else the op's own name."""
         return self.implemented_by or self.name
 
 
@@ -69,7 +75,7 @@ OPS: Dict[str, Op] = {op.name: op for op in (
        "draft_fc(Tensor x, Tensor weight, Tensor? bias, Tensor? rows, Tensor? chunk_norm_weight, "
        "Tensor? input_norm_weight, float eps, bool norm_folded=False) -> Tensor",
        _draft_fc_fake, ("x", "weight", "bias", "rows", "chunk_norm_weight", "input_norm_weight", None, None),
-       _FC_MODULES, verify.selfcheck_draft_fc, workspace_bytes=True),
+       _FC_MODULES, verify.selfcheck_draft_fc, planned=True),
     # The out= variant: the same backend function, caller-owned output and workspace. The functional op
     # takes no workspace: a mutable optional argument on an op that returns a new tensor breaks inductor.
     Op("draft_fc_out",
@@ -78,7 +84,7 @@ OPS: Dict[str, Op] = {op.name: op for op in (
        "bool norm_folded=False) -> ()",
        _draft_fc_out_fake, ("x", "weight", "bias", "rows", "chunk_norm_weight", "input_norm_weight", None, "out",
                             "workspace", None),
-       _FC_MODULES, verify.selfcheck_draft_fc, implemented_by="draft_fc", workspace_bytes=True),
+       _FC_MODULES, verify.selfcheck_draft_fc, implemented_by="draft_fc", planned=True),
 )}
 
 # The ops a backend implements under their own name (draft_fc_out is served by draft_fc's function).

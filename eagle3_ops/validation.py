@@ -83,6 +83,8 @@ def check_int(op: str, name: str, value) -> int:
 
 
 def check_eps(op: str, eps) -> float:
+    """``eps`` as a float; raises Eagle3ArgumentError naming ``op`` unless it is a finite number > 0 (a bool is
+    refused)."""
     if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not math.isfinite(float(eps)) or eps <= 0:
         _fail(op, f"eps must be a finite float > 0, got {eps!r}")
     return float(eps)
@@ -210,6 +212,9 @@ def _check_capture_buffer(op: str, buffer: torch.Tensor, T: int, H: int, slot: i
 
 def check_capture(hidden: torch.Tensor, residual: Optional[torch.Tensor], buffer: torch.Tensor,
                   slot: int) -> None:
+    """The contract of ``capture`` (also its fake): hidden [T, H] of a supported dtype, residual None or like hidden, a
+    [rows, K*H] buffer of the same dtype and device with room for T rows at ``slot``, and a slot that overlaps no input.
+    Raises Eagle3ArgumentError."""
     op = "capture"
     _check_ndim(op, "hidden", hidden, 2, "[T, hidden]")
     _check_supported_dtype(op, "hidden", hidden)
@@ -231,6 +236,9 @@ def check_capture(hidden: torch.Tensor, residual: Optional[torch.Tensor], buffer
 
 def check_fused_add_rmsnorm_capture(input: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
                                     eps: float, buffer: torch.Tensor, slot: int) -> None:
+    """The contract of ``fused_add_rmsnorm_capture`` (also its fake): input and residual [T, H], weight [H], all one
+    dtype and device, eps > 0, a buffer with room at ``slot``, and input, residual and the slot distinct memory that
+    overlaps nothing else. Raises Eagle3ArgumentError."""
     op = "fused_add_rmsnorm_capture"
     _check_ndim(op, "input", input, 2, "[T, hidden]")
     _check_supported_dtype(op, "input", input)
@@ -262,6 +270,16 @@ def check_fused_add_rmsnorm_capture(input: torch.Tensor, residual: torch.Tensor,
 FOLDED_FP16_INPUT_NORM = ("{op}: norm_folded with float16 and input_norm_weight is refused: the scaled input of the "
                           "tiled/cuBLAS paths could overflow float16 without the norm weights; fold in bfloat16 or "
                           "serve float16 unfolded")
+
+
+def draft_fc_output_shape(op: str, x: torch.Tensor, weight: torch.Tensor, rows: Optional[torch.Tensor]) -> tuple:
+    """(M, N) of draft_fc's output, from the ranks alone (with check_draft_fc's messages): what a face needs to
+    allocate ``out`` before the out= op checks everything else."""
+    _check_ndim(op, "x", x, 2, "[rows, K*hidden]")
+    _check_ndim(op, "weight", weight, 2, "[N, K*hidden] (nn.Linear layout)")
+    if rows is not None:
+        _check_ndim(op, "rows", rows, 1, "[M] row indices")
+    return (x.shape[0] if rows is None else rows.shape[0]), weight.shape[0]
 
 
 def check_draft_fc(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],

@@ -62,7 +62,7 @@ from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 
-from .. import ops, qualify, settings
+from .. import bound, qualify, settings
 from ..buffer import AuxCaptureBuffer
 from . import fc_sharding, groups, lockstep, serving
 from .routing import routing_problem, wrap_class_forward
@@ -227,9 +227,14 @@ class TargetCaptureState:
         self.stats = {"buffer_forwards": 0, "stock_forwards": 0, "fused_captures": 0, "copied_captures": 0}
         self.routing_warned = False
         self.norm_plan = None  # qualify.Plan of the fused norm per row bucket (None: never fused)
+        # the bound calls (eagle3_ops.bound), made at install: the capture copy, and the fused norm of every
+        # backend the norm plan serves (backend -> function)
+        self.copy = None
+        self.fused: Dict[str, Any] = {}
 
     @property
     def max_tokens(self) -> int:
+        """Rows of the capture buffer: the most tokens one forward can capture into it."""
         return self.buffer.max_tokens
 
     @property
@@ -253,11 +258,12 @@ class TargetCaptureState:
             return "capture has a non-contiguous last dim"
         return None
 
-    def fuses(self, rows: int) -> Optional[str]:
-        """The backend qualification chose for the fused norm at ``rows`` rows, or None (stock norm)."""
+    def fuses(self, rows: int):
+        """The bound fused norm qualification chose for ``rows`` rows, or None (stock norm)."""
         if self.norm_plan is None:
             return None
-        return self.norm_plan.choice_for(rows).backend
+        backend = self.norm_plan.choice_for(rows).backend
+        return self.fused[backend] if backend is not None else None
 
     def learn(self, value: torch.Tensor, slot: int, recent: List[Tuple[Any, torch.Tensor]]) -> None:
         """``value`` was captured into ``slot``: a norm whose returned residual IS ``value`` produces it."""
@@ -284,12 +290,16 @@ class ForwardCapture:
         self.views: List[torch.Tensor] = []  # the slot views list_capture_hook put in the owner list
 
     def claim(self, accumulator) -> bool:
+        """Whether ``accumulator`` (an SGLang AuxHiddenStateList / AuxHiddenStatePacker) is this forward's: the first
+        one to ask takes the forward over; any other gets False and runs stock."""
         if self.owner is None:
             self.owner = accumulator
             return True
         return self.owner is accumulator
 
     def decide(self, value: torch.Tensor) -> str:
+        """This forward's mode, decided at its first capture ``value`` [T, H]: ``buffer`` when it fits the capture
+        buffer (T is then fixed), else ``stock`` with one warning naming why."""
         if self.mode is None:
             why = self.state.fits(value)
             if why is None:
@@ -311,7 +321,7 @@ class ForwardCapture:
             # fused_add_rmsnorm_capture already wrote exactly this residual into slot k
             self.state.stats["fused_captures"] += 1
         else:
-            ops.capture(value, None, self.state.buffer.buffer, k)
+            self.state.copy(value, None, self.state.buffer.buffer, k)  # the checks above are its contract
             self.state.stats["copied_captures"] += 1
             self.state.learn(value, k, self.recent)
         self.recent.clear()
@@ -430,6 +440,7 @@ def _prepare_target(owner, name: str, layer_ids, hidden_size: int, max_tokens: O
                        "it produces is a copy", name, site, why_not)
     state = TargetCaptureState(name, owner, layer_ids, hidden_size, dtype, device, int(max_tokens))
     state.candidate_norms = candidates
+    state.copy = bound.capture(backend["capture"], device, dtype)
     return state, backend
 
 
@@ -508,6 +519,7 @@ def install_target_capture(model, max_tokens: Optional[int] = None,
     _installed.add(state)
     if candidates:
         _qualify_norm(state, name, dtype, device)
+        _bind_fused(state, name, dtype, device)
         if state.norm_plan is not None and any(c.backend is not None for c in state.norm_plan.choices):
             for norm in candidates:
                 norm.forward = _norm_forward_wrapper(norm, state)
@@ -574,6 +586,22 @@ def _qualify_norm(state: TargetCaptureState, name: str, dtype: torch.dtype, devi
                                            groups.tp_group(), f"{name} fused norm")
     for line in state.norm_plan.table().splitlines():
         log.info("eagle3_ops: %s fused norm %s", name, line)
+
+
+def _bind_fused(state: TargetCaptureState, name: str, dtype: torch.dtype, device: torch.device) -> None:
+    """The bound fused norm of every backend the agreed norm plan serves. Qualification verified each already;
+    should one fail here on this rank alone, this rank serves SGLang's norm (bitwise what the fused op gives:
+    that is what qualification checked), so ranks that differ here still compute the same."""
+    plan = state.norm_plan
+    if plan is None:
+        return
+    try:
+        state.fused = {c.backend: bound.fused_add_rmsnorm_capture(c.backend, device, dtype)
+                       for c in plan.choices if c.backend is not None}
+    except Exception:
+        log.exception("eagle3_ops: %s fused norm: its qualified backend cannot be bound on this rank; SGLang's "
+                      "norm serves here", name)
+        state.norm_plan, state.fused = None, {}
 
 
 def _check_configured_layers(state: TargetCaptureState, inner) -> None:
@@ -716,7 +744,7 @@ def _copy_plain_list(cap: ForwardCapture, values: list) -> bool:
         return False
     cap.mode, cap.num_tokens = "buffer", values[0].shape[0]
     for k, v in enumerate(values):
-        ops.capture(v, None, state.buffer.buffer, k)
+        state.copy(v, None, state.buffer.buffer, k)  # fits() above is its contract
     state.stats["copied_captures"] += len(values)
     cap.count = len(values)
     return True
@@ -752,9 +780,9 @@ def _norm_forward_wrapper(norm, state: TargetCaptureState):
         if cap is None or cap.state is not state or residual is None or _compiling():
             return original(x, residual, post_residual_addition, *args, **kwargs)
         slot = state.norm_slots.get(norm)
-        backend = state.fuses(x.shape[0]) if slot is not None and isinstance(x, torch.Tensor) and x.dim() == 2 \
+        fused = state.fuses(x.shape[0]) if slot is not None and isinstance(x, torch.Tensor) and x.dim() == 2 \
             else None
-        if (backend is not None and cap.count == slot and slot not in cap.fused and cap.mode != "stock"
+        if (fused is not None and cap.count == slot and slot not in cap.fused and cap.mode != "stock"
                 and post_residual_addition is None and not args and not kwargs):
             # read per call: a weight reload may replace the Parameter (SGLang's own forward reads
             # self.weight / self.variance_epsilon per call too)
@@ -764,10 +792,7 @@ def _norm_forward_wrapper(norm, state: TargetCaptureState):
                     and x.is_contiguous() and residual.is_contiguous() and state.fits(residual) is None
                     and weight.dtype == x.dtype and weight.shape == (x.shape[1],) and weight.device == x.device
                     and not is_batch_invariant_mode_enabled()):
-                from .. import dispatch
-
-                with dispatch.using(backend):
-                    ops.fused_add_rmsnorm_capture(x, residual, weight, float(norm.variance_epsilon), buf, slot)
+                fused(x, residual, weight, float(norm.variance_epsilon), buf, slot)  # checked above
                 cap.fused[slot] = residual
                 return x, residual
         out = original(x, residual, post_residual_addition, *args, **kwargs)

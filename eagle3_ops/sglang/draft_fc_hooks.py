@@ -52,7 +52,7 @@ from typing import Any, List, Optional, Tuple
 
 import torch
 
-from .. import dispatch, ops, plans, qualify
+from .. import bound, dispatch, ops, qualify
 from . import fc_sharding, groups, lockstep, serving
 from .routing import forward_owner, routing_problem, wrap_class_forward
 from .serving import serving_backends, warn_once
@@ -169,6 +169,9 @@ def find_draft_head(inner) -> Tuple[Optional[DraftHead], str]:
 
 # ---- state -----------------------------------------------------------------------------------------
 class DraftFcState:
+    """What the plugin keeps on one draft model: its fc block (fc, input norm, fc_norm, eps), the stacked chunk norm
+    weight, the qualification plan with its bound calls, the workspace, sharding and folded weight, and call counts."""
+
     def __init__(self, inner, head: DraftHead):
         self.inner = inner
         self.head = head
@@ -183,6 +186,7 @@ class DraftFcState:
         self.sharding: Optional[dict] = None    # set when the fc was sharded over TP ranks
         self.workspace: Optional[torch.Tensor] = None  # the plugin's own draft_fc scratch (allocate_workspace)
         self.plan = None  # qualify.Plan: (backend, path) or stock per row bucket (None: not qualified)
+        self.calls: dict = {}  # (backend, path) -> bound.DraftFc the plan's buckets run (bind_calls, at install)
         # ShardingPlan when qualification chose sharded rows for some row buckets only (the replicated
         # weight stays; those buckets compute this rank's rows of it + one all-gather)
         self.partial_sharding: Optional[fc_sharding.ShardingPlan] = None
@@ -195,14 +199,17 @@ class DraftFcState:
 
     @property
     def column_parallel(self) -> bool:
+        """Whether the draft's fc is a ColumnParallelLinear (``gather_output=False``) rather than replicated."""
         return self.head.kind == "column-parallel"
 
     @property
     def weight(self) -> torch.Tensor:
+        """The fc weight [N, K*H] as the draft holds it now."""
         return self.fc.weight
 
     @property
     def input_norm_weight(self) -> Optional[torch.Tensor]:
+        """The input norm's weight [K*H], or None when the draft has no input norm."""
         return self.input_norm.weight if self.input_norm is not None else None
 
     def refold(self) -> None:
@@ -220,6 +227,8 @@ class DraftFcState:
         self.chunk_norm_weight = stacked
 
     def chunk_weight(self) -> Optional[torch.Tensor]:
+        """The fc_norm weights as one [K, H] tensor whose rows are those weights' storage (None without fc_norm);
+        re-stacked first when a reload replaced the weights."""
         if self.fc_norm is None:
             return None
         stacked = self.chunk_norm_weight
@@ -233,8 +242,9 @@ class DraftFcState:
         return self.chunk_norm_weight
 
     def call_for(self, rows: int):
-        """(choice, weight, bias, gather, folded) a fused call of ``rows`` rows makes, or None when
-        qualification keeps SGLang's stock fc block for this many rows."""
+        """(bound call, weight, bias, gather, folded) a fused call of ``rows`` rows makes, or None when
+        qualification keeps SGLang's stock fc block for this many rows. The bound calls are made at install
+        (:func:`bind_calls`): one per (backend, path) the plan serves."""
         choice = self.plan.choice_for(rows) if self.plan is not None else None
         if choice is not None and choice.backend is None:
             return None
@@ -246,30 +256,48 @@ class DraftFcState:
             gather = self.fc.gather
         elif self.partial_sharding is not None and self.partial_sharding.sharded_for(rows):
             weight, bias, gather = self.partial_sharding.rows_of(weight, bias)
-        return choice, weight, bias, gather, folded
+        call = self.calls[(choice.backend, choice.path) if choice is not None else None]
+        return call, weight, bias, gather, folded
 
     def workspace_bytes(self, rows: int, call=None) -> int:
         """Scratch bytes a fused call of ``rows`` rows needs on the path it takes (0 when stock)."""
         call = self.call_for(rows) if call is None else call
         if call is None:
             return 0
-        choice, weight, bias, _, folded = call
-        x = torch.empty((rows, self.fc.weight.shape[1]), dtype=weight.dtype, device="meta")
-        with dispatch.using(choice.backend if choice else None), plans.forced_path(choice.path if choice else None):
-            return int(ops.draft_fc_workspace_bytes(x, weight, bias, None, self.chunk_weight(),
-                                                    self.input_norm_weight, norm_folded=folded))
+        bound_call, weight, bias, _, folded = call
+        return int(bound_call.plan_rows(rows, weight, bias, self.chunk_weight(), self.input_norm_weight,
+                                        folded).nbytes)
 
     def allocate_workspace(self, max_tokens: int) -> int:
         """The draft_fc scratch for up to ``max_tokens`` rows on the paths the plan chose, owned by the
         plugin: allocated once here (at install, before SGLang sizes its KV cache and outside any
         CUDA-graph pool). Every M where a planned split count can change (up to 256) and every bucket
-        edge is sized (the bytes are monotone in M within a path and split count). Returns its bytes."""
+        edge is sized, and so planned ahead (the bytes are monotone in M within a path and split count).
+        Returns its bytes."""
         need = 0
         for m in sorted(set(range(1, 257)) | {512, 1024, 2048, 4096, int(max_tokens)}):
             if m <= max_tokens:
                 need = max(need, self.workspace_bytes(m))
         self.workspace = torch.empty(need, dtype=torch.uint8, device=self.fc.weight.device) if need else None
         return need
+
+
+def bind_calls(state: DraftFcState, default_backend: Optional[str] = None, max_tokens: Optional[int] = None) -> None:
+    """The bound draft_fc call (``eagle3_ops.bound.DraftFc``: backend function verified, path fixed) of every
+    (backend, path) ``state.plan`` serves; without a plan (qualification off), ``default_backend``'s with its
+    own crossover table, under the key None. ``max_tokens``: also size (and so plan ahead) the workspace."""
+    device, dtype = state.fc.weight.device, state.fc.weight.dtype
+    calls = {}
+    if state.plan is None:
+        backend = default_backend or dispatch.select("draft_fc", device, dtype)[0]
+        calls[None] = bound.DraftFc(backend, None, device, dtype)
+    else:
+        for c in state.plan.choices:
+            if c.backend is not None and (c.backend, c.path) not in calls:
+                calls[(c.backend, c.path)] = bound.DraftFc(c.backend, c.path, device, dtype)
+    state.calls = calls
+    if max_tokens is not None:
+        state.allocate_workspace(max_tokens)
 
 
 # ---- installation ------------------------------------------------------------------------------------
@@ -351,6 +379,7 @@ def install_draft_fc(model) -> Optional[DraftFcState]:
             state.fc = sharded_fc  # the workspace and the folded weight are for the rows that serve
         try:
             _prepare_folded_weight(state, name)
+            bind_calls(state, backend["draft_fc"])
             nbytes = state.allocate_workspace(max_tokens)
         finally:
             state.fc = replicated
@@ -453,30 +482,42 @@ def _qualify_site(state: DraftFcState, name: str, buckets, shard: Optional[Tuple
 
 # ---- the forward wrapper: what runs in each draft forward once installed ---------------------------
 def _run_draft_forward(state: DraftFcState, original, inner, args, kwargs):
-    """One forward of a patched draft (``original``: the head's stock model forward)."""
+    """One forward of a patched draft (``original``: the head's stock model forward): the row bucket's bound
+    call (planned at install) on the draft's input, else SGLang's stock fc block."""
     forward_batch = kwargs["forward_batch"] if "forward_batch" in kwargs else (args[2] if len(args) > 2 else None)
     weight = state.fc.weight
     spec = getattr(forward_batch, "spec_info", None)
     h = getattr(spec, "hidden_states", None)
     if (not state.enabled or not isinstance(h, torch.Tensor) or h.dim() != 2
             or h.shape[-1] != weight.shape[1] or h.shape[-1] == inner.config.hidden_size
-            or h.dtype != weight.dtype or h.device != weight.device
-            or (h.shape[-1] > 1 and h.stride(-1) != 1)):
+            or h.dtype != weight.dtype or h.device != weight.device):
         state.stats["stock_calls"] += 1
         return original(inner, *args, **kwargs)
-    call = state.call_for(h.shape[0])
-    need = state.workspace_bytes(h.shape[0], call) if call is not None else 0
+    M = h.shape[0]
+    call = state.call_for(M)
+    if call is None:
+        state.stats["stock_calls"] += 1
+        return original(inner, *args, **kwargs)
+    if not _planned_layout(h):  # the bound plans are for a contiguous, 16-byte aligned input
+        warn_once(f"layout:{state.name}", "eagle3_ops: draft %s fc: its input (strides %s, address %% 16 = %d) is not "
+                  "the contiguous, aligned layout the plugin planned for; SGLang's stock fc serves such forwards",
+                  state.name, tuple(h.stride()), h.data_ptr() % 16)
+        state.stats["stock_calls"] += 1
+        return original(inner, *args, **kwargs)
+    fn, weight, bias, gather, folded = call
+    chunk, input_norm_weight = state.chunk_weight(), state.input_norm_weight
+    planned = fn.plan_rows(M, weight, bias, chunk, input_norm_weight, folded) if M else None
+    need = planned.nbytes if planned is not None else 0
     have = state.workspace.numel() if state.workspace is not None else 0
-    if call is None or need > have:
-        if call is not None:  # never grow a scratch buffer in a forward (it may be a graph capture)
-            warn_once(f"ws:{state.name}:{h.shape[0]}", "eagle3_ops: draft %s fc: %d rows need %d bytes of scratch, the "
-                       "plugin's workspace has %d; SGLang's stock fc serves them", state.name, h.shape[0], need, have)
+    if need > have:  # never grow a scratch buffer in a forward (it may be a graph capture)
+        warn_once(f"ws:{state.name}:{M}", "eagle3_ops: draft %s fc: %d rows need %d bytes of scratch, the "
+                  "plugin's workspace has %d; SGLang's stock fc serves them", state.name, M, need, have)
         state.stats["stock_calls"] += 1
         return original(inner, *args, **kwargs)
-    choice, weight, bias, gather, folded = call
-    with dispatch.using(choice.backend if choice else None), plans.forced_path(choice.path if choice else None):
-        x = ops.draft_fc(h, weight, bias, None, state.chunk_weight(), state.input_norm_weight, state.eps,
-                         workspace=state.workspace if need else None, norm_folded=folded)
+    x = torch.empty((M, weight.shape[0]), dtype=h.dtype, device=h.device)
+    if M:
+        fn(planned, h, weight, bias, None, chunk, input_norm_weight, state.eps, x, state.workspace if need else None,
+           folded)
     if gather is not None:
         x = gather(x)  # [M, N/tp] -> [M, N]: the head's own all-gather, or the one sharding adds
     state.stats["fused_calls"] += 1
@@ -485,6 +526,12 @@ def _run_draft_forward(state: DraftFcState, original, inner, args, kwargs):
         return original(inner, *args, **kwargs)
     finally:
         spec.hidden_states = h
+
+
+def _planned_layout(h: torch.Tensor) -> bool:
+    """Whether ``h`` [M, K*H] is laid out as the bound plans assume: rows contiguous, 16-byte aligned."""
+    return (h.shape[0] <= 1 or h.stride(0) == h.shape[1]) and (h.shape[1] <= 1 or h.stride(1) == 1) \
+        and h.data_ptr() % 16 == 0
 
 
 # ---- after SGLang's graph setup, and lookup --------------------------------------------------------
@@ -505,5 +552,7 @@ def check_routing(model) -> Optional[str]:
 
 
 def draft_fc_state(model) -> Optional[DraftFcState]:
+    """The plugin's :class:`DraftFcState` of a draft model (or its ``.model``), or None when the fused fc is not
+    installed on it."""
     inner = getattr(model, "model", model)
     return getattr(inner, "__dict__", {}).get(_STATE_ATTR)

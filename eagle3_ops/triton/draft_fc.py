@@ -366,6 +366,8 @@ def _row_scales(x, rows, chunk_norm_weight, input_norm_weight, eps, p: _Problem,
 
 
 def skinny_config(arch: int, M: int, itemsize: int) -> dict:
+    """The skinny kernel's launch configuration (block sizes, warps, pipeline stages) for compute-capability major
+    ``arch`` (0: the CPU interpreter), ``M`` output rows and elements of ``itemsize`` bytes."""
     if arch == 0:  # interpreter: few, large programs (its cost is per program and per op)
         return dict(BLOCK_N=64, BLOCK_M=min(32, max(16, triton.next_power_of_2(M))), BLOCK_K=64, num_warps=4,
                     num_stages=1)
@@ -388,6 +390,8 @@ def split_plan(CH: int, NC: int, programs_per_split: int, block_k: int, num_sms:
 
 
 def tiled_config(arch: int, itemsize: int) -> dict:
+    """The tiled kernel's launch configuration (block sizes, GROUP_M, warps, pipeline stages) for compute-capability
+    major ``arch`` (0: the CPU interpreter) and elements of ``itemsize`` bytes."""
     if arch == 0:  # interpreter: few, large programs
         return dict(BLOCK_M=32, BLOCK_N=64, BLOCK_K=64, GROUP_M=2, num_warps=4, num_stages=1)
     # sm_120 (188 / 170 SMs, mma.sync, 64K registers for 1-2 programs): 128 x 64 tiles. 128 x 128
@@ -420,20 +424,23 @@ class Plan:
 
     @property
     def S(self) -> int:
+        """Total split-K splits: chunks x splits per chunk (the partials' leading dimension)."""
         return self.problem.NC * self.splits_per_chunk
 
     @property
     def nbytes(self) -> int:
+        """Workspace bytes the call needs: copies, row scales, split-K partials and prepared input together."""
         return self.copy_bytes + self.scale_bytes + self.partial_bytes + self.prepared_bytes
 
 
 def plan(x, weight, bias, rows, chunk_norm_weight, input_norm_weight, split_len: Optional[int] = None,
-         norm_folded: bool = False) -> Plan:
-    """The path (``plans.choose``, then the fp16-with-norms rule) and workspace regions of one call.
-    ``split_len`` overrides the skinny split length (tests use it to force several splits)."""
+         norm_folded: bool = False, path: Optional[str] = None) -> Plan:
+    """The path (``path`` when given, else ``plans.choose``; then the fp16-with-norms rule) and workspace
+    regions of one call. ``split_len`` overrides the skinny split length (tests use it to force several
+    splits)."""
     p = _problem(x, weight, rows, chunk_norm_weight, input_norm_weight)
-    device = x.device
-    path = plans.choose("triton", device, p.M)
+    device = weight.device  # x and rows may be meta tensors (a plan made ahead of the call: eagle3_ops.bound)
+    path = path or plans.choose("triton", device, p.M)
     if path == "skinny" and fc_rules.fp16_norm_overflow(x.dtype, chunk_norm_weight, input_norm_weight, norm_folded):
         path = "tiled"  # the tiled kernel scales x on the fly: no fp16 overflow
     copy_bytes = fc_rules.unit_stride_copy_bytes(bias, rows, input_norm_weight)
@@ -557,17 +564,26 @@ def draft_fc_workspace_bytes(x, weight, bias, rows, chunk_norm_weight, input_nor
     return plan(x, weight, bias, rows, chunk_norm_weight, input_norm_weight, split_len, norm_folded).nbytes
 
 
+def draft_fc_plan(x, weight, bias, rows, chunk_norm_weight, input_norm_weight, norm_folded: bool = False,
+                  path: Optional[str] = None) -> Plan:
+    """:func:`plan` in the argument order every backend's ``draft_fc_plan`` takes."""
+    return plan(x, weight, bias, rows, chunk_norm_weight, input_norm_weight, None, norm_folded, path)
+
+
 def draft_fc(x, weight, bias, rows, chunk_norm_weight, input_norm_weight, eps, out, workspace,
-             norm_folded: bool = False, split_len: Optional[int] = None) -> None:
+             norm_folded: bool = False, split_len: Optional[int] = None, planned: Optional[Plan] = None) -> None:
     """Backend entry point (arguments validated, M > 0): ``out = linear(norm(x[rows]), weight, bias)``
-    on the path :func:`plan` picks; scratch is carved from ``workspace`` (uint8, at least
-    :func:`draft_fc_workspace_bytes` bytes; None when that is 0). ``split_len``: see :func:`plan`."""
-    pl = plan(x, weight, bias, rows, chunk_norm_weight, input_norm_weight, split_len, norm_folded)
+    on the path of ``planned`` (this call's :func:`plan`, made once by the caller), else of :func:`plan`;
+    scratch is carved from ``workspace`` (uint8, at least the plan's bytes; None when that is 0).
+    ``split_len``: see :func:`plan`."""
+    pl = planned if planned is not None else plan(x, weight, bias, rows, chunk_norm_weight, input_norm_weight,
+                                                  split_len, norm_folded)
     carver = Carver(workspace)
     bias, rows, input_norm_weight = fc_rules.unit_stride_copies(carver, bias, rows, input_norm_weight)
     with interpreter_serialized(_skinny_kernel):
         _RUN[pl.path](x, weight, bias, rows, chunk_norm_weight, input_norm_weight, eps, out, carver, pl, norm_folded)
 
 
-__all__ = ["Plan", "draft_fc", "draft_fc_workspace_bytes", "interpreted", "interpreter_serialized", "plan",
+__all__ = ["Plan", "draft_fc", "draft_fc_plan", "draft_fc_workspace_bytes", "interpreted", "interpreter_serialized",
+           "plan",
            "prepare_input", "skinny_config", "split_plan", "tiled_config"]

@@ -238,8 +238,8 @@ def test_every_backend_implements_every_op():
         fns = dispatch.resolve(backend)
         for name, spec in registry.OPS.items():
             assert callable(fns[spec.function])
-            if spec.workspace_bytes:
-                assert callable(fns[f"{spec.function}_workspace_bytes"])
+            if spec.planned:
+                assert callable(fns[f"{spec.function}_plan"]) and callable(fns[f"{spec.function}_workspace_bytes"])
             assert set(spec.backends) == set(registry.BACKENDS), name
     # every op of the registry is defined with torch and has its impl, fake and autograd kernel
     for name, spec in registry.OPS.items():

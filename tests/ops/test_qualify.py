@@ -7,10 +7,9 @@ import json
 import pytest
 import torch
 
-import eagle3_ops
 import machine
 import spawn
-from eagle3_ops import dispatch, qualify
+from eagle3_ops import qualify
 from machine import needs_sglang
 
 FC = qualify.Shape("draft_fc", hidden=16, captures=3, out_features=24, dtype="bfloat16", chunk_norm=True, bias=True)
@@ -52,9 +51,9 @@ def test_every_correct_candidate_can_win_and_stock_stays_when_none_beats_it(shap
 
 
 def test_a_corrupted_candidate_is_rejected_and_never_chosen():
-    def corrupt_triton(*args, **kw):
-        eagle3_ops.draft_fc_out(*args, **kw)
-        if dispatch._scoped.backend == "triton":
+    def corrupt_triton(backend, run, *args, **kw):
+        run(*args, **kw)
+        if backend == "triton":
             args[-1][0, 0] += 1.0  # one wrong element
 
     plan = qualify.qualify(FC, buckets=(4,), timer=FakeTimer(100.0, 10.0), use_cache=False,
@@ -71,9 +70,9 @@ def test_folded_candidates_run_on_the_folded_weight_and_can_serve():
     one, checked against the UNFOLDED float64 truth; a site without norms has no folded candidate."""
     seen = []
 
-    def corrupt_unfolded(*args, norm_folded=False):
-        seen.append((dispatch._scoped.backend, norm_folded, args[1].data_ptr()))
-        eagle3_ops.draft_fc_out(*args, norm_folded=norm_folded)
+    def corrupt_unfolded(backend, run, *args, norm_folded=False):
+        seen.append((backend, norm_folded, args[1].data_ptr()))
+        run(*args, norm_folded=norm_folded)
         if not norm_folded:
             args[-1][0, 0] += 1.0
 
@@ -91,10 +90,10 @@ def test_folded_candidates_run_on_the_folded_weight_and_can_serve():
 
 
 def test_a_crashing_candidate_is_rejected():
-    def crash(*args):
-        if dispatch._scoped.backend == "reference":
+    def crash(backend, run, *args):
+        if backend == "reference":
             raise RuntimeError("illegal memory access (simulated)")
-        eagle3_ops.fused_add_rmsnorm_capture(*args)
+        run(*args)
 
     plan = qualify.qualify(NORM, buckets=(4,), timer=FakeTimer(100.0, 10.0), use_cache=False, run_candidate=crash)
     assert [(r.backend, r.reason) for r in plan.rejected] == [
@@ -107,9 +106,9 @@ def test_target_norm_candidates_must_match_stock_bitwise(which, name):
     """A candidate whose normed output or new residual is off by one ulp (inside the float64 tolerance)
     is rejected: the target's attention, its next layer and the draft read them, and the target's
     tokens are not ours to change, so all three outputs must be stock's bits."""
-    def one_ulp_off(*args):
-        eagle3_ops.fused_add_rmsnorm_capture(*args)
-        if dispatch._scoped.backend == "triton":
+    def one_ulp_off(backend, run, *args):
+        run(*args)
+        if backend == "triton":
             args[which].view(torch.int16)[0, 0] += 1  # the next bf16 value
 
     plan = qualify.qualify(NORM, buckets=(4,), timer=FakeTimer(100.0, 10.0), use_cache=False,

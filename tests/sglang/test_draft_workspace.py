@@ -44,12 +44,11 @@ def test_workspace_is_sized_for_the_chosen_path_and_never_grown_in_a_forward(sgl
         [(m, "triton", "cublas", False) for m in (1, 4, 16)]
     # what the cuBLAS path needs at its largest M (the prepared [M, K*H] input), no more: computed here
     # with the op's own sizing under that path
-    from eagle3_ops import dispatch, ops, plans
+    from eagle3_ops.triton import draft_fc as triton_fc
 
     KH = len(LAYER_IDS) * cfg.hidden_size
-    with dispatch.using("triton"), plans.forced_path("cublas"):
-        want = max(ops.draft_fc_workspace_bytes(torch.empty((m, KH), device="meta"), draft.model.fc.weight, None,
-                                                None, state.chunk_weight(), None) for m in range(1, 17))
+    want = max(triton_fc.draft_fc_plan(torch.empty((m, KH), device="meta"), draft.model.fc.weight, None, None,
+                                       state.chunk_weight(), None, False, "cublas").nbytes for m in range(1, 17))
     assert want >= 16 * KH * 4
     assert state.workspace is not None and state.workspace.numel() == want
     allocations = workspace.allocations
