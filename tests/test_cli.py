@@ -82,7 +82,7 @@ def test_every_command_is_a_unix_tool(real_args, tmp_path):
     expected_lines = [f"eagle3_ops: {m}" for m in settings.problems(backend_ok)]
     assert len(expected_lines) == len(backend_ok)  # one message per variable (the unknown one included)
     cases, what = [], []
-    for name, cmd in COMMANDS.items():
+    for name, _cmd in COMMANDS.items():
         for label, case in (
                 ("--help into a closed pipe", {"argv": [name, "--help"], "stdout": "closed"}),
                 ("an unknown flag", {"argv": [name, *args[name], "--no-such-flag"], "stdout": "file"}),

@@ -26,7 +26,7 @@ def test_exit_0_when_clean_1_on_errors(pair):
     rep = json.loads(r.stdout)
     assert rep["ok"] is False
     assert set(rep) >= {"slots", "findings", "ok"}
-    assert all(set(f) == {"severity", "code", "message"} for f in rep["findings"])
+    assert all(set(f) == {"severity", "code", "message", "fix"} for f in rep["findings"])
     assert any(f["severity"] == "error" and f["code"] == "E_LAST_LAYER_NOT_CAPTURED" for f in rep["findings"])
 
 

@@ -134,12 +134,13 @@ def test_draft_class_advice_names_the_head_that_loads_the_layer(tmp_path, llama)
 def test_draft_class_names_no_head_without_layer_tensors(tmp_path, llama):
     """A checkpoint without decoder-layer tensors gives nothing to match: the heads are listed, none is picked."""
     from eagle3_ops.doctor.checks import Options, run_checks
+    from eagle3_ops.doctor.codes import E_DRAFT_CLASS
     from eagle3_ops.doctor.configs import read_weight_headers
 
     d = write_draft(tmp_path / "d", ids=[1, 15, 28], extra={"architectures": ["MyDraftForCausalLM"]})
     weights = {n: w for n, w in read_weight_headers(d).items() if not n.startswith("layers.")}
     rep = run_checks(parse_target(llama), parse_draft(d), weights, Options(engine="sglang"))
-    msg = next(f.message for f in rep.findings if f.code == "E_DRAFT_CLASS")
+    msg = rep.find(E_DRAFT_CLASS).text
     assert "the doctor cannot name it: the checkpoint holds no decoder-layer tensors" in msg, msg
     assert "(Eagle3DeepseekV2ForCausalLM, LlamaForCausalLMEagle3)" in msg and "e.g." not in msg
 

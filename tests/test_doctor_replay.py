@@ -12,8 +12,8 @@ from eagle3_ops.doctor.draft import DraftSpec, Eagle3Draft
 TRAINED = [3, 5, 7]
 
 
-def replay(draft, tiny_pair, states, *extra):
-    return run_doctor("--draft", draft, "--target", tiny_pair.target_dir, "--replay", states, *extra)
+def replay(draft, pair, states, *extra):
+    return run_doctor("--draft", draft, "--target", pair.target_dir, "--replay", states, *extra)
 
 
 def test_tiny_pair_is_real(tiny_pair):  # noqa: F811
@@ -187,6 +187,7 @@ def _verdict_of(conf_hits, best_hits, n, blind_hits=0, margin=0.02):
     import types
 
     from eagle3_ops.doctor import replay
+    from eagle3_ops.doctor.checks import Finding
 
     def hits(k):
         t = torch.zeros(n, dtype=torch.bool)
@@ -197,7 +198,7 @@ def _verdict_of(conf_hits, best_hits, n, blind_hits=0, margin=0.02):
     report = types.SimpleNamespace(
         options=types.SimpleNamespace(engine="sglang"), target=types.SimpleNamespace(num_layers=8),
         replay={"search": {"wirings_scanned": 40}}, findings=found,
-        add=lambda sev, code, msg: found.append(types.SimpleNamespace(severity=sev, code=code, message=msg)))
+        add=lambda code, msg, fix="": found.append(Finding(code, code.severity, msg, fix)))
     conf = {"label": "configured", "boundaries": [2, 4, 6], "accuracy": conf_hits / n, "ids": [1, 3, 5],
             "_correct": hits(conf_hits)}
     alt = {"label": "search: slot 0", "boundaries": [3, 4, 6], "accuracy": best_hits / n, "ids": [2, 3, 5],

@@ -66,6 +66,8 @@ BUILTIN_PROMPTS = [
 
 
 def read_prompts(path) -> List[Union[str, List[int]]]:
+    """The prompts of the file at ``path``: a JSON list of non-empty strings or token-id lists, else one string per
+    non-empty line. Raises DoctorInputError for a file that cannot be read, bad JSON, a bad item or no prompt."""
     p = check_file(path, "prompts", "a prompts file (JSON list or one prompt per line)")
     try:
         text = p.read_text()
@@ -220,6 +222,10 @@ def _load_model(model_dir: Path, torch_dtype, *, device_map, trust_remote_code: 
 @torch.no_grad()
 def capture_states(model_dir, prompts, out_path, *, dtype: str = "bfloat16", max_tokens: int = 512,
                    device: str = "cpu", device_map=None, trust_remote_code: bool = False) -> dict:
+    """Runs the Hugging Face model in ``model_dir`` on each prompt (at most ``max_tokens`` tokens) and writes a STATES
+    file ``/1`` (format above) to ``out_path``; returns a summary dict (out, prompts, tokens, num_layers, hidden_size).
+    Raises DoctorInputError for what the user must fix: a missing tokenizer, config or weights, a model needing
+    ``--trust-remote-code``."""
     try:
         import transformers  # noqa: F401
     except ImportError:

@@ -41,6 +41,8 @@ class _UsageError(Exception):
 
 class _Parser(argparse.ArgumentParser):
     def error(self, message):  # never exit from inside the library; report and return 2
+        """Raises _UsageError with the message and argparse's usage instead of exiting (the caller prints them and
+        returns exit status 2)."""
         raise _UsageError(f"{self.prog}: {message}", self.format_usage())
 
 
@@ -208,6 +210,9 @@ def _check_numbers(args) -> None:
 
 
 def build_report(args):
+    """The doctor's :class:`checks.Report` for parsed ``args``: reads the target, the draft (or the server's start-up
+    snapshot) and the weight headers, runs the checks, then ``--replay`` when asked. Raises DoctorInputError or
+    _UsageError for bad inputs."""
     from .checks import Options, run_checks
     from .configs import checkpoint_files, parse_draft, parse_target, read_weight_headers, resolve_model_dir
     from .rules import sglang_source
@@ -292,6 +297,8 @@ def _wrap(text: str, indent: str) -> str:
 
 
 def format_report(report) -> str:
+    """``report`` as the text the doctor prints: target, draft, engine rules and training lines, the slot table, the
+    replay results, the findings (errors first) and the result line."""
     from .engines import ENGINE_NAMES
 
     t, d, o = report.target, report.draft, report.options
@@ -365,7 +372,7 @@ def format_report(report) -> str:
     out.append("Findings:")
     order = {"error": 0, "warning": 1, "info": 2}
     for f in sorted(report.findings, key=lambda f: order[f.severity]):
-        out.append(_wrap(f"{f.severity.upper():7s} {f.code}: {f.message}", "  "))
+        out.append(_wrap(f"{f.severity.upper():7s} {f.code}: {f.text}", "  "))
     out.append("")
     said, *commands = report.conclusion().split("\n")  # commands on lines of their own, unwrapped: pasted as is
     out.append(_wrap(f"Result: {errors} error(s), {warns} warning(s): {said}", ""))

@@ -67,6 +67,8 @@ def convention_to_index(conv: str, layer_id: int) -> int:
 
 
 def index_to_convention(conv: str, index: int) -> int:
+    """The layer id that names Hugging Face boundary ``index`` in convention ``conv`` (the inverse of
+    :func:`convention_to_index`)."""
     return index - 1 if conv == LAYER_OUTPUT else index
 
 
@@ -357,6 +359,8 @@ def _lib_int(obj, key: str, where: str, required: bool = True) -> Optional[int]:
 # --------------------------------------------------------------------------------------- target
 @dataclasses.dataclass
 class TargetInfo:
+    """A target model as the doctor reads its config: the decoder stack's model type, layer count, hidden and vocab
+    sizes (from the nested text config for multimodal models), and the library's parsed config."""
     path: Path
     config: dict
     text_config: dict            # the dict that describes the decoder stack (== config unless nested)
@@ -370,6 +374,7 @@ class TargetInfo:
     lib: Optional[LibraryConfig] = None
 
     def describe(self) -> str:
+        """One line for the report: the model type (and the nested language model), layers, hidden size and vocab."""
         mt = self.model_type if self.model_type == self.text_model_type or not self.nested_key else \
             f"{self.model_type}, language model {self.text_model_type} under '{self.nested_key}'"
         vocab = f", vocab {self.vocab_size}" if self.vocab_size else ""
@@ -377,6 +382,8 @@ class TargetInfo:
 
 
 def parse_target(path, use_sglang: bool = False) -> TargetInfo:
+    """The :class:`TargetInfo` of the model directory (or config.json) at ``path``; ``use_sglang``: read the config as
+    SGLang's parser does. Raises DoctorInputError for an unreadable or unusable config."""
     model_dir, cfg = read_config(path, "target")
     return target_from_config(cfg, model_dir, use_sglang=use_sglang)
 
@@ -421,6 +428,8 @@ def target_from_config(cfg, path=None, use_sglang: bool = False) -> TargetInfo:
 # ---------------------------------------------------------------------------------------- draft
 @dataclasses.dataclass
 class DraftInfo:
+    """An EAGLE-3 draft as the doctor reads its config.json: its dialect, the layer ids it records (nested and
+    top-level), sizes, vocabularies and the fc-block flags that decide what it was trained on and how it is served."""
     path: Path
     config: dict
     dialect: str                    # specforge | speculators | top-level | eagle-original
@@ -449,6 +458,8 @@ class DraftInfo:
 
     @property
     def dialect_convention(self) -> Optional[str]:
+        """The convention the dialect's ids are written in: layer-output (SpecForge), layer-input (speculators,
+        top-level), or None (no ids: the original EAGLE format)."""
         if self.dialect == "specforge":
             return LAYER_OUTPUT
         if self.dialect in ("speculators", "top-level"):
@@ -456,6 +467,7 @@ class DraftInfo:
         return None
 
     def describe(self) -> str:
+        """One line for the report: the config's dialect and the layer ids it records."""
         if self.dialect == "specforge":
             s = f"SpecForge/SGLang config: eagle_config.eagle_aux_hidden_state_layer_ids = {self.nested_ids}"
             if self.top_ids is not None:
@@ -473,6 +485,8 @@ class DraftInfo:
 
 
 def parse_draft(path, use_sglang: bool = False) -> DraftInfo:
+    """The :class:`DraftInfo` of the draft directory (or config.json) at ``path``; ``use_sglang``: read the config as
+    SGLang's parser does. Raises DoctorInputError for an unreadable or unusable config."""
     model_dir, cfg = read_config(path, "draft")
     return draft_from_config(cfg, model_dir, use_sglang=use_sglang)
 
@@ -543,6 +557,8 @@ def draft_from_config(cfg: dict, path=None, use_sglang: bool = False) -> DraftIn
 # -------------------------------------------------------------------------------------- weights
 @dataclasses.dataclass
 class TensorInfo:
+    """One tensor of a checkpoint, from its file's header only: canonical and raw name, shape, dtype and the file
+    holding it."""
     name: str          # canonical name (see draft.canonical_name)
     raw_name: str
     shape: Tuple[int, ...]
@@ -565,6 +581,8 @@ class CheckpointFiles:
     left_out: List[str]       # weight-like files in the folder that are not read (names)
 
     def describe(self) -> str:
+        """One line for the report: the first four weight files, the rule that chose them, and any weight-like files
+        left out."""
         names = ", ".join(Path(f).name for f in self.files[:4]) + (f" and {len(self.files) - 4} more"
                                                                   if len(self.files) > 4 else "")
         out = f"{names} ({self.rule})"
@@ -706,10 +724,12 @@ def draft_snapshot(model_dir) -> dict:
 
 
 def snapshot_weight_files(snapshot: dict) -> List[str]:
+    """The paths of the weight files a :func:`draft_snapshot` recorded, in order."""
     return [f["path"] for f in snapshot["files"] if f["role"] == "weights"]
 
 
 def snapshot_bytes(snapshot: dict) -> int:
+    """The total size in bytes of the weight files a :func:`draft_snapshot` recorded."""
     return sum(int(f["size"]) for f in snapshot["files"] if f["role"] == "weights")
 
 

@@ -54,6 +54,8 @@ def canonical_name(name: str) -> str:
 
 @dataclasses.dataclass
 class DraftSpec:
+    """The shape of one EAGLE-3 draft as its config gives it: sizes, heads, vocabularies, activation, eps, RoPE theta
+    and the fc-block and residual variants (head_dim and intermediate_size default from the hidden size)."""
     hidden_size: int
     target_hidden_size: int
     num_aux: int
@@ -82,12 +84,16 @@ class DraftSpec:
 
 
 class RMSNorm(nn.Module):
+    """RMSNorm over the last dimension with a learned ``weight`` [size], computed in fp32 as SGLang's native path
+    does."""
+
     def __init__(self, size: int, eps: float):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(size))
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """``weight * x * rsqrt(mean(x^2) + eps)`` over the last dim, in fp32, returned in x's dtype."""
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
         return (self.weight.float() * x32).to(x.dtype)
@@ -154,6 +160,7 @@ class _MLP(nn.Module):
         self.act = ACTIVATIONS[spec.hidden_act]
 
     def forward(self, x):
+        """The gated MLP: ``down_proj(act(gate_proj(x)) * up_proj(x))``."""
         return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
 
 
@@ -170,6 +177,8 @@ class _Layer(nn.Module):
         self.mlp = _MLP(spec)
 
     def forward(self, positions, embeds, hidden, residual):
+        """One decoder layer of the first draft step: hidden [T, H] (the fc output for layer 0, which also takes the
+        normed embeds) and the residual in; returns (MLP output, residual) for the next layer."""
         if self.is_input_layer:
             if self.spec.norm_before_residual:
                 hidden = self.hidden_norm(hidden)
@@ -237,7 +246,8 @@ class Eagle3Draft(nn.Module):
     def use_embedding_rows(self, token_ids: torch.Tensor, rows: torch.Tensor) -> None:
         """``embed_tokens`` holds ``rows`` (one per entry of ``token_ids``) of the checkpoint's embedding."""
         if tuple(rows.shape) != tuple(self.embed_tokens.weight.shape):
-            raise ValueError(f"embedding rows of shape {tuple(rows.shape)} do not fit {tuple(self.embed_tokens.weight.shape)}")
+            raise ValueError(f"embedding rows of shape {tuple(rows.shape)} do not fit "
+                             f"{tuple(self.embed_tokens.weight.shape)}")
         with torch.no_grad():
             self.embed_tokens.weight.copy_(rows.to(self.embed_tokens.weight.dtype))
         index = torch.full((self.spec.vocab_size,), -1, dtype=torch.long)
@@ -254,6 +264,7 @@ class Eagle3Draft(nn.Module):
         return self.embed_tokens(rows)
 
     def draft_to_target(self, draft_ids: torch.Tensor) -> torch.Tensor:
+        """Draft-vocabulary ids to target-vocabulary ids: ``id + d2t[id]``."""
         return draft_ids + self.d2t[draft_ids]
 
     # ------------------------------------------------------------ checkpoints

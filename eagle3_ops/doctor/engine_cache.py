@@ -41,6 +41,7 @@ def enabled() -> bool:
 
 
 def folder() -> Path:
+    """Where the kept files live: ``engine/`` next to the qualification cache (``$XDG_CACHE_HOME/eagle3_ops``)."""
     return qualify_cache.path().parent / "engine"
 
 
@@ -123,6 +124,8 @@ def keep_table() -> None:
 
 
 def table_path() -> Optional[Path]:
+    """The file that keeps the rule table for the installed SGLang, or None (keeping off, or no SGLang installed); it
+    may not exist yet."""
     return _path("table")
 
 
@@ -140,6 +143,8 @@ def parsed(cfg: dict) -> Optional[dict]:
 
 
 def remember(cfg: dict, entry: dict) -> None:
+    """Keeps ``entry`` (what SGLang's parser made of ``cfg``, or its error) for the next runs, newest last, at most
+    :data:`MAX_CONFIGS`; a file that cannot be written is ignored."""
     data = _read("configs") or {}
     configs = dict(data.get("configs") or {})
     configs.pop(_config_key(cfg), None)
@@ -176,6 +181,7 @@ class KeptConfig:
         self._class_name = class_name
 
     def to_dict(self) -> dict:
+        """The kept attributes as a dict (as the config object's ``to_dict()`` gave them)."""
         return {k: v for k, v in self.__dict__.items() if k != "_class_name"}
 
     def __repr__(self) -> str:

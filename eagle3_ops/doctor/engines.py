@@ -104,6 +104,8 @@ def describe_boundary(i: int, num_layers: int) -> str:
 
 @dataclasses.dataclass
 class SlotCapture:
+    """One fc slot as the engine fills it: its position, the id written for it, the boundary the engine captures, and
+    whether (and why not) it is filled at all."""
     slot: int                      # position in the engine's concatenation (fc columns slot*H..)
     config_id: Optional[int]       # the id as written (None = engine default)
     boundary: int                  # the boundary the engine captures for it
@@ -113,6 +115,8 @@ class SlotCapture:
 
 @dataclasses.dataclass
 class EngineWiring:
+    """What one engine feeds the draft for one target and draft config: the ids it reads and where from, the boundary of
+    each slot in its concatenation order, and what it reorders, merges, cannot capture or raises."""
     engine: str
     rules: TargetRules
     ids: Optional[List[int]]       # the ids the engine uses (None = its default)
@@ -131,6 +135,7 @@ class EngineWiring:
 
     @property
     def name(self) -> str:
+        """The engine's display name (``ENGINE_NAMES``)."""
         return ENGINE_NAMES[self.engine]
 
     @property
@@ -140,6 +145,7 @@ class EngineWiring:
 
     @property
     def captured_boundaries(self) -> List[int]:
+        """The boundaries the engine really fills, in slot order."""
         return [s.boundary for s in self.slots if s.captured]
 
 
@@ -229,6 +235,9 @@ def resolve_wiring(engine: str, target: TargetInfo, draft: DraftInfo, *, pp: int
                    pp_partition: Optional[List[int]] = None, vllm_runner: str = "v2",
                    trtllm_layers: Optional[List[int]] = None, engine_code: str = "auto",
                    rules: Optional[TargetRules] = None) -> EngineWiring:
+    """The :class:`EngineWiring` of ``engine`` for this target and draft: the ids it reads, the boundary each maps to by
+    the target's rules, deduplicated and put in the engine's slot order, with each slot marked uncapturable where the
+    engine (or, under PP, the last stage) never fills it."""
     rules = rules or target_rules(engine, target, engine_code)
     L = target.num_layers
     ids, source, ignored = _engine_ids(engine, draft, vllm_runner, trtllm_layers)

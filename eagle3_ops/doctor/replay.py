@@ -23,7 +23,8 @@ from typing import Dict, List, Optional, Tuple
 
 import torch
 
-from .checks import Report, verified_fix, why_no_fix
+from . import codes
+from .checks import Report, find_finding, verified_fix, why_no_fix
 from .configs import DoctorInputError, TensorInfo, check_file, load_tensors
 from .draft import ACTIVATIONS, DraftSpec, Eagle3Draft, count_draft_layers
 from .engines import ENGINE_NAMES, describe_boundary, default_boundaries
@@ -47,10 +48,13 @@ class States:
         self.source = source
 
     def boundary(self, g: dict, b: int) -> torch.Tensor:
+        """Boundary ``b`` of group ``g``: [B, T, H]."""
         return g["bounds"][b]
 
     @classmethod
     def from_file(cls, f) -> "States":
+        """The states of a read STATES file (:func:`read_states`), its prompts grouped by (length, whether they hold
+        next tokens) and stacked per group."""
         by_len: Dict[Tuple[int, bool], List[dict]] = {}
         for p in f.prompts:
             by_len.setdefault((p["input_ids"].numel(), p["next_token"] is not None), []).append(p)
@@ -143,10 +147,14 @@ class PlainDraftRunner:
         self.hidden_size = model.spec.hidden_size
 
     def predict(self, aux: torch.Tensor, ids: torch.Tensor, embeds: Optional[torch.Tensor]) -> torch.Tensor:
+        """The draft's top-1 next token per position, in target-vocabulary ids: [B, T] for aux [B, T, K*H] (see
+        :meth:`logits`)."""
         return self.model.draft_to_target(self.logits(aux, ids, embeds).argmax(-1))
 
     @torch.no_grad()
     def logits(self, aux: torch.Tensor, ids: torch.Tensor, embeds: Optional[torch.Tensor]) -> torch.Tensor:
+        """The first draft step's logits [B, T, draft_vocab] for ``aux`` [B, T, K*H]: with the target's ``embeds`` where
+        the draft uses the target's embeddings, else its own embedding of ``ids``."""
         return self.model(aux, embeds if self.uses_target_embeddings else self.model.embed(ids))
 
     def draft_targets(self) -> torch.Tensor:
@@ -154,6 +162,8 @@ class PlainDraftRunner:
         return self.model.draft_to_target(torch.arange(self.model.spec.draft_vocab_size))
 
     def fc_parts(self):
+        """The draft's fc block (fc weight and bias, slot norms, input norm, slot count) as :class:`~.search.FcParts`,
+        for the wiring search."""
         from .search import FcParts
 
         m = self.model
@@ -322,6 +332,9 @@ def score(runner, states: States, boundaries: List[Optional[int]], max_tokens: i
 
 def candidate_wirings(configured: Optional[List[int]], trained: List[int], L: int, sweep: bool = False,
                       readings: Optional[List[Tuple[str, List[int]]]] = None) -> List[Tuple[str, List[int]]]:
+    """The wirings replay scores, as (label, boundaries per slot): the configured and trained ones, the engine default,
+    every one-layer shift of all or one slot, embeddings or last layer in each slot, with ``sweep`` every boundary in
+    every slot, and the slot permutations (K <= 4); deduplicated, in range 0..L."""
     base = configured if configured is not None else trained
     K = len(base)
     cands: List[Tuple[str, List[int]]] = []
@@ -372,7 +385,7 @@ def run_replay(report: Report, weights: Dict[str, TensorInfo], states_path, *, m
     if report.wiring is None or report.training is None:
         why = ("the engine refuses this target or these ids (see the errors above)" if report.draft.use_aux_hidden_state
                else "the draft uses no aux hidden states")
-        report.add("info", "I_REPLAY_SKIPPED", f"Replay skipped: {why}.")
+        report.add(codes.I_REPLAY_SKIPPED, f"Replay skipped: {why}.")
         return
     states = load_states(states_path, report.target)
     runner = build_runner(report, weights, token_ids=torch.cat([g["ids"].reshape(-1) for g in states.groups])
@@ -404,7 +417,7 @@ def _cpu_threads(device: str, hidden_size: int):
 
 
 def _replay(report: Report, runner, states: States, *, margin: float, max_tokens: int, sweep: bool) -> None:
-    target, wiring, opts = report.target, report.wiring, report.options
+    target, wiring = report.target, report.wiring
     L = target.num_layers
     K = report.fc_slots
     conf = [s.boundary for s in wiring.slots]
@@ -456,7 +469,6 @@ def _replay(report: Report, runner, states: States, *, margin: float, max_tokens
     order = sorted(range(len(results)), key=lambda i: (-results[i]["accuracy"], i))
     best = results[order[0]]
     conf_res = results[0] if configured is not None else None
-    eng = ENGINE_NAMES[opts.engine]
 
     def public(r):
         return {k: v for k, v in r.items() if not k.startswith("_")}
@@ -472,14 +484,14 @@ def _replay(report: Report, runner, states: States, *, margin: float, max_tokens
                      "unscored": [{"label": label, "boundaries": b, "missing": sorted(set(b) - have)}
                                   for label, b in unscored]}
     if unscored:
-        report.add("info", "I_REPLAY_UNSCORED",
+        report.add(codes.I_REPLAY_UNSCORED,
                    f"Replay could not score {len(unscored)} wiring(s) the STATES file lacks boundaries for: "
                    + "; ".join(f"{label} {b} (missing {sorted(set(b) - have)})" for label, b in unscored[:8])
-                   + (" ..." if len(unscored) > 8 else "") + ". Record them (EAGLE3_OPS_DUMP_BOUNDARIES=all, or "
-                   "capture-states) to score them too.")
+                   + (" ..." if len(unscored) > 8 else "") + ".",
+                   "Record them (EAGLE3_OPS_DUMP_BOUNDARIES=all, or capture-states) to score them too.")
     if n < 200:
-        report.add("warning", "W_REPLAY_FEW_TOKENS",
-                   f"Replay scored only {n} positions; differences of a few points are noise. Record more prompts.")
+        report.add(codes.W_REPLAY_FEW_TOKENS,
+                   f"Replay scored only {n} positions; differences of a few points are noise.", "Record more prompts.")
     _verdict(report, runner, states, results, order, conf_res, blind, margin, n, max_tokens)
 
 
@@ -523,15 +535,15 @@ def _verdict(report: Report, runner, states: States, results: List[dict], order:
         text = (f"no wiring predicts the target well: the best, {best['boundaries']}, agrees on "
                 f"{100 * best['accuracy']:.1f}% of {n} positions, and the draft fed nothing on "
                 f"{100 * float(blind.float().mean()):.1f}%; the wiring is not the problem. {evidence['summary']}")
-        report.add("error", "E_REPLAY_NO_WIRING_FITS", f"Replay on {n} positions: {text}")
-        say("NO_WIRING_FITS", text, code="E_REPLAY_NO_WIRING_FITS")
+        report.add(codes.E_REPLAY_NO_WIRING_FITS, f"Replay on {n} positions: {text}")
+        say("NO_WIRING_FITS", text, code=codes.E_REPLAY_NO_WIRING_FITS.code)
         return
     if conf_res is None:
         text = (f"the configured wiring cannot run; best wiring: {fmt(best)}" +
                 (f"; for {eng} write ids {best['ids']}." if best["ids"] else
                  f"; no id list makes {eng} feed it: {why_no_fix(report, best['boundaries'])}."))
-        report.add("info", "I_REPLAY_BEST", f"Replay on {n} positions: {text}")
-        say("BEST", text, best["ids"], code="I_REPLAY_BEST")
+        report.add(codes.I_REPLAY_BEST, f"Replay on {n} positions: {text}")
+        say("BEST", text, best["ids"], code=codes.I_REPLAY_BEST.code)
         return
     gain, se, sd = paired(best["_correct"], conf_res["_correct"])
     rep["gain"], rep["gain_stderr"] = gain, se
@@ -541,8 +553,8 @@ def _verdict(report: Report, runner, states: States, results: List[dict], order:
                 f"({100 * conf_res['accuracy']:.1f}% top-1 on {n} positions)" +
                 (f"; the best alternative, {fmt(rival)}" if rival is not None else "") +
                 f"; {rep['search']['wirings_scanned']} wirings searched")
-        report.add("info", "I_REPLAY_CONFIGURED_BEST", f"Replay on {n} positions: {text}.")
-        say("OK", text, code="I_REPLAY_CONFIGURED_BEST")
+        report.add(codes.I_REPLAY_CONFIGURED_BEST, f"Replay on {n} positions: {text}.")
+        say("OK", text, code=codes.I_REPLAY_CONFIGURED_BEST.code)
     elif clearly_better(best["_correct"], conf_res["_correct"], margin):
         feedable = next((results[i] for i in order if results[i]["ids"] is not None), None)
         fix = (f"Set {_ids_location(opts.engine)} to {best['ids']}." if best["ids"] is not None else
@@ -550,11 +562,12 @@ def _verdict(report: Report, runner, states: States, results: List[dict], order:
                f"an engine that captures it, or retrain it on boundaries {eng} captures."
                + (f" The best wiring {eng} can feed is {fmt(feedable)}: ids {feedable['ids']}."
                   if feedable is not None and feedable is not conf_res else ""))
-        text = (f"the configured wiring scores {100 * conf_res['accuracy']:.1f}% top-1, but {fmt(best)} "
-                f"(+{100 * gain:.1f} points, {gain / se if se > 0 else float('inf'):.0f} standard errors). The draft "
-                f"was most likely trained on the latter. {fix}")
-        report.add("error", "E_REPLAY_BETTER_WIRING", f"Replay on {n} positions: {text}")
-        say("WARNING", text, best["ids"], code="E_REPLAY_BETTER_WIRING")
+        found = (f"the configured wiring scores {100 * conf_res['accuracy']:.1f}% top-1, but {fmt(best)} "
+                 f"(+{100 * gain:.1f} points, {gain / se if se > 0 else float('inf'):.0f} standard errors). The draft "
+                 f"was most likely trained on the latter.")
+        text = f"{found} {fix}"
+        report.add(codes.E_REPLAY_BETTER_WIRING, f"Replay on {n} positions: {found}", fix)
+        say("WARNING", text, best["ids"], code=codes.E_REPLAY_BETTER_WIRING.code)
     else:
         prompts = sum(int(g["ids"].shape[0]) for g in states.groups)
         per_prompt = max(1.0, n / max(prompts, 1))
@@ -568,8 +581,8 @@ def _verdict(report: Report, runner, states: States, results: List[dict], order:
         text = (f"{fmt(best)} scores higher than the served {conf_res['boundaries']} "
                 f"({100 * conf_res['accuracy']:.1f}%), by {100 * gain:.1f} ± {100 * se:.1f} points on {n} positions: "
                 f"the evidence does not separate them; {need}")
-        report.add("warning", "W_REPLAY_UNDECIDED", f"Replay: {text}.")
-        say("UNDECIDED", text, best["ids"], need=need, code="W_REPLAY_UNDECIDED")
+        report.add(codes.W_REPLAY_UNDECIDED, f"Replay: {text}.")
+        say("UNDECIDED", text, best["ids"], need=need, code=codes.W_REPLAY_UNDECIDED.code)
     _settle(report, results, conf_res, margin, n)
 
 
@@ -596,8 +609,8 @@ def _no_fit_evidence(runner, states: States, best: dict, blind: torch.Tensor, ma
     points = []
     if best["accuracy"] <= blind_acc + 0.02:
         points.append(f"its predictions do not depend on the target's states (fed zeros it scores "
-                      f"{100 * blind_acc:.1f}%, {len(distinct)} distinct tokens predicted): weights that look untrained "
-                      f"or missing (a head the checkpoint lacks, a wrong checkpoint)")
+                      f"{100 * blind_acc:.1f}%, {len(distinct)} distinct tokens predicted): weights that look "
+                      f"untrained or missing (a head the checkpoint lacks, a wrong checkpoint)")
     if coverage < 0.5:
         points.append(f"only {100 * coverage:.0f}% of the target's next tokens are in the draft's vocabulary: its "
                       f"vocabulary map (d2t) does not fit this target")
@@ -615,20 +628,20 @@ def _no_fit_evidence(runner, states: States, best: dict, blind: torch.Tensor, ma
 def _settle(report: Report, results: List[dict], conf_res: dict, margin: float, n: int) -> None:
     """Replay is the evidence the config lacks: when the configured wiring beats every other reading of the
     ids (W_TRAINING_AMBIGUOUS) or every other candidate (W_NO_TRAINING_IDS) clearly, the warning is settled."""
-    for code, rivals in (("W_TRAINING_AMBIGUOUS", [r for r in results if r["label"].startswith("reading ")]),
-                         ("W_NO_TRAINING_IDS", results)):
-        found = [f for f in report.findings if f.code == code]
+    for code, rivals in ((codes.W_TRAINING_AMBIGUOUS, [r for r in results if r["label"].startswith("reading ")]),
+                         (codes.W_NO_TRAINING_IDS, results)):
+        found = find_finding(report.findings, code)
         others = [r for r in rivals if r is not conf_res and r["boundaries"] != conf_res["boundaries"]]
-        if not found or not others or not all(clearly_better(conf_res["_correct"], r["_correct"], margin)
-                                               for r in others):
+        if found is None or not others or not all(clearly_better(conf_res["_correct"], r["_correct"], margin)
+                                                  for r in others):
             continue
-        report.findings.remove(found[0])
-        report.add("info", "I_REPLAY_SETTLED",
+        report.findings.remove(found)
+        report.add(codes.I_REPLAY_SETTLED,
                    f"Replay settles what the config could not ({code}): the configured wiring "
                    f"{conf_res['boundaries']} scores {100 * conf_res['accuracy']:.1f}% top-1 on {n} positions, clearly "
                    f"above every alternative scored (best of them: "
                    f"{max(others, key=lambda r: r['accuracy'])['label']} "
-                   f"{100 * max(r['accuracy'] for r in others):.1f}%). Keep the ids.")
+                   f"{100 * max(r['accuracy'] for r in others):.1f}%).", "Keep the ids.")
 
 
 def _ids_location(engine: str) -> str:

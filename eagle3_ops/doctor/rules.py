@@ -33,6 +33,8 @@ class Mapped:
 
 @dataclasses.dataclass
 class TargetRules:
+    """What one engine does with one target: the class it serves it with, whether it serves EAGLE-3, how ids map to
+    boundaries, where and what it captures, and the evidence; from the installed engine or its table."""
     engine: str
     version: str
     source: str                    # where these rules come from, in words
@@ -62,17 +64,22 @@ class TargetRules:
 
     @property
     def name(self) -> str:
+        """The engine's display name (``ENGINE_NAMES``)."""
         return ENGINE_NAMES[self.engine]
 
     def map_ids(self, ids: Optional[List[int]], L: int) -> Mapped:
+        """What the engine does with ``ids`` (None: its default) for a target of ``L`` layers: SGLang's own code run
+        live where it can be, else the table's rule."""
         if self._live is not None:
             return self._live(ids, L)
         return _table_map(self, ids, L)
 
     def last_capturable(self, L: int) -> int:
+        """The highest boundary the engine can capture: L when it captures the last layer's output, else L - 1."""
         return L if self.final else L - 1
 
     def capturable(self, b: int, L: int) -> bool:
+        """Whether the engine can capture boundary ``b`` of a target with ``L`` layers at all."""
         if self.engine == "trtllm":
             return 1 <= b <= L + 1
         if self.engine == "vllm":
@@ -81,6 +88,7 @@ class TargetRules:
 
 
 def eval_formulas(formulas: List[str], L: int) -> List[int]:
+    """The engine's default boundaries for ``L`` layers from the table's formulas (``"2"``, ``"L//2"``, ``"L-3"``)."""
     from .sglang_code import eval_default
 
     return eval_default(formulas, L)
@@ -169,6 +177,8 @@ def engine_code_path(p) -> str:
 
 
 def raise_input(msg: str):
+    """Raises ``configs.DoctorInputError(msg)``: bad usage or input, which the CLI prints as one line with exit status
+    2."""
     from .configs import DoctorInputError
 
     raise DoctorInputError(msg)
@@ -402,6 +412,8 @@ def _resolve(engine: str, target, engine_code: str) -> TargetRules:
 # ------------------------------------------------------------------------------------------ draft class
 @dataclasses.dataclass
 class DraftClass:
+    """The class an engine serves a draft with: the architecture it resolves, its EAGLE-3 head's table row (None: not
+    one), whether the source can tell, and every head the engine has."""
     engine: str
     arch: str                      # what the engine resolves the draft's architectures to
     head: Optional[dict]           # the EAGLE-3 head's table row (None: not an EAGLE-3 head / unknown)
@@ -413,6 +425,8 @@ class DraftClass:
 
 
 def draft_class(engine: str, draft, engine_code: str = "auto") -> DraftClass:
+    """The :class:`DraftClass` ``engine`` resolves ``draft``'s architectures to: SGLang's registry live or from its
+    table, vLLM's rename rule on its table, or unknown for TensorRT-LLM."""
     archs = [a for a in draft.architectures if isinstance(a, str) and a]
     if engine == "sglang":
         live, why = sglang_mode(engine_code)

@@ -60,6 +60,7 @@ class Chunk:
 
     @property
     def positions(self) -> int:
+        """The positions this chunk scores: R x n."""
         return int(self.labels.numel())
 
 
@@ -98,10 +99,12 @@ class FcParts:
 
     @property
     def slot_width(self) -> int:
+        """One slot's width in the fc input: K*H_target // K = H_target."""
         return self.weight.shape[1] // self.num_slots
 
     @property
     def dtype(self) -> torch.dtype:
+        """The fc weight's dtype (what the projections are computed in)."""
         return self.weight.dtype
 
     def project(self, s: int, x: torch.Tensor) -> torch.Tensor:
@@ -120,6 +123,7 @@ class FcParts:
         return self.input_norm is not None and self.slot_norms is None
 
     def eps(self) -> float:
+        """The whole-row input norm's eps (its ``variance_epsilon`` or ``eps``; 1e-6 when it has neither)."""
         n = self.input_norm
         return float(getattr(n, "variance_epsilon", getattr(n, "eps", 1e-6)))
 
@@ -152,11 +156,14 @@ class Projections:
 
     @property
     def nbytes(self) -> int:
+        """Bytes the kept projections hold (the search's main memory cost)."""
         return sum(t.numel() * t.element_size() for d in self.by_chunk for t in d.values())
 
 
 @dataclasses.dataclass
 class ScanScore:
+    """One wiring's score on one stage: mean log-probability of the target's next token, top-1 agreement, and the
+    positions scored."""
     logprob: float    # mean log-probability of the target's next token (positions the draft vocabulary covers)
     top1: float       # top-1 agreement on the scan positions
     positions: int
@@ -201,9 +208,12 @@ class Scanner:
         self.forwards = 0
 
     def positions(self, stage: str) -> int:
+        """The positions stage ``stage`` (``quick`` or ``scan``) scores each wiring on."""
         return sum(rows * cols for _, _, rows, cols in self.pieces[stage])
 
     def evaluate(self, wirings: Sequence[Wiring], stage: str = "scan") -> None:
+        """Scores each of ``wirings`` not yet scored on ``stage``: the fc output from the projections, the head's logits
+        in batches of up to ``BATCH_ROWS`` positions, kept in ``self.scores[stage]``."""
         done = self.scores[stage]
         todo = list(dict.fromkeys(w for w in wirings if w not in done))
         if not todo:
@@ -239,6 +249,7 @@ class Scanner:
             done[w] = ScanScore(lp / cov if cov else float("-inf"), hit / n if n else 0.0, n)
 
     def key(self, w: Wiring, stage: str = "scan"):
+        """The sort key of a scored wiring on ``stage``: (mean log-probability, top-1), higher is better."""
         s = self.scores[stage][w]
         return (s.logprob, s.top1)
 
@@ -256,6 +267,8 @@ class Scanner:
 
 @dataclasses.dataclass
 class SearchResult:
+    """The outcome of :func:`search`: the best wiring, every wiring scanned ranked with its score, and the cost (rounds,
+    sweeps, positions, seconds, projection bytes, draft forwards)."""
     best: Wiring
     ranked: List[Wiring]              # every wiring scored on the scan stage, best first
     scores: Dict[Wiring, ScanScore]
@@ -269,6 +282,8 @@ class SearchResult:
     forwards: int
 
     def public(self, limit: int = 16) -> dict:
+        """The result as the JSON report holds it: the best wiring, counts, cost, and the ``limit`` best wirings with
+        their scores."""
         return {"best": list(self.best), "wirings_scanned": len(self.ranked) + self.quick_scored,
                 "positions": self.positions, "quick_positions": self.quick_positions, "rounds": self.rounds,
                 "slot_sweeps": self.sweeps, "seconds": round(self.seconds, 1),

@@ -40,6 +40,8 @@ _MISSING = object()
 
 
 def installed_version() -> Optional[str]:
+    """The installed SGLang's version (its distribution metadata; SGLang is not imported), or None when it is not
+    installed."""
     try:
         from importlib.metadata import PackageNotFoundError, version
     except ImportError:  # pragma: no cover
@@ -355,6 +357,7 @@ class StandIn:
 
     # ------------------------------------------------------------------ what the method did
     def walk(self):
+        """This stand-in, then every sub-model child it created, depth first."""
         d = object.__getattribute__(self, "_d")
         yield self
         for c in d["children"].values():
@@ -362,6 +365,8 @@ class StandIn:
 
     @property
     def info(self) -> dict:
+        """The stand-in's own record: its class, config, layer count, the children it created and every attribute the
+        method set (``set``), and the trace of ``set_eagle3*`` methods run."""
         return object.__getattribute__(self, "_d")
 
 
@@ -462,6 +467,8 @@ def _fit_default(lists: Dict[int, List[int]]) -> Optional[List[str]]:
 
 
 def eval_default(formulas: List[str], L: int) -> List[int]:
+    """Default boundary formulas (``"2"``, ``"L//2"``, ``"L-3"``: a constant, or ``L`` / ``L//2`` plus an offset)
+    evaluated for ``L`` layers."""
     out = []
     for f in formulas:
         base, rest = (L // 2, f[4:]) if f.startswith("L//2") else ((L, f[1:]) if f.startswith("L") else (0, f))
@@ -599,7 +606,8 @@ def _resolve_qualname(q: str) -> Optional[type]:
 # ----------------------------------------------------------------------------------------- draft heads
 @functools.lru_cache(maxsize=None)
 def _source_index():
-    """SGLang's installed sources read with ast (source_reader.py; vLLM's wheel is read with it too), for the heads' layers."""
+    """SGLang's installed sources read with ast (source_reader.py; vLLM's wheel is read with it too), for the heads'
+    layers."""
     import sglang
     from pathlib import Path
 

@@ -36,6 +36,7 @@ def _cpu_environment() -> None:
 
 
 def free_port() -> int:
+    """A TCP port on 127.0.0.1 that was free a moment ago (the OS's pick), for a process group's rendezvous."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -136,11 +137,13 @@ class KVCache:
         self.next_req = 0
 
     def alloc(self, n: int) -> torch.Tensor:
+        """The next ``n`` KV slots, int64 [n]: handed out in order, never reused (slot 0 is padding)."""
         locs = torch.arange(self.next_loc, self.next_loc + n, dtype=torch.int64)
         self.next_loc += n
         return locs
 
     def new_req(self) -> int:
+        """The next request-pool index (0, 1, 2, ...)."""
         self.next_req += 1
         return self.next_req - 1
 

@@ -50,7 +50,8 @@ def head_class(draft) -> Tuple[Optional[type], str]:
         return cls, f"SGLang {tables.PINNED['sglang']}'s own {name} ({module})"
     cls, arch, how = sglang_code.resolve_architecture(archs)
     if cls is None or sglang_code.draft_head(cls) is None:
-        return None, f"SGLang {sglang_code.installed_version()} resolves the draft's architectures {archs} to {arch or 'no class'}, which is not one of its EAGLE-3 heads"
+        return None, (f"SGLang {sglang_code.installed_version()} resolves the draft's architectures {archs} to "
+                      f"{arch or 'no class'}, which is not one of its EAGLE-3 heads")
     return cls, f"SGLang {sglang_code.installed_version()}'s own {cls.__name__} ({cls.__module__}; {how})"
 
 

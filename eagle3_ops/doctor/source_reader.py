@@ -27,6 +27,8 @@ class SourceTree:
         self._cache: Dict[str, Optional[str]] = {}
 
     def read(self, rel: str) -> Optional[str]:
+        """The text of file ``rel`` (a path inside the tree), or None when it is not there or cannot be read; each file
+        is read once."""
         if rel not in self._cache:
             try:
                 if self._zip is not None:
@@ -38,6 +40,7 @@ class SourceTree:
         return self._cache[rel]
 
     def version(self) -> Optional[str]:
+        """The vLLM version its ``vllm/_version.py`` declares, or None."""
         src = self.read("vllm/_version.py") or ""
         m = re.search(r"""__version__\s*=\s*version\s*=\s*['"]([^'"]+)""", src) or \
             re.search(r"""__version__\s*=\s*['"]([^'"]+)""", src)
@@ -55,6 +58,9 @@ def _type_checking_only(tree: ast.Module) -> set:
 
 
 class Module:
+    """One parsed source file: its classes by name, its ``from`` imports (local name -> (file, name), relative ones
+    resolved) and module-level name aliases; ``ast`` None for a missing or empty file."""
+
     def __init__(self, tree: SourceTree, rel: str):
         self.rel = rel
         self.src = tree.read(rel)
@@ -96,6 +102,8 @@ class Index:
         self._mods: Dict[str, Module] = {}
 
     def module(self, rel: str) -> Module:
+        """The :class:`Module` of file ``rel`` (a package's ``__init__.py`` when ``rel`` names a package), parsed
+        once."""
         if self.tree.read(rel) is None and self.tree.read(rel[:-3] + "/__init__.py") is not None:
             rel = rel[:-3] + "/__init__.py"  # a package (the registry names "transformers": transformers/)
         if rel not in self._mods:
@@ -103,6 +111,8 @@ class Index:
         return self._mods[rel]
 
     def find(self, rel: str, name: str, depth: int = 0) -> Optional[Tuple[Module, ast.ClassDef]]:
+        """Where class ``name`` as file ``rel`` sees it is defined: (module, class node), following aliases and imports
+        (at most 6 hops), or None."""
         m = self.module(rel)
         if name in m.classes:
             return m, m.classes[name]
@@ -116,6 +126,8 @@ class Index:
         return None
 
     def mro(self, rel: str, name: str) -> List[Tuple[Module, ast.ClassDef]]:
+        """Class ``name`` of file ``rel`` and its bases found in the tree, depth first, each once (the bases the tree
+        does not hold are left out)."""
         out, seen = [], set()
 
         def visit(r, n, depth):
@@ -141,6 +153,7 @@ class Index:
 
 
 def class_method(cls: ast.ClassDef, name: str) -> Optional[ast.FunctionDef]:
+    """The method ``name`` defined directly in class node ``cls`` (not inherited), or None."""
     return next((n for n in cls.body if isinstance(n, ast.FunctionDef) and n.name == name), None)
 
 
@@ -335,7 +348,7 @@ class LayerReader:
             start = j + 1 if ast.unparse(f.value) == "super()" else 0
             self._run(mro, start, f.attr, args, kwargs, st["stack"], st["obj"], cond, st["calls"] + 1)
         if isinstance(f, ast.Attribute) and f.attr == "create_weights" and st["quant"]:
-            for qm, qc in st["quant"]:
+            for _qm, qc in st["quant"]:
                 meth = class_method(qc, "create_weights")
                 for n in ast.walk(meth) if meth is not None else ():
                     if isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute) and \

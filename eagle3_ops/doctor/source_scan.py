@@ -25,6 +25,8 @@ _BOUNDARY_ARGS = ("capture_output", "capture", "captured_last_layer_outputs")
 
 
 def parse_function(src: str) -> Optional[ast.AST]:
+    """The ``ast`` module of source text ``src`` (dedented first, so a method's source parses), or None when it is not
+    valid Python."""
     try:
         return ast.parse(textwrap.dedent(src))
     except SyntaxError:

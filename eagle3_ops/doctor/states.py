@@ -47,6 +47,8 @@ StatesSettingError = SettingError  # a bad EAGLE3_OPS_DUMP_* value (the name old
 
 @dataclasses.dataclass(frozen=True)
 class DumpSettings:
+    """Where and what the engine-side states dump writes: the STATES path, the prefill tokens to record and which
+    boundaries (``auto`` or ``all``)."""
     path: Path
     tokens: int = DEFAULT_DUMP_TOKENS
     boundaries: str = "auto"      # "auto" (configured +-1, embeddings, last) | "all"

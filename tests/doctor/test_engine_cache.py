@@ -5,7 +5,6 @@ the installed SGLang's version and its sources' sizes and modification times, so
 """
 from __future__ import annotations
 
-import importlib.machinery
 import json
 import os
 import subprocess
@@ -49,7 +48,8 @@ def _same(a: dict, b: dict) -> None:
 
 
 @needs_sglang
-@pytest.mark.parametrize("case", ["kimi-k25_specforge", "llama-3.1-8b_eagle-official-train", "qwen3.5-35b-a3b_specforge"])
+@pytest.mark.parametrize("case", ["kimi-k25_specforge", "llama-3.1-8b_eagle-official-train",
+                                  "qwen3.5-35b-a3b_specforge"])
 def test_a_second_check_reads_what_sglang_said_and_reports_the_same(keeping, tmp_path, case):
     """The first run runs SGLang's code (and keeps its table and its readings of both configs); the second reads
     them: the same report, its source named (the kept file), SGLang's registry never imported."""

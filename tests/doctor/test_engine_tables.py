@@ -421,7 +421,8 @@ def test_vllm_generator_on_synthetic_sources(tmp_path):
     fit = source_reader.layer_fit(layer, ["q_proj.weight", "k_proj.weight", "mlp.gate_up_proj.weight",
                                       "mlp.down_proj.weight"])
     assert fit["fits"], fit
-    fit = source_reader.layer_fit(layer, ["q_proj.weight", "k_proj.weight", "mlp.router.weight", "mlp.down_proj.weight"])
+    fit = source_reader.layer_fit(layer, ["q_proj.weight", "k_proj.weight", "mlp.router.weight",
+                                          "mlp.down_proj.weight"])
     assert not fit["fits"] and fit["unloaded"] == ["mlp.router.weight"]
     assert fit["missing"] == ["model.layers.0.mlp.gate_up_proj.weight"]
 

@@ -110,7 +110,8 @@ MALFORMED_STATES = {
     "next_token longer": (_set("prompt.0.next_token", torch.zeros(T + 3, dtype=torch.long)),
                           ["tensor prompt.0.next_token has shape [11], expected [8]"]),
     "a prompt index that is not a number": (_rename("prompt.1.input_ids", "prompt.x.input_ids"),
-                                            ["tensor 'prompt.x.input_ids': the prompt index 'x' is not a whole number"]),
+                                            ["tensor 'prompt.x.input_ids': the prompt index 'x' is not a "
+                                             "whole number"]),
     "a prompt index in another script's digits": (_rename("prompt.1.input_ids", "prompt.\u0661.input_ids"),
                                                   ["the prompt index '\u0661' is not a whole number"]),
     "a prompt index with a leading zero": (_rename("prompt.1.input_ids", "prompt.01.input_ids"),
@@ -139,7 +140,8 @@ MALFORMED_STATES = {
     "token ids as floats": (_set("prompt.0.input_ids", torch.zeros(T)),
                             ["tensor prompt.0.input_ids has dtype float32, expected integer token ids"]),
     "hidden states as integers": (_set("prompt.0.boundary.2", torch.zeros(T, H, dtype=torch.int32)),
-                                  ["tensor prompt.0.boundary.2 has dtype int32, expected floating-point hidden states"]),
+                                  ["tensor prompt.0.boundary.2 has dtype int32, expected floating-point "
+                                   "hidden states"]),
     "input_ids of two dimensions": (_set("prompt.0.input_ids", torch.zeros(1, T, dtype=torch.long)),
                                     ["tensor prompt.0.input_ids has shape [1, 8], expected [T] with T >= 1"]),
     "an empty prompt": (_set("prompt.0.input_ids", torch.zeros(0, dtype=torch.long)),
@@ -232,7 +234,8 @@ ABSURD_TARGETS = {
                                              "holds layers 0..1 only (2 layers): expected at most 2"]),
     "one layer more": ({"num_hidden_layers": 3}, ["num_hidden_layers = 3 in", "expected at most 2"]),
     "a hidden size the checkpoint is not": ({"hidden_size": 1_000_000},
-                                            ["hidden_size = 1000000 in", "model.embed_tokens.weight (model.safetensors) "
+                                            ["hidden_size = 1000000 in",
+                                             "model.embed_tokens.weight (model.safetensors) "
                                              "is [64, 16]: expected 16"]),
     "a vocabulary the checkpoint is not": ({"vocab_size": 10**9}, ["vocab_size = 1000000000 in", "expected 64"]),
     "a negative head count": ({"num_attention_heads": -2}, ["num_attention_heads in", "found -2"]),
@@ -313,10 +316,12 @@ BESIDE = {
                          _dangling(d, "model-00002-of-00002.safetensors")),
         ["{d}/model-00002-of-00002.safetensors is a dangling symlink"]),
     "a shard the index names is a symlink loop": (
-        True, lambda d: ((d / "model-00001-of-00002.safetensors").unlink(), _loop(d, "model-00001-of-00002.safetensors")),
+        True, lambda d: ((d / "model-00001-of-00002.safetensors").unlink(),
+                         _loop(d, "model-00001-of-00002.safetensors")),
         ["cannot read {d}/model-00001-of-00002.safetensors: too many levels of symbolic links (ELOOP)"]),
     "an index naming a file outside the folder": (
-        True, lambda d: (d / configs.INDEX_NAME).write_text(json.dumps({"weight_map": {"fc.weight": "../x.safetensors"}})),
+        True, lambda d: (d / configs.INDEX_NAME).write_text(
+            json.dumps({"weight_map": {"fc.weight": "../x.safetensors"}})),
         ["names files outside its folder: '../x.safetensors'"]),
 }
 

@@ -18,6 +18,8 @@ TABLES = ("sglang", "vllm")  # the engines with a generated table (tools/engine_
 
 
 def table_path(engine: str, version: Optional[str] = None) -> Path:
+    """The path of ``engine``'s pinned table for ``version`` (default: the pinned version, :data:`PINNED`); the file may
+    not exist."""
     return HERE / f"{engine}-{version or PINNED[engine]}.json"
 
 

@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from doctor_fixtures import codes, finding, run_doctor
+from eagle3_ops.doctor import codes as doctor_codes
 from eagle3_ops.doctor import tables
 from eagle3_ops.doctor.configs import parse_target, read_weight_headers
 from machine import needs_sglang
@@ -768,7 +769,7 @@ def test_a_draft_trained_on_a_shorter_context_is_named(tmp_path, engine_code):
     for served, fires in ((2048, False), (None, True), (8192, True)):
         rep = run_checks(t, d, weights, Options(engine_code="table", server_running=True,
                                                 served_context_length=served))
-        got = [f for f in rep.findings if f.code == "W_DRAFT_CONTEXT_SHORT"]
-        assert bool(got) == fires, (served, [f.code for f in rep.findings])
-        if got:
-            assert "started it with SGLANG_ALLOW_OVERWRITE_LONGER_CONTEXT_LEN" in got[0].message
+        got = rep.find(doctor_codes.W_DRAFT_CONTEXT_SHORT)
+        assert (got is not None) == fires, (served, [f.code for f in rep.findings])
+        if got is not None:
+            assert "started it with SGLANG_ALLOW_OVERWRITE_LONGER_CONTEXT_LEN" in got.text
