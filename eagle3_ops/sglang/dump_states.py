@@ -81,7 +81,7 @@ def _capturing_graph() -> bool:
     return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
 
 
-def _server_args():
+def server_args():
     """SGLang's server args in a server process, else None (a script, a test)."""
     try:
         from sglang.srt.runtime_context import get_server_args
@@ -131,7 +131,7 @@ def pipeline_parallel() -> bool:
     """PP > 1: each stage holds some layers only and the last one the logits, so no rank sees every
     boundary the replay needs and its next tokens (and PP's dynamic-chunking profile runs random
     prompts through the scheduler's own batches)."""
-    sa = _server_args()
+    sa = server_args()
     try:
         return int(getattr(sa, "pp_size", 1) or 1) > 1
     except (TypeError, ValueError):
@@ -147,7 +147,7 @@ def custom_warmups() -> Optional[str]:
 
         value = get_serving().warmups
     except Exception:
-        sa = _server_args()
+        sa = server_args()
         value = getattr(sa, "warmups", None) if sa is not None else None
     return value if isinstance(value, str) and value else None
 
@@ -155,7 +155,7 @@ def custom_warmups() -> Optional[str]:
 def dp_attention_enabled() -> bool:
     """DP attention: each TP rank runs another batch, so a recording's all-gather would pair rows of
     different requests and wait for ranks that never reach it."""
-    sa = _server_args()
+    sa = server_args()
     if sa is not None and getattr(sa, "enable_dp_attention", False):
         return True
     try:
@@ -186,6 +186,7 @@ class _Accumulator:
         self.recorder, self.boundary, self.inner = recorder, boundary, inner
 
     def capture(self, value, *args, **kwargs):
+        """Record ``value`` at this boundary, then hand it to SGLang's own accumulator (if any) unchanged."""
         self.recorder.record(self.boundary, value)
         if self.inner is not None:
             return self.inner.capture(value, *args, **kwargs)
@@ -231,7 +232,7 @@ class StatesRecorder:
         self.max_bytes = 0
         self.model = None                 # the model SGLang's runner holds (install_recorder)
         # in an EAGLE-3 server, only the scheduler's batches (not SGLang's warm-up forwards) are recorded
-        sa = _server_args()
+        sa = server_args()
         self.scheduled_only = sa is not None and (getattr(sa, "speculative_algorithm", None) is not None or
                                                   bool(getattr(sa, "enable_return_aux_hidden_states", False)))
         self.background_write = False     # write the file in a thread (the live check), not in the forward
@@ -288,6 +289,8 @@ class StatesRecorder:
         return self._plan(forward_batch).rows is not None
 
     def record(self, boundary: int, value) -> None:
+        """Keep this forward's recorded rows of ``value`` ([T, H], post all-reduce) for ``boundary``; a value of
+        another shape marks the boundary missing instead. Host copies on TP rank 0 only."""
         cur = getattr(_tls, "forward", None)
         if cur is None or cur.rows is None or not self.keep_values or boundary in cur.values:
             return
@@ -307,7 +310,7 @@ class StatesRecorder:
         written, and the reason is in :attr:`failure` (the states dump says it here; another feature, whose
         ``on_written`` follows, says it in its own line)."""
         if self.failure is None:
-            self.failure = f"recording failed on TP rank {self.tp_rank} ({_cause(error)})"
+            self.failure = f"recording failed on TP rank {self.tp_rank} ({cause(error)})"
             if self.label == ENV_DUMP_STATES or self.on_written is None:
                 log.error("eagle3_ops: %s: %s; %s", self.label, self.failure, _off(self.label))
             log.debug("eagle3_ops: %s: the recording's failure", self.label, exc_info=error)
@@ -399,7 +402,7 @@ class StatesRecorder:
         if isinstance(e, StatesError):  # the target became a directory, a FIFO, ... since start-up
             return f"could not write {path}: {e}"
         log.debug("eagle3_ops: %s: writing %s failed", self.label, path, exc_info=e)
-        return f"could not write {path}: {_cause(e)}{_bug_note(e)}"
+        return f"could not write {path}: {cause(e)}{bug_note(e)}"
 
     def write(self, in_forward: bool = False) -> Optional[str]:
         """Close the recording and write its file: in a thread of its own when called from a forward and
@@ -432,7 +435,7 @@ class StatesRecorder:
                 self.on_written(written)
             except Exception as e:  # never stop SGLang (e.g. no thread can be started: a process limit)
                 log.warning("eagle3_ops: %s: the follow-up of the recording failed (%s); serving is unaffected%s",
-                            self.label, _cause(e), _bug_note(e))
+                            self.label, cause(e), bug_note(e))
                 log.debug("eagle3_ops: %s: the follow-up's traceback", self.label, exc_info=e)
         return written
 
@@ -608,7 +611,7 @@ def dump_advice(kind: str, folder: Path, settings: DumpSettings) -> str:
     return f"set {ENV_DUMP_STATES} to a file on another disk"
 
 
-def _cause(e: BaseException) -> str:
+def cause(e: BaseException) -> str:
     """An exception in words: an OS error by its errno's name, memory as memory."""
     if isinstance(e, OSError):
         return os_error_words(e) + (f": {e.filename}" if e.filename else "")
@@ -618,7 +621,7 @@ def _cause(e: BaseException) -> str:
     return text
 
 
-def _bug_note(e: BaseException) -> str:
+def bug_note(e: BaseException) -> str:
     """For an error no user's machine explains (not an OS error, not memory): say it is a bug, where its
     traceback is."""
     if isinstance(e, (OSError, MemoryError, StatesError)) or "out of memory" in str(e).lower():
@@ -729,7 +732,7 @@ def install_recorder(model, settings: Optional[DumpSettings], *, boundaries: Opt
             recorder = _prepare(model, lm, inner, settings, boundaries, label, recorder_kw,
                                 refusal.append if on_refused is not None else None)
         except Exception as e:  # never skip the agreement below: the other ranks wait in it
-            why = f"could not set up the recording ({_cause(e)}){_bug_note(e)}"
+            why = f"could not set up the recording ({cause(e)}){bug_note(e)}"
             log.debug("eagle3_ops: %s: setting up the recording failed", label, exc_info=e)
             if on_refused is not None:
                 refusal.append(why)
@@ -824,7 +827,7 @@ def _prepare(model, lm, inner, settings: DumpSettings, boundaries: Optional[List
 
 
 def _prefill_graph_note() -> str:
-    sa = _server_args()
+    sa = server_args()
     if sa is None or getattr(sa, "disable_prefill_cuda_graph", True) or getattr(sa, "disable_cuda_graph", False):
         return ""
     return "; prefill CUDA graphs are on: each prefill recorded runs eagerly instead (until the file is written)"
@@ -858,6 +861,7 @@ _graph_error_logged = False
 
 
 def dump_state(model) -> Optional[StatesRecorder]:
+    """The states recorder installed on ``model`` (an SGLang target), or None."""
     _, inner = _recorded_modules(model)
     return inner.__dict__.get(_STATE_ATTR) if inner is not None else None
 

@@ -280,13 +280,12 @@ def register() -> None:
         for target in GRAPHS_TARGETS:
             HookRegistry.register(target, _after_graph_setup, HookType.AFTER)
         HookRegistry.register(FINAL_NORM_TARGET, _around_final_norm, HookType.AROUND)
-        from . import wiring_check as wc
-
         from .dump_states import CAN_RUN_GRAPH_TARGET, DUMMY_RUN_TARGET
+        from .wiring_acceptance import ACCEPTANCE_TARGET
 
         HookRegistry.register(CAN_RUN_GRAPH_TARGET, _around_can_run_graph, HookType.AROUND)
         HookRegistry.register(DUMMY_RUN_TARGET, _around_dummy_run, HookType.AROUND)
-        HookRegistry.register(wc.ACCEPTANCE_TARGET, _after_resolve_spec_tokens, HookType.AFTER)
+        HookRegistry.register(ACCEPTANCE_TARGET, _after_resolve_spec_tokens, HookType.AFTER)
         for target in WEIGHT_UPDATE_TARGETS:
             HookRegistry.register(target, _after_weight_update, HookType.AFTER)
         from . import static_inputs as si
@@ -318,4 +317,5 @@ def install() -> bool:
 
 
 def is_registered() -> bool:
+    """Whether :func:`register` has run in this process (SGLang's plugin loader calls it once)."""
     return _registered

@@ -78,13 +78,15 @@ def _fresh_warn_once():
 def wc(monkeypatch, tmp_path):
     """The live wiring check's module with its results kept in this test's folder, the switches it reads unset,
     and no check or recording left from another test."""
-    from eagle3_ops.sglang import dump_states, wiring_check
+    from eagle3_ops.sglang import dump_states, serving, wiring_check
 
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
     for var in ("EAGLE3_OPS_DUMP_STATES", "EAGLE3_OPS_WIRING_CHECK"):
         monkeypatch.delenv(var, raising=False)
     monkeypatch.setattr(wiring_check, "_checks", [])
     monkeypatch.setattr(dump_states, "_recorders", [])  # recordings other tests left unfinished
+    # the one-line-per-process messages as in a fresh server: another test file on this worker may have said one
+    monkeypatch.setattr(serving, "_warned", set())
     return wiring_check
 
 

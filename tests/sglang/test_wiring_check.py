@@ -343,6 +343,9 @@ def _assert_off(h, wc, pair, caplog, needle, first_line):
 
     cfg, model = _target(h, pair)
     h.configure_capture(model, [2, 4, 6])
+    # only what the two calls below say: where an earlier test on this worker registered the plugin's SGLang
+    # hooks, configure_capture has started (and refused) a check already
+    caplog.clear()
     with caplog.at_level(logging.INFO, logger="eagle3_ops.sglang"):
         assert wc.start(model, draft_path=str(pair.draft_dir), target_config=cfg) is None
         assert dump_states.install_recorder(model, None, label="x") is None
@@ -422,17 +425,18 @@ def test_the_fusion_guard_follows_sglangs_own_predicates(wc, monkeypatch):
     only longer forwards are recorded. The bounds come from SGLang's predicates, searched."""
     import sglang.srt.layers.layer_boundary.residual.add_norm as add_norm
     from eagle3_ops.sglang import groups
+    from eagle3_ops.sglang.wiring_recording import largest_fused_forward, largest_true
 
-    assert wc._largest_true(lambda n: n <= 2048) == 2048
-    assert wc._largest_true(lambda n: False) == 0 and wc._largest_true(lambda n: True) is None
-    assert wc._largest_fused_forward(64, torch.bfloat16) == 0  # TP = 1: nothing to fuse
+    assert largest_true(lambda n: n <= 2048) == 2048
+    assert largest_true(lambda n: False) == 0 and largest_true(lambda n: True) is None
+    assert largest_fused_forward(64, torch.bfloat16) == 0  # TP = 1: nothing to fuse
     monkeypatch.setattr(groups, "tp_rank_size", lambda: (0, 2))
     monkeypatch.setattr(add_norm, "flashinfer_ar_fusion_applies", lambda n: n <= add_norm.FUSE_ALLREDUCE_MAX_BATCH_SIZE)
-    assert wc._largest_fused_forward(64, torch.bfloat16) == add_norm.FUSE_ALLREDUCE_MAX_BATCH_SIZE
+    assert largest_fused_forward(64, torch.bfloat16) == add_norm.FUSE_ALLREDUCE_MAX_BATCH_SIZE
     monkeypatch.setattr(add_norm, "flashinfer_ar_fusion_applies", lambda n: False)
-    assert wc._largest_fused_forward(64, torch.bfloat16) == 0  # e.g. sm_120 (FlashInfer's fusion is sm_90/100)
+    assert largest_fused_forward(64, torch.bfloat16) == 0  # e.g. sm_120 (FlashInfer's fusion is sm_90/100)
     monkeypatch.setattr(add_norm, "flashinfer_ar_fusion_applies", lambda n: 1 / 0)
-    assert wc._largest_fused_forward(64, torch.bfloat16) is None  # cannot tell: the check does not record
+    assert largest_fused_forward(64, torch.bfloat16) is None  # cannot tell: the check does not record
 
 
 def test_the_replay_runs_niced_bounded_off_the_gpu(tmp_path, wc):
@@ -444,7 +448,7 @@ def test_the_replay_runs_niced_bounded_off_the_gpu(tmp_path, wc):
         "print(os.nice(0), resource.getrlimit(resource.RLIMIT_AS)[0], resource.getrlimit(resource.RLIMIT_CPU)[0],"
         " os.environ['CUDA_VISIBLE_DEVICES'] == '', os.environ['OMP_NUM_THREADS'],"
         " os.environ['EAGLE3_OPS_WIRING_CHECK'])\n")
-    env = dict(wc._child_env(), PYTHONPATH=str(tmp_path))
+    env = dict(wc.child_env(), PYTHONPATH=str(tmp_path))
     out = subprocess.run(wc.limited([sys.executable, "-m", "show_limits"], 6 << 30, 123), env=env,
                          capture_output=True, text=True, check=True).stdout.split()
     assert out == ["19", str(6 << 30), "123", "True", str(wc.THREADS), "0"], out
@@ -471,11 +475,13 @@ def test_the_fix_is_sglangs_own_id_list_or_says_why_none_exists(sglang_cpu, wc, 
     captures) the text says why and never advises ids."""
     from transformers import LlamaConfig
 
+    from eagle3_ops.sglang.wiring_doctor import doctor_report
+    from eagle3_ops.sglang.wiring_verdict import fix as the_fix
+
     draft = copy_draft_with_ids(pair, tmp_path / "d", nested=[1, 3, 5])
-    check = wc.WiringCheck("LlamaForCausalLM", draft, {}, [2, 4, 6], 8, 0, 1)
-    check.report, _ = wc._doctor_report(LlamaConfig.from_pretrained(pair.target_dir), draft, 1)
-    fix = check._fix([3, 5, 7])
+    report, _ = doctor_report(LlamaConfig.from_pretrained(pair.target_dir), draft, 1)
+    fix = the_fix(report, draft, [3, 5, 7])
     assert fix["ids"] == [2, 4, 6] and "to [2, 4, 6]" in fix["text"] and "(now [1, 3, 5])" in fix["text"]
-    none = check._fix([3, 5, 8])
+    none = the_fix(report, draft, [3, 5, 8])
     assert none["ids"] is None and "SGLang never captures the output of layer 7 (boundary 8)" in none["text"], none
     assert "retrain" in none["text"] and "set eagle_config" not in none["text"]

@@ -47,7 +47,8 @@ def _target(h, pair):
     from transformers import LlamaConfig
 
     cfg = LlamaConfig.from_pretrained(pair.target_dir)
-    model = h.sglang_model("llama", cfg, torch.float32, weights=load_file(str(pair.target_dir / "model.safetensors")).items())
+    model = h.sglang_model("llama", cfg, torch.float32,
+                           weights=load_file(str(pair.target_dir / "model.safetensors")).items())
     return cfg, model
 
 
@@ -184,12 +185,12 @@ def case_needed_shard_dangling(pair, tmp_path, mp):
 
 
 def case_a_bug(pair, tmp_path, mp):
-    from eagle3_ops.sglang import wiring_check
+    from eagle3_ops.sglang import wiring_startup
 
     def broken(*a, **k):
         raise TypeError("unsupported operand type(s) for +: 'int' and 'NoneType'")
 
-    mp.setattr(wiring_check, "_cannot_replay", broken)  # a step of the start with no handler of its own
+    mp.setattr(wiring_startup, "cannot_replay", broken)  # a step of the start with no handler of its own
     return pair.draft_dir, _nothing()
 
 
@@ -366,6 +367,44 @@ def test_a_draft_changed_since_start_up_is_said_not_scored(sglang_cpu, wc, pair,
     assert check.verdict is None and not (check.workdir / "draft-snapshot.json").exists(), "nothing scored"
     assert (check.workdir / "states.safetensors").is_file(), "the recording is kept for the offline command"
     assert_served_as_stock(outs, stock)
+
+
+@pytest.mark.parametrize("case", ["changed while read", "another input error", "killed"])
+def test_a_draft_changed_while_the_replay_reads_it_is_told_by_the_exit_status_and_the_snapshot(wc, pair, tmp_path,
+                                                                                               monkeypatch, caplog,
+                                                                                               case):
+    """The replay child stops with the doctor's exit status for input it cannot use (2) when the draft changes
+    while it reads it; the check then reads its snapshot of the draft again and says what changed (the line of the
+    case above), never matching the child's stderr. Another failure, or a draft unchanged, is the child's own last
+    line."""
+    from eagle3_ops.doctor.configs import draft_snapshot
+    from eagle3_ops.sglang import wiring_replay_process
+
+    d = _draft(pair, tmp_path)
+    check = wc.WiringCheck("LlamaForCausalLM", d, {}, SERVED, 8, 0, 1)
+    check.snapshot = draft_snapshot(d)
+    states = tmp_path / "states.safetensors"
+    states.write_bytes(b"recorded")
+
+    def run(cmd, **kw):  # the child, as it ends
+        if case != "another input error":
+            _replace(d)  # the weights replaced while it reads them
+        code = -9 if case == "killed" else 2
+        return wiring_replay_process.ReplayRun(None, f"the replay stopped (exit {code}): error: its own words", code,
+                                               0.1)
+
+    monkeypatch.setattr(wiring_replay_process, "run", run)
+    with caplog.at_level(logging.INFO, logger="eagle3_ops.sglang"):
+        check._replay(states)
+    assert check.phase == "failed"
+    (said,) = lines(caplog, "could not be checked")
+    if case == "changed while read":
+        assert f"the draft in {d} changed since the server started: {d}/model.safetensors was replaced by another " \
+               f"file" in said and "restart to check it" in said, said
+        assert "its own words" not in said, said
+    else:
+        assert "error: its own words" in said and "changed since" not in said, said
+    assert_no_traceback(caplog)
 
 
 def test_a_config_edited_after_start_up_is_not_scored_as_the_served_one(sglang_cpu, wc, pair, prompts, stock,
