@@ -19,6 +19,8 @@ from . import _cli
 
 @dataclass(frozen=True)
 class Command:
+    """One ``python -m eagle3_ops`` command: its name, its one-line summary for :func:`usage`, and the function that
+    runs it."""
     name: str
     summary: str
     main: Callable[[List[str]], int]   # the arguments after the command's name -> exit status
@@ -75,6 +77,7 @@ COMMANDS: Dict[str, Command] = {c.name: c for c in (
 
 
 def usage() -> str:
+    """The top-level help text: one line per command of :data:`COMMANDS`, then the exit statuses."""
     width = max(map(len, COMMANDS)) + 3
     lines = ["usage: python -m eagle3_ops COMMAND [ARGS]", "", "commands:"]
     lines += [f"  {c.name:<{width}}{c.summary}" for c in COMMANDS.values()]
@@ -121,6 +124,8 @@ def _dispatch(argv: List[str]) -> int:
 
 
 def main(argv=None) -> int:
+    """Entry point: runs the command named by ``argv`` (default ``sys.argv[1:]``) under ``_cli.run`` and returns its
+    exit status."""
     return _cli.run(_dispatch, list(sys.argv[1:] if argv is None else argv))
 
 

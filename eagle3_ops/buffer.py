@@ -14,6 +14,10 @@ from .validation import SUPPORTED_DTYPES
 
 
 class AuxCaptureBuffer:
+    """A zeroed ``[max_tokens, num_captures*hidden_size]`` tensor of ``dtype`` on ``device``, allocated once
+    (ValueError for a dtype the ops do not take or a bad size): the capture ops write slot k of rows [0, T),
+    and ``view(T)`` is the draft's fc input."""
+
     def __init__(self, max_tokens: int, hidden_size: int, num_captures: int,
                  dtype: torch.dtype = torch.bfloat16, device: Optional[torch.device] = None):
         if dtype not in SUPPORTED_DTYPES:
@@ -31,10 +35,12 @@ class AuxCaptureBuffer:
 
     @property
     def dtype(self) -> torch.dtype:
+        """The buffer's dtype (bf16, fp16 or fp32)."""
         return self.buffer.dtype
 
     @property
     def device(self) -> torch.device:
+        """The device the buffer lives on."""
         return self.buffer.device
 
     def view(self, num_tokens: int) -> torch.Tensor:

@@ -26,7 +26,7 @@ from typing import Optional, Tuple
 
 import torch
 
-from .validation import _is_fake
+from .validation import is_fake
 from .workspace import Carver, aligned
 
 
@@ -43,6 +43,7 @@ def chunks(x: torch.Tensor, chunk_norm_weight: Optional[torch.Tensor]) -> Tuple[
 
 
 def has_norm(chunk_norm_weight: Optional[torch.Tensor], input_norm_weight: Optional[torch.Tensor]) -> bool:
+    """Whether the call normalises x at all (a chunk norm or an input norm weight is given)."""
     return chunk_norm_weight is not None or input_norm_weight is not None
 
 
@@ -60,6 +61,8 @@ def fp16_norm_overflow(dtype: torch.dtype, chunk_norm_weight: Optional[torch.Ten
 
 
 def needs_unit_stride_copy(t: Optional[torch.Tensor]) -> bool:
+    """Whether a 1-D argument (``bias``, ``rows``, ``input_norm_weight``; None passes) must be copied to unit stride
+    into the workspace before a kernel reads it: it is given and not contiguous."""
     return t is not None and not t.is_contiguous()
 
 
@@ -91,7 +94,7 @@ def aligned16(t: Optional[torch.Tensor]) -> bool:
     boundary of at least 256 bytes)."""
     if t is None:
         return True
-    if t.is_meta or _is_fake(t):  # (not t.device.type: building that string cost ~1 us a call)
+    if t.is_meta or is_fake(t):  # (not t.device.type: building that string cost ~1 us a call)
         return t.storage_offset() * t.element_size() % 16 == 0
     return t.data_ptr() % 16 == 0
 

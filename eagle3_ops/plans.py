@@ -39,6 +39,7 @@ class Crossover:
     basis: str
 
     def path(self, M: int) -> str:
+        """The path this table gives a call with ``M`` output rows: ``skinny``, ``tiled`` or ``cublas``."""
         if M <= self.skinny_max_m:
             return "skinny"
         if M <= self.tiled_max_m:
@@ -99,6 +100,8 @@ def _index(device: torch.device) -> int:
 
 
 def arch_key(device: torch.device) -> str:
+    """The :data:`CROSSOVER` arch key of ``device``: ``sm_90`` or ``sm_120`` by major version (9.x, 12.x), ``default``
+    for any other GPU, ``interpreter`` for a non-CUDA device."""
     if device.type != "cuda":
         return "interpreter"
     major, _ = capability(_index(device))
@@ -106,11 +109,13 @@ def arch_key(device: torch.device) -> str:
 
 
 def crossover_for(backend: str, device: torch.device) -> Crossover:
+    """The crossover table of ``backend`` on ``device``: its arch's entry, else the backend's ``default`` one."""
     key = arch_key(device)
     return CROSSOVER.get((backend, key)) or CROSSOVER[(backend, "default")]
 
 
 def forced() -> Optional[str]:
+    """The path :func:`forced_path` forces in this thread, or None (the table decides)."""
     return _forced.path
 
 

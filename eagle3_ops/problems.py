@@ -148,6 +148,8 @@ def canaried_out(rows: int, cols: int, dtype, device, gen=None, top=1, bottom=1,
 # ---- capture / fused_add_rmsnorm_capture problems ---------------------------------------------------
 @dataclass
 class CaptureProblem:
+    """One capture (or, with ``weight``, fused add+RMSNorm+capture) problem from :func:`capture_problem`: hidden/input
+    [T, H], residual, a [T + extra rows, K*H] buffer view into a poisoned base, the slot, norm weight and eps."""
     hidden: torch.Tensor  # the fused op's ``input``
     residual: Optional[torch.Tensor]
     buffer: torch.Tensor  # [T + extra rows, K*H] view of a poisoned base
@@ -157,10 +159,12 @@ class CaptureProblem:
 
     @property
     def T(self) -> int:
+        """Tokens: hidden's rows."""
         return self.hidden.shape[0]
 
     @property
     def H(self) -> int:
+        """Hidden size: hidden's columns (one slot's width)."""
         return self.hidden.shape[1]
 
     @property
@@ -224,6 +228,8 @@ def capture_problem(T: int, H: int, K: int, dtype, device, *, key=(), slot: Opti
 # ---- draft_fc problems -------------------------------------------------------------------------------
 @dataclass
 class FcProblem:
+    """One ``draft_fc`` problem from :func:`fc_problem`: the op's tensor arguments (x [T, K*H], weight [N, K*H],
+    optional bias, rows, chunk and input norm weights) and eps."""
     x: torch.Tensor
     weight: torch.Tensor
     bias: Optional[torch.Tensor] = None
@@ -234,14 +240,17 @@ class FcProblem:
 
     @property
     def M(self) -> int:
+        """Output rows: ``rows``' length when given, else x's rows."""
         return self.x.shape[0] if self.rows is None else self.rows.shape[0]
 
     @property
     def N(self) -> int:
+        """Output columns: weight's rows."""
         return self.weight.shape[0]
 
     @property
     def dtype(self) -> torch.dtype:
+        """x's dtype (the op's dtype)."""
         return self.x.dtype
 
     @property

@@ -47,6 +47,8 @@ class BadEntry(ValueError):
 
 
 def path() -> Path:
+    """The cache file: ``$XDG_CACHE_HOME/eagle3_ops/qualify.json`` (``~/.cache`` when unset or empty); read each
+    call."""
     root = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
     return Path(root) / "eagle3_ops" / "qualify.json"
 
@@ -56,6 +58,8 @@ def _canonical(made_for: Any) -> str:
 
 
 def key(made_for: dict) -> str:
+    """The entry key of ``made_for``: the first 24 hex digits of the SHA-256 of its canonical JSON (the entry's
+    ``made_for`` is still compared in full on read)."""
     return hashlib.sha256(_canonical(made_for).encode()).hexdigest()[:24]
 
 

@@ -52,6 +52,8 @@ class SettingError(ValueError):
 
 @dataclass(frozen=True)
 class Setting:
+    """One ``EAGLE3_OPS_*`` variable: its default, how its raw value is parsed and checked, and what the error message
+    says is accepted and happens instead."""
     name: str
     default: Any
     accepted: str           # what the message lists as accepted
@@ -271,5 +273,7 @@ KNOWN = tuple(SETTINGS) + tuple(BUILD_SETTINGS) + OTHER_KNOWN
 
 
 def unknown_variables(env: Optional[Mapping[str, str]] = None) -> List[str]:
+    """The ``EAGLE3_OPS_*`` names in ``env`` (default ``os.environ``) that eagle3_ops does not read, sorted: reported at
+    start so a typo does not go unnoticed."""
     env = os.environ if env is None else env
     return sorted(k for k in env if k.startswith("EAGLE3_OPS_") and k not in KNOWN)

@@ -143,6 +143,7 @@ class Device:
 
     @property
     def limits(self) -> SmLimits:
+        """The per-SM resource limits of this device's arch (:data:`SM_LIMITS`), for the occupancy model."""
         return SM_LIMITS[self.arch]
 
     @property
@@ -195,19 +196,25 @@ class Kernel:
 
     @property
     def shape(self) -> Tuple[int, int, int]:
+        """(NT, rows, stages): the block shape this build was made for."""
         return (self.nt, self.rows, self.stages)
 
     @property
     def threads(self) -> int:
+        """Threads per block: a warp per 16 weight rows (:func:`threads`)."""
         return threads(self.rows)
 
     @property
     def in_flight(self) -> int:
+        """Bytes of weight one block keeps requested in its ring: (stages - 1) steps of ``rows`` x ``SPLIT_STEP``
+        elements."""
         return (self.stages - 1) * self.rows * SPLIT_STEP * self.elem_bytes
 
 
 @dataclass
 class Prediction:
+    """The model's prediction for one skinny call: total time (inf: cannot launch), the weight-read floor, the losses
+    above it by cause, and the split, block and wave counts behind them."""
     time: float                 # s, the whole call (pre-pass, skinny, reducer); inf: cannot launch
     floor: float                # s, the weight read at read_bw
     limiter: str                # the largest loss (see LOSSES)

@@ -132,6 +132,8 @@ def median_ms(fn: Callable[[], object], device: torch.device, warmup: int = 3, i
 
 
 def device_label(device: torch.device) -> str:
+    """What the timings on ``device`` were measured on and with: the GPU's name and CUDA events, or the CPU with
+    perf_counter (printed next to every number so a CPU time is not read as a GPU one)."""
     if device.type == "cuda":
         return f"{torch.cuda.get_device_name(device)} (CUDA events)"
     return "CPU (perf_counter; says nothing about GPU kernels)"

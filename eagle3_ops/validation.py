@@ -107,7 +107,7 @@ def _matrix_box(t: torch.Tensor, row_stride: int):
     return (r0, r0 + t.shape[0]), (c0, c0 + t.shape[1])
 
 
-def _is_fake(t: torch.Tensor) -> bool:
+def is_fake(t: torch.Tensor) -> bool:
     """Whether t is a FakeTensor (or wraps one: a functional tensor of a fake). A plain tensor that
     is no functional wrapper never is: the usual case, decided in ~0.2 us instead of ~3 us."""
     if type(t) is torch.Tensor and not torch._is_functional_tensor(t):
@@ -143,7 +143,7 @@ def overlaps(a: torch.Tensor, b: torch.Tensor) -> bool:
         return a0 < b0 + (bhi - blo) and b0 < a0 + (ahi - alo)
     if a.numel() == 0 or b.numel() == 0 or a.device != b.device or a.device.type == "meta":
         return False
-    if _is_fake(a) or _is_fake(b):  # tracing (torch.compile, fake impls): decided by the real call
+    if is_fake(a) or is_fake(b):  # tracing (torch.compile, fake impls): decided by the real call
         return False
     try:
         if a.untyped_storage().data_ptr() != b.untyped_storage().data_ptr():
@@ -171,7 +171,7 @@ def check_writes(op: str, written: dict, read: dict) -> None:
         if t.requires_grad:
             _fail(op, f"{name} requires grad: eagle3 ops write it in place and are forward-only "
                       f"(pass a tensor that does not require grad, e.g. under torch.no_grad())")
-        if t.numel() > 1 and not t.is_meta and not _is_fake(t) and torch._debug_has_internal_overlap(t) == 1:
+        if t.numel() > 1 and not t.is_meta and not is_fake(t) and torch._debug_has_internal_overlap(t) == 1:
             _fail(op, f"{name} has overlapping elements (an expanded or zero-stride view, strides "
                       f"{tuple(t.stride())}); it must not write one memory location twice")
     others = writes + [(n, t) for n, t in read.items() if t is not None]
@@ -350,7 +350,7 @@ def check_draft_fc(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.T
             _fail(op, f"workspace must be a contiguous 1-D uint8 tensor, got {workspace.dtype} with shape "
                       f"{tuple(workspace.shape)}")
         _check_device(op, "workspace", workspace, x.device)
-        if workspace.device.type != "meta" and not _is_fake(workspace) and workspace.numel() \
+        if workspace.device.type != "meta" and not is_fake(workspace) and workspace.numel() \
                 and workspace.data_ptr() % 16:
             _fail(op, f"workspace must start on a 16-byte boundary (the kernels' vector loads), got address "
                       f"{workspace.data_ptr():#x}")

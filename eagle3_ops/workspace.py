@@ -36,6 +36,7 @@ ALIGN = 256    # bytes; every carved region starts on this boundary (16-byte vec
 
 
 def aligned(nbytes: int) -> int:
+    """``nbytes`` rounded up to a multiple of ``ALIGN`` (256): the bytes one carved region occupies."""
     return -(-int(nbytes) // ALIGN) * ALIGN
 
 
@@ -47,6 +48,8 @@ class Carver:
         self.offset = 0
 
     def take(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        """The next region of ``numel`` elements of ``dtype``, a view into the workspace starting on an ``ALIGN``
+        boundary; raises ValueError when the workspace is missing or too small."""
         nbytes = aligned(numel * dtype.itemsize)
         ws = self.workspace
         if ws is None or self.offset + nbytes > ws.numel():

@@ -138,3 +138,48 @@ def test_the_readme_is_a_front_door():
     for target in re.findall(r"\]\(([^)#\s]+)(?:#[^)]*)?\)", "\n".join(lines)):
         if "://" not in target:
             assert (ROOT / target).exists(), f"README links to {target}, which does not exist"
+
+
+def _package_modules():
+    for path in sorted((ROOT / "eagle3_ops").rglob("*.py")):
+        yield path, ast.parse(path.read_text())
+
+
+def test_no_module_imports_another_modules_private_names():
+    """One way through the code: a name with a leading underscore stays in its module (a private module, such
+    as ``_cli``, may be imported: its file is the package-internal unit)."""
+    bad = []
+    for path, tree in _package_modules():
+        for node in ast.walk(tree):
+            if not isinstance(node, ast.ImportFrom) or node.module == "__future__":
+                continue
+            if not (node.level or (node.module or "").startswith("eagle3_ops")):
+                continue
+            base = path.parent
+            for _ in range(max(node.level - 1, 0)):
+                base = base.parent
+            if not node.level:
+                base = ROOT
+            package = base.joinpath(*(node.module or "").split(".")) if node.module else base
+            for alias in node.names:
+                is_module = (package / f"{alias.name}.py").exists() or (package / alias.name).is_dir()
+                if alias.name.startswith("_") and not alias.name.startswith("__") and not is_module:
+                    bad.append(f"{path.relative_to(ROOT)}:{node.lineno}: imports {alias.name} from "
+                               f"{'.' * node.level}{node.module or ''}")
+    assert not bad, "\n".join(bad)
+
+
+def test_every_public_function_and_class_has_a_docstring():
+    """What it takes and returns and why it exists, in a few lines: every public module-level function and class
+    of the package, and every public method of a module-level class, says it."""
+    missing = []
+    for path, tree in _package_modules():
+        nodes = []
+        for node in tree.body:
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                nodes.append(node)
+                if isinstance(node, ast.ClassDef) and not node.name.startswith("_"):
+                    nodes += [m for m in node.body if isinstance(m, (ast.FunctionDef, ast.AsyncFunctionDef))]
+        missing += [f"{path.relative_to(ROOT)}:{n.lineno}: {n.name}" for n in nodes
+                    if not n.name.startswith("_") and ast.get_docstring(n) is None]
+    assert not missing, "no docstring:\n" + "\n".join(missing)

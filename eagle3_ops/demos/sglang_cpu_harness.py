@@ -19,13 +19,12 @@ from typing import Dict, Optional, Sequence
 
 import torch
 
-from ..doctor.sglang_cpu import _cpu_environment
+from ..doctor.sglang_cpu import cpu_environment
 
-_cpu_environment()  # before the demo or a test imports SGLang's distributed code
+cpu_environment()  # before the demo or a test imports SGLang's distributed code
 
-from ..doctor.sglang_cpu import (DEVICE, KVCache, Req, _construct, _fill_req_to_token,  # noqa: E402, F401
-                                 _mla_only_backend_name, decode_batch, extend_batch, free_port,
-                                 init_distributed, run)
+from ..doctor.sglang_cpu import (DEVICE, KVCache, Req, construct, decode_batch,  # noqa: E402, F401
+                                 extend_batch, fill_req_to_token, free_port, init_distributed, run)
 
 
 def disable_dynamo() -> None:
@@ -149,6 +148,8 @@ def _glm4_moe_cfg(**kw):
 
 @dataclass(frozen=True)
 class Family:
+    """One tiny target model family of the demo and tests: its config factory, the Hugging Face class name and the
+    SGLang module and class that implement it."""
     name: str
     make_config: object
     hf_class: str            # transformers class name
@@ -185,7 +186,7 @@ def sglang_model(family: str, config, dtype: torch.dtype, weights=None, seed: in
 def build_model(cls, config, dtype: torch.dtype, weights=None, seed: int = 0):
     """SGLang class ``cls`` built with ``dtype`` as default dtype, ``weights`` (checkpoint naming) loaded
     through its ``load_weights`` or parameters seeded, its ``post_load_weights`` run, in eval mode."""
-    model = _construct(cls, config, dtype)
+    model = construct(cls, config, dtype)
     if weights is not None:
         model.load_weights(list(weights))
     else:
@@ -201,6 +202,8 @@ def build_model(cls, config, dtype: torch.dtype, weights=None, seed: int = 0):
 
 def eagle3_draft_config(target_config, *, layer_ids, fc_norm=False, norm_before_fc=False,
                         hidden_size: Optional[int] = None, draft_vocab_size: Optional[int] = None):
+    """A one-layer ``LlamaForCausalLMEagle3`` draft config for ``target_config``: aux hidden states from ``layer_ids``,
+    ``fc_norm`` / ``norm_before_fc`` as given, hidden size and draft vocab defaulting to the target's."""
     from transformers import LlamaConfig
 
     hidden = hidden_size or target_config.hidden_size
@@ -229,9 +232,11 @@ def fill_random(model, seed: int) -> None:
 
 
 def eagle3_draft(config, dtype: torch.dtype, seed: int = 1):
+    """SGLang's ``LlamaForCausalLMEagle3`` built from ``config`` in ``dtype``, parameters filled from ``seed``
+    (:func:`fill_random`), in eval mode."""
     from sglang.srt.models.llama_eagle3 import LlamaForCausalLMEagle3
 
-    model = _construct(LlamaForCausalLMEagle3, config, dtype)
+    model = construct(LlamaForCausalLMEagle3, config, dtype)
     fill_random(model, seed)
     return model.eval()
 

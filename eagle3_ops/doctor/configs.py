@@ -245,7 +245,7 @@ def sglang_context_length(text_config) -> Optional[int]:
 
 def sglang_read(cfg: dict, model_dir: Optional[Path] = None) -> Tuple[object, object, str, Optional[int]]:
     """(config object, text config, who read it, SGLang's get_context_length of it): SGLang's own parser on
-    ``cfg`` (:func:`_sglang_parse`), or what it made of the same config in an earlier run (engine_cache: its
+    ``cfg`` (:func:`sglang_parse`), or what it made of the same config in an earlier run (engine_cache: its
     ``to_dict()``s, rebuilt; a parser error raised again as it was)."""
     from . import engine_cache
 
@@ -257,7 +257,7 @@ def sglang_read(cfg: dict, model_dir: Optional[Path] = None) -> Tuple[object, ob
         text = obj if kept["text"] is None else engine_cache.KeptConfig(kept["text"], kept["text_class"])
         return obj, text, kept["reader"], kept["context_length"]
     try:
-        obj, text = _sglang_parse(cfg, model_dir)
+        obj, text = sglang_parse(cfg, model_dir)
     except Exception as e:
         engine_cache.remember(cfg, {"error_type": type(e).__name__, "error": str(e)})
         raise
@@ -270,14 +270,14 @@ def sglang_read(cfg: dict, model_dir: Optional[Path] = None) -> Tuple[object, ob
     return obj, text, reader, context
 
 
-def _sglang_parse(cfg: dict, model_dir: Optional[Path]):
+def sglang_parse(cfg: dict, model_dir: Optional[Path]):
     """SGLang's own reading (``HfModelConfigParser.parse``: AutoConfig, its own config classes, the text-config
     attributes it copies to the top level), on the directory or a copy of the dict."""
     import tempfile
 
-    from .sglang_code import _quiet
+    from .sglang_code import quiet_sglang
 
-    with _quiet():
+    with quiet_sglang():
         from sglang.srt.utils.hf_transformers.config import HfModelConfigParser
         from sglang.srt.utils.hf_transformers.common import get_hf_text_config
 

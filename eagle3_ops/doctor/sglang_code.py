@@ -53,7 +53,7 @@ def installed_version() -> Optional[str]:
 
 
 @contextlib.contextmanager
-def _quiet():
+def quiet_sglang():
     """SGLang logs and warns while its model modules import (platform notes): keep the doctor's output clean."""
     root = logging.getLogger()
     old = root.level
@@ -76,7 +76,7 @@ def _quiet():
 def registry() -> Dict[str, type]:
     """SGLang's ModelRegistry (architecture name -> class). Importing it imports every model module (slow:
     tens of seconds on a small CPU machine), so it is done once per process."""
-    with _quiet():
+    with quiet_sglang():
         from sglang.srt.models.registry import ModelRegistry
 
         return dict(ModelRegistry.models)
@@ -89,7 +89,7 @@ def resolve_architecture(architectures: List[str]) -> Tuple[Optional[type], str,
     if not archs:
         return None, "", "the config lists no architectures"
     if any(a in models for a in archs):
-        with _quiet():
+        with quiet_sglang():
             from sglang.srt.models.registry import ModelRegistry
 
             cls, arch = ModelRegistry.resolve_model_cls(archs)
@@ -386,7 +386,7 @@ def _pp_group_stand_in(last_rank: bool):
 
 @contextlib.contextmanager
 def _probing(last_rank: bool = True):
-    with _quiet(), _pp_group_stand_in(last_rank):
+    with quiet_sglang(), _pp_group_stand_in(last_rank):
         yield
 
 

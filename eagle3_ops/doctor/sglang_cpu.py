@@ -29,7 +29,7 @@ import torch
 DEVICE = "cpu"
 
 
-def _cpu_environment() -> None:
+def cpu_environment() -> None:
     """Before SGLang's distributed code runs: no NCCL, no CPU engine (see the module docstring)."""
     os.environ.setdefault("SGLANG_NCCL_SO_PATH", "/nonexistent")
     os.environ.pop("SGLANG_USE_CPU_ENGINE", None)
@@ -50,7 +50,7 @@ def init_distributed(tp_size: int = 1, rank: int = 0, port: Optional[int] = None
     global _initialized
     if _initialized:
         return
-    _cpu_environment()
+    cpu_environment()
     from sglang.srt.distributed import parallel_state
     from sglang.srt.distributed.parallel_state import init_distributed_environment, initialize_model_parallel
     from sglang.srt.runtime_context import SpawnRanks, get_parallel, publish, reset_context
@@ -77,7 +77,7 @@ def init_distributed(tp_size: int = 1, rank: int = 0, port: Optional[int] = None
     _initialized = True
 
 
-def _construct(cls, config, dtype: torch.dtype):
+def construct(cls, config, dtype: torch.dtype):
     """``cls(config)`` with ``dtype`` as the default dtype (SGLang creates parameters in it).
 
     SGLang's scaled RoPE classes (``DeepseekScalingRotaryEmbedding``: the YaRN ``rope_scaling`` of every published
@@ -164,7 +164,9 @@ class Req:
     tokens: List[int] = field(default_factory=list)
 
 
-def _fill_req_to_token(kv: KVCache, req: Req, start: int, locs: torch.Tensor) -> None:
+def fill_req_to_token(kv: KVCache, req: Req, start: int, locs: torch.Tensor) -> None:
+    """Point ``req``'s token positions ``start..start+len(locs)`` at KV slots ``locs`` (SGLang's req_to_token
+    table, as its scheduler fills it)."""
     kv.req_to_token_pool.req_to_token[req.pool_index, start:start + locs.numel()] = locs.to(torch.int32)
 
 
@@ -180,7 +182,7 @@ def extend_batch(kv: KVCache, reqs: List[Req], new_tokens: List[List[int]], *, m
     locs = kv.alloc(sum(ext))
     pt = 0
     for r, p, e in zip(reqs, prefix, ext):
-        _fill_req_to_token(kv, r, p, locs[pt:pt + e])
+        fill_req_to_token(kv, r, p, locs[pt:pt + e])
         pt += e
     ids = torch.tensor([t for ts in new_tokens for t in ts], dtype=torch.int64)
     positions = torch.cat([torch.arange(p, p + e) for p, e in zip(prefix, ext)])
@@ -207,7 +209,7 @@ def decode_batch(kv: KVCache, reqs: List[Req], next_tokens: List[int], *, captur
     prefix = [len(r.tokens) for r in reqs]
     locs = kv.alloc(len(reqs))
     for i, r in enumerate(reqs):
-        _fill_req_to_token(kv, r, prefix[i], locs[i:i + 1])
+        fill_req_to_token(kv, r, prefix[i], locs[i:i + 1])
         r.tokens.append(next_tokens[i])
     total = [p + 1 for p in prefix]
     fb = ForwardBatch(

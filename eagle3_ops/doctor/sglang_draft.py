@@ -45,7 +45,7 @@ def head_class(draft) -> Tuple[Optional[type], str]:
             return None, (f"the draft's architectures {archs} name none of SGLang {tables.PINNED['sglang']}'s EAGLE-3 "
                           f"heads ({', '.join(sorted(heads))})")
         module, name = heads[arch]["class"].rsplit(".", 1)
-        with sglang_code._quiet():
+        with sglang_code.quiet_sglang():
             cls = getattr(importlib.import_module(module), name)
         return cls, f"SGLang {tables.PINNED['sglang']}'s own {name} ({module})"
     cls, arch, how = sglang_code.resolve_architecture(archs)
@@ -96,14 +96,14 @@ class SGLangDraftRunner:
         if cls is None:
             raise DoctorInputError(f"replay: {source}")
         from . import sglang_cpu as harness
-        from .configs import _sglang_parse
-        from .sglang_code import _quiet
+        from .configs import sglang_parse
+        from .sglang_code import quiet_sglang
 
         self.source = source
         self.dtype = dtype
-        with _quiet():
+        with quiet_sglang():
             harness.init_distributed()
-            config, _ = _sglang_parse(dict(draft.config), draft.path)
+            config, _ = sglang_parse(dict(draft.config), draft.path)
         self.uses_target_embeddings = _replaces_embedding(cls, config)
         tied = bool(getattr(config, "tie_word_embeddings", False))
         config = copy.deepcopy(config)
@@ -119,8 +119,8 @@ class SGLangDraftRunner:
                 torch.unique(token_ids.long().reshape(-1))
             config.vocab_size = max(int(rows.numel()), 1)
         try:
-            with _quiet():
-                self.model = harness._construct(cls, config, dtype)
+            with quiet_sglang():
+                self.model = harness.construct(cls, config, dtype)
         except Exception as e:  # noqa: BLE001 - SGLang refuses this draft's config: its words, said as such
             raise DoctorInputError(f"replay: {source} cannot build this draft from its config.json "
                                    f"({type(e).__name__}: {e}); SGLang would refuse it the same way") from None
@@ -139,7 +139,7 @@ class SGLangDraftRunner:
         self.harness = harness
 
     def _load(self, weights: Dict[str, TensorInfo], rows: Optional[torch.Tensor], tied: bool) -> None:
-        from .sglang_code import _quiet
+        from .sglang_code import quiet_sglang
 
         embed_param = "model.embed_tokens.weight"
         params = dict(self.model.named_parameters())
@@ -149,7 +149,7 @@ class SGLangDraftRunner:
         names = [n for n in weights if not (rows is not None and n == "embed_tokens.weight")]
         tensors = load_tensors(weights, names)
         try:
-            with _quiet():
+            with quiet_sglang():
                 self.model.load_weights([(weights[n].raw_name, t) for n, t in tensors.items()])
         except Exception as e:  # noqa: BLE001 - a tensor the class cannot take (shape): SGLang would refuse it too
             raise DoctorInputError(f"replay: {type(self.model).__name__}.load_weights cannot load the checkpoint in "

@@ -80,9 +80,12 @@ class ColumnShardedFc(torch.nn.Module):
         return tensor_model_parallel_all_gather(local, dim=-1)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """``x`` [M, K*H] -> [M, N]: this rank's rows of the fc, then the all-gather of every rank's [M, N/tp] slice
+        (:meth:`gather`)."""
         return self.gather(torch.nn.functional.linear(x, self.weight, self.bias))
 
     def extra_repr(self) -> str:
+        """The module's repr line: features, this rank's row range and TP rank, whether it has a bias."""
         return (f"in_features={self.in_features}, out_features={self.out_features} (rows {self.row_start}.."
                 f"{self.row_start + self.rows} on TP rank {self.tp_rank}/{self.tp_size}), "
                 f"bias={self.bias is not None}")
@@ -114,10 +117,12 @@ class ShardingPlan:
 
     @property
     def everywhere(self) -> bool:
+        """Whether every row bucket is sharded (the replicated weight can be released)."""
         return all(self.sharded)
 
     @property
     def anywhere(self) -> bool:
+        """Whether any row bucket is sharded."""
         return any(self.sharded)
 
     def sharded_for(self, m: int) -> bool:
@@ -141,10 +146,14 @@ class ShardingPlan:
         return rows, bias_rows, lambda local: tensor_model_parallel_all_gather(local, dim=-1)
 
     def to_json(self) -> dict:
+        """The plan as a JSON-able dict for the qualification cache: buckets, decisions and their (replicated, rows,
+        all-gather) timings in us."""
         return {"kind": "draft_fc_sharding", "rows": list(self.rows), "sharded": list(self.sharded),
                 "timings": [list(t) for t in self.timings]}
 
     def table(self) -> str:
+        """The plan as text, one line per bucket: the replicated, rows and all-gather times in us and which one
+        serves."""
         lines = [f"{'rows':>6} | {'replicated us':>13} | {'rows us':>9} | {'all-gather us':>13} | serves"]
         for rows, sharded, (full, shard, gather) in zip(self.rows, self.sharded, self.timings):
             lines.append(f"{rows:>6} | {full:>13.1f} | {shard:>9.1f} | {gather:>13.1f} | "
@@ -153,6 +162,8 @@ class ShardingPlan:
 
 
 def sharding_made_for(state, tp_size: int, buckets) -> dict:
+    """The qualification cache's ``made_for`` of this draft's sharding decision: the device, the fc's shape, dtype, bias
+    and norms, the TP size, the buckets and the margin (:func:`qualify.entry_made_for`)."""
     return qualify.entry_made_for("draft_fc_sharding", state.fc.weight.device, {
         "shape": list(state.fc.weight.shape), "dtype": str(state.fc.weight.dtype), "bias": state.fc.bias is not None,
         "chunk_norm": state.fc_norm is not None, "input_norm": state.input_norm is not None, "tp": tp_size,
@@ -260,6 +271,8 @@ def decide_sharding(state, name: str, tp_rank: int, tp_size: int, buckets, quali
 
 
 def log_sharding(plan: ShardingPlan, name: str, tp_size: int) -> None:
+    """Logs the sharding decision for draft ``name`` at ``tp_size`` (the verdict, whether cached, the margin), then the
+    plan's table line by line, at INFO."""
     verdict = ("sharded for every bucket" if plan.everywhere else "replicated for every bucket (stock)"
                if not plan.anywhere else "sharded for some buckets: the replicated weight stays (no memory "
                "released), those buckets read this rank's rows of it")

@@ -17,12 +17,15 @@ _warned: set = set()
 
 
 def warn_once(key: str, msg: str, *args) -> None:
+    """``log.warning(msg, *args)`` the first time ``key`` is seen in this process, nothing after (one line per problem,
+    not per forward)."""
     if key not in _warned:
         _warned.add(key)
         log.warning(msg, *args)
 
 
 def info_once(key: str, msg: str, *args) -> None:
+    """``log.info(msg, *args)`` the first time ``key`` is seen in this process (keys shared with :func:`warn_once`)."""
     if key not in _warned:
         _warned.add(key)
         log.info(msg, *args)

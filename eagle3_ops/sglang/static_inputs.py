@@ -164,6 +164,8 @@ def _guard_source(runner, forward_batch) -> None:
 
 
 def before_draft_prefill_load_batch(*args, **kwargs):
+    """BEFORE ``PrefillCudaGraphRunner.load_batch``: on an aliased runner, a draft input that views the capture buffer
+    at another offset is cloned first (:func:`_guard_source`)."""
     runner = kwargs.get("self", args[0] if args else None)
     forward_batch = kwargs.get("forward_batch", args[1] if len(args) > 1 else None)
     _guard_source(runner, forward_batch)
@@ -171,6 +173,8 @@ def before_draft_prefill_load_batch(*args, **kwargs):
 
 
 def before_draft_extend_execute(*args, **kwargs):
+    """BEFORE ``EAGLEDraftExtendCudaGraphRunner.execute``: on an aliased runner, a draft input that views the capture
+    buffer at another offset is cloned first (:func:`_guard_source`)."""
     runner = kwargs.get("self", args[0] if args else None)
     forward_batch = kwargs.get("forward_batch", args[1] if len(args) > 1 else None)
     _guard_source(runner, forward_batch)
@@ -178,8 +182,10 @@ def before_draft_extend_execute(*args, **kwargs):
 
 
 def is_aliased(runner) -> bool:
+    """Whether ``runner``'s static draft input was made a view of a capture buffer."""
     return runner in _aliased_runners
 
 
 def reset_logs() -> None:  # tests: each starts with a clean slate
+    """Forgets which log lines were written, so each is written once again (tests)."""
     _logged.clear()

@@ -120,6 +120,8 @@ def _slot_view(buffer: torch.Tensor, T: int, H: int, slot: int) -> torch.Tensor:
 
 
 def capture(hidden: torch.Tensor, residual, buffer: torch.Tensor, slot: int) -> None:
+    """Backend ``capture``: one Triton launch writing ``hidden + residual`` (or ``hidden``) [T, H] into ``buffer[:T,
+    slot*H:(slot+1)*H]``; validated arguments, T > 0."""
     T, H = hidden.shape
     out = _slot_view(buffer, T, H, slot)
     block = min(triton.next_power_of_2(H), CAPTURE_BLOCK)
@@ -134,6 +136,9 @@ def capture(hidden: torch.Tensor, residual, buffer: torch.Tensor, slot: int) -> 
 
 def fused_add_rmsnorm_capture(input: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
                               buffer: torch.Tensor, slot: int) -> None:
+    """Backend ``fused_add_rmsnorm_capture``: residual and buffer slot get ``round(input + residual)``, input gets its
+    RMSNorm times ``weight`` (see the module doc); one program per row, a two-pass kernel for rows wider than
+    ``MAX_ROW_BLOCK``."""
     T, H = input.shape
     out = _slot_view(buffer, T, H, slot)
     args = (input, input.stride(0), residual, residual.stride(0), weight, out, out.stride(0), H, float(eps))

@@ -270,9 +270,9 @@ def mla_eagle3_draft_config(target_config, *, layer_ids, fc_norm=False, hidden_s
 def mla_eagle3_draft(config, dtype: torch.dtype, seed: int = 1):
     from sglang.srt.models.kimi_k25_eagle3 import Eagle3DeepseekV2ForCausalLM
 
-    from eagle3_ops.demos.sglang_cpu_harness import _construct, fill_random
+    from eagle3_ops.demos.sglang_cpu_harness import construct, fill_random
 
-    model = _construct(Eagle3DeepseekV2ForCausalLM, config, dtype)
+    model = construct(Eagle3DeepseekV2ForCausalLM, config, dtype)
     fill_random(model, seed)
     model.post_load_weights()
     return model.eval()

@@ -213,7 +213,7 @@ def test_sglangs_yarn_rope_head_builds_on_the_cpu(sglang_cpu):
     import kimi_pair
 
     from eagle3_ops.doctor import sglang_cpu as harness
-    from eagle3_ops.doctor.configs import _sglang_parse
+    from eagle3_ops.doctor.configs import sglang_parse
     from eagle3_ops.doctor.sglang_draft import head_class
 
     cfg = dict(kimi_pair.mla_draft_config([2, 5, 7]), rope_scaling={
@@ -221,9 +221,9 @@ def test_sglangs_yarn_rope_head_builds_on_the_cpu(sglang_cpu):
         "original_max_position_embeddings": 64})
     draft = configs.draft_from_config(cfg, None, use_sglang=True)
     cls, _ = head_class(draft)
-    config, _ = _sglang_parse(dict(cfg), None)
+    config, _ = sglang_parse(dict(cfg), None)
     if not torch.cuda.is_available():  # SGLang's own constructor, as is, on a machine without an accelerator
         with pytest.raises(RuntimeError, match="No accelerator"):
             cls(config)
-    model = harness._construct(cls, config, torch.float32)
+    model = harness.construct(cls, config, torch.float32)
     assert type(model).__name__ == "Eagle3DeepseekV2ForCausalLM"

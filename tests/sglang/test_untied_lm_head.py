@@ -22,12 +22,12 @@ from eagle3_ops.doctor import tables  # noqa: E402
 
 def _built(sglang_cpu, cfg: dict):
     from eagle3_ops.doctor import sglang_cpu as construction
-    from eagle3_ops.doctor.configs import _sglang_parse, draft_from_config
+    from eagle3_ops.doctor.configs import sglang_parse, draft_from_config
     from eagle3_ops.doctor.sglang_draft import head_class
 
     cls, _ = head_class(draft_from_config(cfg, None, use_sglang=True))
-    config, _ = _sglang_parse(copy.deepcopy(cfg), None)
-    return cls, construction._construct(cls, config, torch.float32)
+    config, _ = sglang_parse(copy.deepcopy(cfg), None)
+    return cls, construction.construct(cls, config, torch.float32)
 
 
 @pytest.mark.parametrize("mla", [False, True], ids=["LlamaForCausalLMEagle3", "Eagle3DeepseekV2ForCausalLM"])
