@@ -17,7 +17,8 @@
 #      (EAGLE3_BENCH_SET=seed benchmarks/bench_draft_fc.py; a row is written after each) -> bench.json
 #   5. the capture timings (benchmarks/bench_capture.py, quick set)                    -> bench_capture.json
 #   6. the rest of the gpu tests (pytest -m "gpu and not seed" tests)                   -> gpu_tests.{log,xml}
-#   7. the host path (benchmarks/bench_host_path.py: each eager face against its backend function)
+#   7. the host path (benchmarks/bench_host_path.py: each eager face against its backend function), and the
+#      speculation report's timing code on the GPU (benchmarks/bench_spec_report.py --device cuda)
 #                                                                                       -> host_path.txt
 #   8. the report: the final table LAST (device, driver, torch; the decisive rows stock vs ours with the
 #      qualification's verdict; PASS/FAIL per stage) -- the device tool returns the end of the output;
@@ -397,6 +398,11 @@ if [ "$QUICK" != 1 ]; then
     say "7. host path (cap ${T}s)"
     EAGLE3_HOST_BENCH_ROUNDS=7 timeout -s INT -k 5 "$T" "$PY" benchmarks/bench_host_path.py > "$RES/host_path.txt" 2>&1
     RC=$?
+    # the speculation report's timing code on this GPU (CUDA event marks, a GPU wait of known length timed as a
+    # verify phase; no SGLang needed); on a dry run the host clock marks. Appended to the same file.
+    SPEC_DEVICE=cuda; [ "$DRY_RUN" = 1 ] && SPEC_DEVICE=cpu
+    EAGLE3_HOST_BENCH_ROUNDS=5 timeout -s INT -k 5 20 "$PY" benchmarks/bench_spec_report.py --device "$SPEC_DEVICE" \
+      >> "$RES/host_path.txt" 2>&1 || RC=$?
     grep -vE "^\s*$" "$RES/host_path.txt" | tail -6
     ST="$(status_of "$RC")"; [ "$DRY_RUN" = 1 ] && { [ "$RC" = 0 ] && ST=DRY || ST=FAIL; }
     stage_done 7 "host path" "$ST" "$S" "$T" "host_path.txt"

@@ -64,6 +64,35 @@ def _qualify(argv: List[str]) -> int:
     return qualify_main(argv)
 
 
+def _spec_report(argv: List[str]) -> int:
+    ap = _parser("spec-report", COMMANDS["spec-report"].summary + ". The JSON is what the SGLang plugin writes "
+                 "next to the live wiring check's result; the GPU timings in it are that server's own.")
+    ap.add_argument("json", nargs="?", help="the report's JSON (default: the newest spec_report*.json in the cache "
+                                            "folder the plugin writes to)")
+    args = ap.parse_args(argv)
+    from pathlib import Path
+
+    from .sglang.spec_report import render, result_path
+
+    if args.json is not None:
+        path = Path(args.json)
+    else:
+        found = sorted(result_path().parent.glob("spec_report*.json"), key=lambda p: p.stat().st_mtime)
+        if not found:
+            print(f"error: no speculation report in {result_path().parent} (the SGLang plugin writes one after "
+                  f"1000 verified steps; pass the JSON's path)", file=sys.stderr)
+            return _cli.EXIT_USAGE
+        path = found[-1]
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        print(f"error: cannot read {path}: {e}", file=sys.stderr)
+        return _cli.EXIT_USAGE
+    for line in render(data):
+        print(line)
+    return _cli.EXIT_OK
+
+
 COMMANDS: Dict[str, Command] = {c.name: c for c in (
     Command("demo", "stock vs eagle3_ops draft-input path on a random case (and SGLang, if installed)", _demo,
             needs_backend=True),
@@ -73,6 +102,8 @@ COMMANDS: Dict[str, Command] = {c.name: c for c in (
     Command("info", "build info and the backend serving each op on this machine", _info, needs_backend=True),
     Command("qualify", "check and time every candidate path at a model's shapes on this device (--help)", _qualify,
             needs_backend=True),
+    Command("spec-report", "print a server's speculation report (acceptance per position, cycle times, best setting)",
+            _spec_report),
 )}
 
 

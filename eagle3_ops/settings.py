@@ -19,6 +19,7 @@ variable                           accepted                    a bad value means
 ``EAGLE3_OPS_DUMP_TOKENS``         1 .. 1048576 (tokens)       the states dump is off
 ``EAGLE3_OPS_DUMP_BOUNDARIES``     auto|all (default auto)     the states dump is off
 ``EAGLE3_OPS_WIRING_CHECK``        on/off words (default on)   the live wiring check stays off
+``EAGLE3_OPS_SPEC_REPORT``         on/off words (default on)   the speculation report stays off
 ``EAGLE3_OPS_DOCTOR_KEEP``         on/off words (default on)   the doctor runs SGLang's code every time
 =================================  ==========================  =========================================
 
@@ -180,6 +181,8 @@ SETTINGS: Dict[str, Setting] = {s.name: s for s in (
                    _DUMP_OFF),
     _switch_setting("EAGLE3_OPS_WIRING_CHECK", True,
                     "the live wiring check stays off (the draft is served as configured; nothing is checked)"),
+    _switch_setting("EAGLE3_OPS_SPEC_REPORT", True,
+                    "the speculation report stays off (no acceptance per position, no cycle times)"),
     _switch_setting("EAGLE3_OPS_DOCTOR_KEEP", True,
                     "the doctor runs the installed SGLang's code every time (keeps nothing, reads nothing kept)"),
     _choice_setting("EAGLE3_OPS_DUMP_BOUNDARIES", "auto", ("auto", "all"),

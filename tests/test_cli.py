@@ -48,7 +48,18 @@ def real_args(tmp_path_factory):
         "doctor": ["--draft", str(draft), "--target", str(target)],
         "capture-states": ["--model", str(_tiny_llama(d / "llama")), "--prompts", str(d / "prompts.json"),
                            "--out", str(d / "out" / "states.safetensors"), "--dtype", "float32"],
+        "spec-report": [str(_spec_report_json(d / "spec_report.json"))],
     }
+
+
+def _spec_report_json(path):
+    """A speculation report as the SGLang plugin writes it (spec_report.SpecReport.to_json of a few counts)."""
+    from eagle3_ops.sglang.spec_report import SpecReport
+
+    rep = SpecReport(3)
+    rep.acceptance.add([0, 1, 3, 2])
+    path.write_text(json.dumps(rep.to_json()))
+    return path
 
 
 def bad_environment(tmp_path) -> dict:

@@ -210,13 +210,38 @@ def _around_dummy_run(original, *args, **kwargs):
 
 
 def _after_resolve_spec_tokens(result, *args, **kwargs):
+    """AFTER SGLang's ``_resolve_spec_v2_tokens``: the live wiring check's and the speculation report's counts."""
     try:
         from .wiring_check import after_resolve_spec_tokens
 
         after_resolve_spec_tokens(result, *args, **kwargs)
     except Exception:  # a count only: never stop SGLang
         log.exception("eagle3_ops: the live wiring check could not count accepted tokens")
+    try:
+        from . import spec_report
+        from .wiring_acceptance import correct_drafts
+
+        spec_report.after_resolve_spec_tokens(correct_drafts(args, kwargs))
+    except Exception:  # a count only: never stop SGLang
+        log.exception("eagle3_ops: the speculation report could not count accepted tokens")
     return result
+
+
+def _around_spec_cycle(original, *args, **kwargs):
+    from .spec_report import around_cycle
+
+    return around_cycle(original, *args, **kwargs)
+
+
+def _around_spec_phase(phase: str):
+    from .spec_report import around_phase
+
+    hook = around_phase(phase)
+
+    def around(original, *args, **kwargs):
+        return hook(original, *args, **kwargs)
+
+    return around
 
 
 def _around_final_norm(original, *args, **kwargs):
@@ -286,6 +311,11 @@ def register() -> None:
         HookRegistry.register(CAN_RUN_GRAPH_TARGET, _around_can_run_graph, HookType.AROUND)
         HookRegistry.register(DUMMY_RUN_TARGET, _around_dummy_run, HookType.AROUND)
         HookRegistry.register(ACCEPTANCE_TARGET, _after_resolve_spec_tokens, HookType.AFTER)
+        from . import spec_report
+
+        HookRegistry.register(spec_report.CYCLE_TARGET, _around_spec_cycle, HookType.AROUND)
+        for phase, target in spec_report.PHASE_TARGETS.items():
+            HookRegistry.register(target, _around_spec_phase(phase), HookType.AROUND)
         for target in WEIGHT_UPDATE_TARGETS:
             HookRegistry.register(target, _after_weight_update, HookType.AFTER)
         from . import static_inputs as si

@@ -40,6 +40,11 @@ OUR_TARGETS = sorted([
     "sglang.srt.model_executor.runner.base_runner.BaseRunner._dummy_run",
     "sglang.srt.managers.scheduler_components.batch_result_processor.SchedulerBatchResultProcessor."
     "_resolve_spec_v2_tokens",
+    # spec_report.py: where a decode cycle's time goes (the cycle and its three phases)
+    "sglang.srt.speculative.eagle_worker_v2.EAGLEWorkerV2.forward_batch_generation",
+    "sglang.srt.speculative.eagle_worker_v2.EagleDraftWorker.draft",
+    "sglang.srt.speculative.eagle_worker_v2.EAGLEWorkerV2.verify",
+    "sglang.srt.speculative.eagle_worker_v2.EagleDraftWorker._draft_extend_for_decode",
 ])
 
 
