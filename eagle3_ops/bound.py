@@ -31,6 +31,12 @@ def fused_add_rmsnorm_capture(backend: str, device: torch.device, dtype: torch.d
     return dispatch.verified_function("fused_add_rmsnorm_capture", backend, device, dtype)
 
 
+def _layout(t):
+    """What a plan reads of a fixed tensor: shape, strides, 16-byte alignment (None when absent). A reload that
+    hands in another layout gets its own plan instead of one made for the old."""
+    return None if t is None else (tuple(t.shape), t.stride(), t.data_ptr() % 16 == 0)
+
+
 class DraftFc:
     """``draft_fc`` on ``backend`` and ``path`` (None: the backend's crossover table), for inputs of ``dtype``
     on ``device``, its function verified at construction (raises ``dispatch.BackendUnavailableError``)."""
@@ -48,10 +54,9 @@ class DraftFc:
 
     def plan_rows(self, M: int, weight, bias, chunk_norm_weight, input_norm_weight, norm_folded: bool = False):
         """The plan of a call on a contiguous, 16-byte aligned ``[M, weight.shape[1]]`` input without a row
-        gather, made once per (M, what it reads of the fixed tensors) and kept: what the plugin's forwards run
-        (the caller checks that its input is such a tensor)."""
-        key = (M, weight.shape, weight.stride(), bias is not None, chunk_norm_weight is not None,
-               input_norm_weight is not None, norm_folded)
+        gather, made once per (M, the fixed tensors' layout: :func:`_layout`) and kept: what the plugin's forwards
+        run (the caller checks that its input is such a tensor)."""
+        key = (M, norm_folded) + tuple(_layout(t) for t in (weight, bias, chunk_norm_weight, input_norm_weight))
         planned = self._by_rows.get(key)
         if planned is None:
             x = torch.empty((M, weight.shape[1]), dtype=weight.dtype, device="meta")

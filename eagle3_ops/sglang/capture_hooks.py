@@ -791,6 +791,7 @@ def _norm_forward_wrapper(norm, state: TargetCaptureState):
                     and x.shape == residual.shape and x.shape[0] > 0 and x.dtype == residual.dtype
                     and x.is_contiguous() and residual.is_contiguous() and state.fits(residual) is None
                     and weight.dtype == x.dtype and weight.shape == (x.shape[1],) and weight.device == x.device
+                    and weight.is_contiguous()
                     and not is_batch_invariant_mode_enabled()):
                 fused(x, residual, weight, float(norm.variance_epsilon), buf, slot)  # checked above
                 cap.fused[slot] = residual

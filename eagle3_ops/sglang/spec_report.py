@@ -39,6 +39,7 @@ FIRST_AFTER_CYCLES = 1000   # verified request steps before the first report lin
 EVERY_S = 600.0             # then at most one report per this many seconds
 SAMPLE_EVERY = 64           # one decode cycle in this many is timed
 KEEP_SAMPLES = 256          # timed cycles kept (the newest)
+MIN_TIMED = 4               # timed cycles before a prediction is made (one sample is too few to predict from)
 MIN_GAIN = 0.02             # a predicted gain below this is not worth a change of setting (the estimates' noise)
 
 _WORKER = "sglang.srt.speculative.eagle_worker_v2"
@@ -65,20 +66,19 @@ def enabled() -> bool:
 class Acceptance:
     """Accepted draft tokens per verified request step, as a histogram (``hist[c]``: steps that accepted c)."""
     hist: List[int] = field(default_factory=list)
+    steps: int = 0   # verified request steps counted (the histogram's sum)
 
     def add(self, correct_per_request) -> None:
         """Count one verify step's requests (``correct_per_request``: accepted draft tokens per request)."""
         hist = self.hist
+        n = 0
         for c in correct_per_request:
             c = int(c)
             if c >= len(hist):
                 hist.extend([0] * (c + 1 - len(hist)))
             hist[c] += 1
-
-    @property
-    def steps(self) -> int:
-        """Verified request steps counted."""
-        return sum(self.hist)
+            n += 1
+        self.steps += n
 
     def reached(self, steps: int) -> List[int]:
         """``[n_0, n_1, ..., n_steps]``: request steps that accepted at least i draft tokens (n_0: all)."""
@@ -144,8 +144,16 @@ class CycleSample:
     phases: List[tuple] = field(default_factory=list)   # (phase, start mark, end mark)
 
     def ready(self) -> bool:
-        """Whether every mark has completed (its times can be read without waiting)."""
-        return self.end is not None and self.end.query()
+        """Whether every mark has completed (its times can be read without waiting; each is queried, so marks on
+        different streams are read only once all are done)."""
+        return self.end is not None and all(m.query() for m in self._marks())
+
+    def _marks(self):
+        yield self.end
+        yield self.start
+        for _, a, b in self.phases:
+            yield a
+            yield b
 
     def times_ms(self) -> Dict[str, float]:
         """{phase: ms, ..., "rest": the cycle minus its phases, "cycle": the whole}: the parts sum to the cycle."""
@@ -159,10 +167,11 @@ class CycleSample:
 
 
 class CycleTimes:
-    """Sampled cycles (one in :data:`SAMPLE_EVERY`), read once complete, the newest :data:`KEEP_SAMPLES` kept."""
+    """Sampled cycles (one in :data:`SAMPLE_EVERY`, from the SAMPLE_EVERY-th on: not the server's first cycles),
+    read once complete, the newest :data:`KEEP_SAMPLES` kept."""
 
-    def __init__(self, sample_every: int = SAMPLE_EVERY):
-        self.sample_every = sample_every
+    def __init__(self, sample_every: Optional[int] = None):
+        self.sample_every = SAMPLE_EVERY if sample_every is None else int(sample_every)
         self.seen = 0
         self.current: Optional[CycleSample] = None
         self.pending: List[CycleSample] = []
@@ -171,7 +180,7 @@ class CycleTimes:
     def begin(self, device_type: str) -> bool:
         """A decode cycle starts: whether it is timed (then :meth:`end` must follow)."""
         self.seen += 1
-        if self.current is not None or (self.seen - 1) % self.sample_every:
+        if self.current is not None or self.seen % self.sample_every:
             return False
         self.current = CycleSample(make_mark(device_type))
         return True
@@ -277,7 +286,8 @@ class SpecReport:
                 "acceptance_per_position": p, "mean_accepted_length": self.acceptance.mean_accepted_length(),
                 "replay_predicted_position_1": self.predicted_first(), "clock": "cuda events" if
                 self.device_type == "cuda" else "host clock", "timed_cycles": len(self.times.done),
-                "cycle_ms": ms, "prediction": predict(p, ms) if ms is not None and self.steps > 0 else None}
+                "cycle_ms": ms, "prediction": predict(p, ms) if ms is not None and self.steps > 0 and
+                len(self.times.done) >= MIN_TIMED else None}
 
     def say(self) -> None:
         """Log the report (one summary line naming the best setting, then the table) and write the JSON."""
@@ -323,11 +333,13 @@ def render(data: dict) -> List[str]:
     lines = []
     pred, ms = data.get("prediction"), data.get("cycle_ms")
     if pred is None:
-        summary = (f"{data['verified_steps']} verified request steps; no timed cycle yet: no prediction "
-                   f"(cycle times are sampled one decode cycle in {SAMPLE_EVERY})")
+        summary = (f"{data['verified_steps']} verified request steps, {data.get('timed_cycles', 0)} timed cycles: no "
+                   f"prediction before {MIN_TIMED} (one decode cycle in {SAMPLE_EVERY} is timed)")
     else:
         best = next(r for r in pred["rows"] if r["steps"] == pred["best"])
-        if not pred["speculation_pays"]:
+        if best["tokens_per_ms"] is None or pred["no_speculation"]["tokens_per_ms"] is None:
+            summary = "PREDICTION: none (a measured time is zero)"
+        elif not pred["speculation_pays"]:
             plain = pred["no_speculation"]["tokens_per_ms"]
             summary = (f"PREDICTION: speculation costs more than it gives here: {plain:.3f} tokens/ms without it, "
                        f"at most {best['tokens_per_ms']:.3f} with it ({best['steps']} draft steps)")
@@ -373,6 +385,7 @@ def _signed(x: Optional[float]) -> str:
 
 # ---- SGLang hooks ------------------------------------------------------------------------------------------
 _report: Optional[SpecReport] = None
+_declined = False   # decided at the first decode cycle: no report in this process (off, not rank 0, adaptive, ...)
 _lock = threading.Lock()
 
 
@@ -382,20 +395,29 @@ def report() -> Optional[SpecReport]:
 
 
 def _ensure(worker) -> Optional[SpecReport]:
-    """The report, made at the first decode cycle of TP rank 0 from the spec worker's own settings."""
-    global _report
-    if _report is not None:
+    """The report, made at the first decode cycle of TP rank 0 from the spec worker's own settings; the decision
+    not to make one is kept too (every later cycle then costs one check)."""
+    global _report, _declined
+    if _report is not None or _declined:
         return _report
     with _lock:
-        if _report is None and enabled():
+        if _report is None and not _declined:
+            _declined = True
+            if not enabled():
+                return None
             from .groups import tp_rank_size
 
             rank, _ = tp_rank_size()
             if rank != 0:
                 return None
+            if getattr(worker, "adaptive_controller", None) is not None:
+                log.info("eagle3_ops: speculation report: off under adaptive speculation (the draft steps change per "
+                         "batch; SGLang's adaptive controller chooses them)")
+                return None
             steps = int(getattr(worker, "speculative_num_steps", 0) or 0)
             if steps <= 0:
                 return None
+            _declined = False
             device = getattr(worker, "device", "cpu")
             target = getattr(getattr(getattr(worker, "target_worker", None), "model_runner", None), "model", None)
             _report = SpecReport(steps, int(getattr(worker, "topk", 1) or 1),
@@ -437,13 +459,20 @@ def around_phase(phase: str):
     def hook(original, *args, **kwargs):
         rep = _report
         sample = rep.times.current if rep is not None else None
-        if sample is None:
+        start = None
+        if sample is not None:
+            try:
+                start = make_mark(rep.device_type)
+            except Exception:  # a report only: never stop SGLang
+                log.debug("eagle3_ops: speculation report: could not time %s", phase, exc_info=True)
+        if start is None:
             return original(*args, **kwargs)
-        start = make_mark(rep.device_type)
+        result = original(*args, **kwargs)  # an exception of SGLang's own passes through untouched
         try:
-            return original(*args, **kwargs)
-        finally:
             sample.phases.append((phase, start, make_mark(rep.device_type)))
+        except Exception:
+            log.debug("eagle3_ops: speculation report: could not time %s", phase, exc_info=True)
+        return result
     return hook
 
 
@@ -461,6 +490,6 @@ def _capturing() -> bool:
 
 
 def reset() -> None:
-    """Forget this process's report (tests)."""
-    global _report
-    _report = None
+    """Forget this process's report and its decision (tests)."""
+    global _report, _declined
+    _report, _declined = None, False

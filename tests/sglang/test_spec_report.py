@@ -139,10 +139,10 @@ def test_the_cycle_split_sums_to_the_cycle(sr, monkeypatch):
     seconds = {"draft": 0.03, "verify": 0.05, "draft_extend": 0.01}
     _stand_in_phases(monkeypatch, sr, seconds)
     worker = _worker(steps=3)
-    for _ in range(sr.SAMPLE_EVERY + 1):  # through the hooked class attribute, as the scheduler calls it
+    for _ in range(2 * sr.SAMPLE_EVERY):  # through the hooked class attribute, as the scheduler calls it
         ew.EAGLEWorkerV2.forward_batch_generation(worker, _decode_batch())
     times = sr.report().times
-    assert times.seen == sr.SAMPLE_EVERY + 1 and len(times.done) == 2  # the 1st and the 65th
+    assert times.seen == 2 * sr.SAMPLE_EVERY and len(times.done) == 2  # the 64th and the 128th
     for t in times.done:
         assert t["draft"] + t["verify"] + t["draft_extend"] + t["rest"] == pytest.approx(t["cycle"], abs=1e-9)
         for phase, s in seconds.items():
@@ -174,6 +174,8 @@ def test_the_report_is_logged_written_and_printed_offline(sr, monkeypatch, caplo
     from eagle3_ops.sglang import wiring_check
 
     monkeypatch.setattr(sr, "FIRST_AFTER_CYCLES", 8)
+    monkeypatch.setattr(sr, "SAMPLE_EVERY", 1)  # the one cycle below is timed
+    monkeypatch.setattr(sr, "MIN_TIMED", 1)     # and predicted from
     check = wiring_check.WiringCheck("LlamaForCausalLM", None, {}, [3, 5, 7], 8, 0, 1)
     check.predicted = 0.7  # the live check's replay: top-1 agreement of the served wiring
     monkeypatch.setattr(wiring_check, "_checks", [check])
@@ -202,3 +204,35 @@ def test_the_report_is_logged_written_and_printed_offline(sr, monkeypatch, caplo
     assert out == sr.render(data)
     for ln in out:
         print(ln)  # what docs/sglang.md shows
+
+
+def test_the_report_never_stops_sglang_and_steps_aside_where_it_cannot_say_the_truth(sr, monkeypatch):
+    """A mark that cannot be made (an event that fails) costs the sample, never SGLang's forward; under adaptive
+    speculation (the steps change per batch) and off TP rank 0 there is no report."""
+    from sglang.srt.speculative import eagle_worker_v2 as ew
+
+    monkeypatch.setattr(sr, "SAMPLE_EVERY", 1)
+    _stand_in_phases(monkeypatch, sr, {"draft": 0.0, "verify": 0.0, "draft_extend": 0.0})
+    calls = []
+    real = sr.make_mark
+
+    def failing(device_type):
+        calls.append(device_type)
+        if len(calls) == 2:  # the draft phase's start
+            raise RuntimeError("no event (simulated)")
+        return real(device_type)
+
+    monkeypatch.setattr(sr, "make_mark", failing)
+    out = ew.EAGLEWorkerV2.forward_batch_generation(_worker(steps=3), _decode_batch())
+    assert out is not None and len(sr.report().times.done) == 1
+    sample = sr.report().times.done[0]
+    assert sample["draft"] == 0.0 and sample["verify"] > 0  # the draft phase went untimed, the rest did not
+    sr.reset()
+    adaptive = _worker(steps=3)
+    adaptive.adaptive_controller = object()
+    assert sr._ensure(adaptive) is None and sr._ensure(_worker(steps=3)) is None  # decided once
+    sr.reset()
+    from eagle3_ops.sglang import groups
+
+    monkeypatch.setattr(groups, "tp_rank_size", lambda: (1, 2))
+    assert sr._ensure(_worker(steps=3)) is None
