@@ -101,6 +101,10 @@ def _doctor_parser() -> argparse.ArgumentParser:
                    help="also score every single-slot change of the served wiring on every position (K x (L+1) "
                         "full runs: a slower cross-check of the search, which scans them on fewer positions)")
     p.add_argument("--replay-max-tokens", type=int, default=4096, metavar="N", help="positions scored (default 4096)")
+    p.add_argument("--replay-steps", type=int, default=1, metavar="S",
+                   help="also score the served wiring's draft steps 2..S, the draft fed its own outputs as SGLang's "
+                        "EAGLE worker feeds it (needs --replay-draft sglang or auto with SGLang installed; default 1: "
+                        "the first step only)")
     p.add_argument("--device", default="cpu", help="device for --replay (default cpu)")
     p.add_argument("--replay-draft", choices=("auto", "sglang", "plain"), default="auto",
                    help="what runs the draft in --replay: sglang = SGLang's own EAGLE-3 head class (any head SGLang "
@@ -262,7 +266,8 @@ def build_report(args):
         from .replay import run_replay
 
         run_replay(report, weights, args.replay, margin=args.replay_margin, max_tokens=args.replay_max_tokens,
-                   device=args.device, sweep=args.replay_sweep, draft_code=args.replay_draft)
+                   device=args.device, sweep=args.replay_sweep, draft_code=args.replay_draft,
+                   chain_steps=args.replay_steps)
     if snapshot is not None:  # read while it changed: what was scored is not what the server loaded
         changes = snapshot_changes(snapshot, roles=("index", "weights"))
         if changes:

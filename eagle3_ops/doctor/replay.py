@@ -379,9 +379,13 @@ def candidate_wirings(configured: Optional[List[int]], trained: List[int], L: in
 
 
 def run_replay(report: Report, weights: Dict[str, TensorInfo], states_path, *, margin: float = 0.02,
-               max_tokens: int = 4096, device: str = "cpu", sweep: bool = False, draft_code: str = "auto") -> None:
+               max_tokens: int = 4096, device: str = "cpu", sweep: bool = False, draft_code: str = "auto",
+               chain_steps: int = 1) -> None:
     """Score the candidate wirings on ``states_path``; ``draft_code``: what runs the draft (auto | sglang | plain,
-    :func:`draft_implementation`)."""
+    :func:`draft_implementation`); ``chain_steps`` > 1: also the served wiring's later draft steps
+    (:func:`chain_acceptance`, in ``report.replay["chain"]``)."""
+    if chain_steps < 1:
+        raise DoctorInputError(f"--replay-steps must be at least 1, got {chain_steps}")
     if report.wiring is None or report.training is None:
         why = ("the engine refuses this target or these ids (see the errors above)" if report.draft.use_aux_hidden_state
                else "the draft uses no aux hidden states")
@@ -399,6 +403,62 @@ def run_replay(report: Report, weights: Dict[str, TensorInfo], states_path, *, m
             g["bounds"] = {b: t.to(device) for b, t in g["bounds"].items()}
     with _cpu_threads(device, runner.hidden_size):
         _replay(report, runner, states, margin=margin, max_tokens=max_tokens, sweep=sweep)
+        if chain_steps > 1 and report.replay is not None:
+            configured = (report.replay.get("configured") or {}).get("boundaries")
+            report.replay["chain"] = chain_acceptance(runner, states, configured, chain_steps,
+                                                      min(max_tokens, CHAIN_MAX_TOKENS))
+
+
+CHAIN_MAX_TOKENS = 512  # positions the later steps are scored on (each step is one more draft forward per position)
+CHAIN_TIME_S = 120.0    # their time budget: the live check's replay child has a wall-clock bound for everything
+
+
+def chain_acceptance(runner, states: States, boundaries: Optional[List[int]], steps: int, max_tokens: int,
+                     time_budget_s: Optional[float] = None) -> dict:
+    """The served wiring's acceptance per draft step, the draft fed its own outputs as SGLang serves it
+    (``runner.chain``: SGLang's own head, its draft extend then DECODE steps on its own hidden states). Step k at
+    position j counts where it is observable: steps 1..k-1 predicted the target's next tokens AND the prompt went
+    on with exactly those tokens (so the recorded captures and labels after them are what the target computes in
+    serving); it is accepted when its prediction is the target's next token there. {"steps", "per_step": the
+    acceptance given the steps before (step 1: of every position), "positions": observable positions per step,
+    "accepted", "stopped": why it stopped early or None}; or {"steps", "why"} where it cannot be scored. Prompts
+    are scored in order until ``time_budget_s`` (default :data:`CHAIN_TIME_S`) has passed: the counts say what was
+    scored."""
+    if boundaries is None:
+        return {"steps": steps, "why": "the served wiring could not be scored"}
+    if not hasattr(runner, "chain"):
+        return {"steps": steps, "why": f"{runner.source} scores the first draft step only (the later steps feed the "
+                                       f"draft its own outputs through SGLang's head: --replay-draft sglang)"}
+    from .search import chunks
+
+    budget = CHAIN_TIME_S if time_budget_s is None else time_budget_s
+    t0, stopped = time.monotonic(), None
+    seen, accepted = [0] * steps, [0] * steps
+    for c in chunks(states, max_tokens, runner.uses_target_embeddings):
+        aux = torch.cat([c.bounds[b] for b in boundaries], dim=-1)
+        for row in range(c.ids.shape[0]):
+            if time.monotonic() - t0 > budget:
+                stopped = f"the time budget of {budget:.0f} s ran out after {seen[0]} positions"
+                break
+            preds = runner.chain(aux[row:row + 1], c.ids[row:row + 1],
+                                 c.embeds[row:row + 1] if c.embeds is not None else None, steps)
+            ids, labels = c.ids[row], c.labels[row]
+            ok = torch.ones(ids.numel(), dtype=torch.bool)  # position j's chain is still observable and accepted
+            for k, pred in enumerate(preds, start=1):
+                m = pred.numel()  # positions j = 0..m-1 have a step k
+                ok = ok[:m]
+                right = pred.cpu() == labels[k - 1:k - 1 + m].cpu()
+                seen[k - 1] += int(ok.sum())
+                accepted[k - 1] += int((ok & right).sum())
+                # step k + 1 (at positions 0..m-2) is observable where step k was accepted and the prompt's next
+                # token is the one it accepted
+                m2 = max(m - 1, 0)
+                nxt = ids[k:k + m2].cpu() == labels[k - 1:k - 1 + m2].cpu()
+                ok = (ok & right)[:m2] & nxt
+        if stopped:
+            break
+    return {"steps": steps, "per_step": [a / s if s else None for a, s in zip(accepted, seen)],
+            "positions": seen, "accepted": accepted, "stopped": stopped}
 
 
 @contextlib.contextmanager

@@ -232,3 +232,66 @@ class SGLangDraftRunner:
             out = self.model(fb.input_ids, fb.positions, fb, input_embeds=input_embeds)
         return out.next_token_logits.view(B, n, -1)
 
+    @torch.no_grad()
+    def chain(self, aux: torch.Tensor, ids: torch.Tensor, embeds: Optional[torch.Tensor], steps: int):
+        """The draft's predictions (target ids) at draft steps 1..``steps`` for every position of one prompt, fed
+        as SGLang's EAGLE worker feeds it: step 1 is the draft extend over the target's captures (as
+        :meth:`logits`); step k > 1 at position j is one DECODE forward on the draft's own hidden state of step
+        k - 1 (``spec_info.hidden_states``: what the head returns as its aux hidden state) and the token step k - 1
+        should have accepted, ``ids[j + k - 1]`` (its embedding: ``embeds[j + k - 1]`` where the target's serves),
+        at position j + k - 1, attending to the draft's own KV of positions 0..j and of its steps since. All
+        positions' chains run as one batch: each request's first j + 1 KV slots are the extend's (SGLang's
+        req_to_token table points at them), its later slots its own. ``aux`` [1, n, K*H_t], ``ids`` [1, n],
+        ``embeds`` [1, n, H] or None -> a list of ``steps`` tensors, step k's of length n - k + 1."""
+        from sglang.srt.model_executor.forward_context import ForwardContext, forward_context
+        from sglang.srt.speculative.eagle_info import EagleDraftExtendInput, EagleDraftInput
+
+        h = self.harness
+        n = ids.shape[1]
+        tokens = ids[0]
+        if self.token_rows is not None:
+            tokens = self.token_rows[tokens]
+            if bool((tokens < 0).any()):
+                raise DoctorInputError("replay: a token whose embedding row was not loaded")
+        elif self.uses_target_embeddings:
+            tokens = torch.zeros_like(tokens)  # the embedding table is not read: input_embeds serve
+        kv = h.KVCache(self.config, self.dtype, size=n * (steps + 1) + 2, max_reqs=n + 2, max_context=n + steps + 2)
+        ext = h.Req(kv.new_req())
+        spec = EagleDraftExtendInput(hidden_states=aux.reshape(n, -1).to(self.dtype).contiguous(),
+                                     num_tokens_per_req=n, num_tokens_for_logprob_per_req=n)
+        spec.select_index = None
+        fb = h.extend_batch(kv, [ext], [tokens.tolist()], mode="DRAFT_EXTEND_V2", capture="FULL", spec_info=spec)
+        out = self._forward(fb, kv, embeds.reshape(n, -1) if self.uses_target_embeddings else None,
+                            ForwardContext, forward_context)
+        preds, hidden = [self._to_target(out.next_token_logits.argmax(-1))], out.hidden_states
+        locs = kv.req_to_token_pool.req_to_token[ext.pool_index, :n].long()
+        reqs = []
+        for j in range(n):
+            r = h.Req(kv.new_req())
+            h.fill_req_to_token(kv, r, 0, locs[:j + 1])
+            r.tokens = tokens[:j + 1].tolist()
+            reqs.append(r)
+        for k in range(2, steps + 1):
+            m = n - k + 1  # positions j whose step-k input token ids[j + k - 1] exists
+            if m <= 0:
+                break
+            reqs, hidden = reqs[:m], hidden[:m]
+            nxt = tokens[k - 1:k - 1 + m]
+            fb = h.decode_batch(kv, reqs, nxt.tolist(), capture="LAST",
+                                spec_info=EagleDraftInput(hidden_states=hidden.contiguous()))
+            out = self._forward(fb, kv, embeds[0, k - 1:k - 1 + m] if self.uses_target_embeddings else None,
+                                ForwardContext, forward_context)
+            preds.append(self._to_target(out.next_token_logits.argmax(-1)))
+            hidden = out.hidden_states
+        return preds
+
+    def _forward(self, fb, kv, input_embeds, ForwardContext, forward_context):
+        kv.backend.init_forward_metadata(fb)
+        with forward_context(ForwardContext(attn_backend=kv.backend)):
+            return self.model(fb.input_ids, fb.positions, fb,
+                              input_embeds=input_embeds.to(self.dtype) if input_embeds is not None else None)
+
+    def _to_target(self, draft_ids: torch.Tensor) -> torch.Tensor:
+        hot = getattr(self.model, "hot_token_id", None)  # d2t, as SGLang's EAGLE worker maps them
+        return hot.to(draft_ids.device)[draft_ids] if hot is not None else draft_ids
+

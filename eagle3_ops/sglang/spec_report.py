@@ -6,8 +6,9 @@ prints the same table offline.
   the host ints ``_resolve_spec_v2_tokens`` makes): a histogram of the accepted draft tokens per verified request
   step. Position i's acceptance is the share of steps that accepted i drafts among those that accepted i - 1 (the
   chain: position i is reached only when the ones before were accepted); the mean accepted length counts the bonus
-  token, as SGLang's own ``accept_length`` does. Position 1 is compared with what the live wiring check's replay
-  predicts for the served wiring (its first-step top-1 agreement); the replay scores no later step.
+  token, as SGLang's own ``accept_length`` does. Each position is compared with what the live wiring check's
+  replay predicts for the served wiring: its first-step top-1 agreement, and the later steps' acceptance, which the
+  replay scores by feeding SGLang's own draft head its own outputs (``doctor --replay-steps``: the server's steps).
 * **Where a cycle's time goes**: one decode cycle in :data:`SAMPLE_EVERY` (TP rank 0), its phases timed by events on
   the current stream (CUDA events on a GPU, read once they have completed: no sync; the host clock on a CPU):
   the draft's multi-step forwards (``EagleDraftWorker.draft``), the target's verify forward (``EAGLEWorkerV2.verify``),
@@ -267,13 +268,19 @@ class SpecReport:
         self.last_logged = now
         return True
 
-    def predicted_first(self) -> Optional[float]:
-        """The live wiring check's replay prediction for position 1 (its top-1 agreement of the served wiring)."""
+    def replay_predicted(self) -> Optional[dict]:
+        """What the live wiring check's replay predicts for the served wiring, per draft step: {"per_step": [step 1's
+        top-1 agreement, the later steps' acceptance given the ones before where it scored them (``--replay-steps``,
+        the draft fed its own outputs)], "positions": what each rests on}, or None before it has scored."""
         from .wiring_check import checks
 
         for check in checks():
-            if check.predicted is not None:
-                return float(check.predicted)
+            if check.predicted is None:
+                continue
+            chain = (check.verdict or {}).get("chain") or {}
+            if chain.get("per_step"):
+                return {"per_step": list(chain["per_step"]), "positions": list(chain.get("positions") or [])}
+            return {"per_step": [float(check.predicted)], "positions": [(check.verdict or {}).get("tokens")]}
         return None
 
     def to_json(self) -> dict:
@@ -284,7 +291,7 @@ class SpecReport:
         return {"model": self.model_name, "steps": self.steps, "topk": self.topk, "draft_tokens": self.draft_tokens,
                 "verified_steps": self.acceptance.steps, "histogram": list(self.acceptance.hist),
                 "acceptance_per_position": p, "mean_accepted_length": self.acceptance.mean_accepted_length(),
-                "replay_predicted_position_1": self.predicted_first(), "clock": "cuda events" if
+                "replay_predicted": self.replay_predicted(), "clock": "cuda events" if
                 self.device_type == "cuda" else "host clock", "timed_cycles": len(self.times.done),
                 "cycle_ms": ms, "prediction": predict(p, ms) if ms is not None and self.steps > 0 and
                 len(self.times.done) >= MIN_TIMED else None}
@@ -358,12 +365,15 @@ def render(data: dict) -> List[str]:
                        f"{_signed(best['vs_served'])} tokens/s over the served {S}")
     lines.append(summary + ".")
     pos = ", ".join(f"{i}: {_pct(x)}" for i, x in enumerate(p, 1))
-    first = data.get("replay_predicted_position_1")
+    replayed = data.get("replay_predicted") or {}
+    said = ", ".join(f"{i}: {_pct(x)}" + (f" ({n} positions)" if n is not None else "")
+                     for i, (x, n) in enumerate(zip(replayed.get("per_step") or [],
+                                                   list(replayed.get("positions") or []) + [None] * S), 1))
     lines.append(f"acceptance per draft position (given the ones before; {data['verified_steps']} verified request "
                  f"steps, {S} steps, topk {data['topk']}): {pos}; mean accepted length "
                  f"{data['mean_accepted_length'] or 0:.2f} tokens per step"
-                 + (f"; the replay predicts position 1 at {_pct(first)} for the served wiring (a gap points at the "
-                    f"serving side: sampling, chat template, an engine path)" if first is not None else ""))
+                 + (f"; the replay predicts {said} for the served wiring (a gap points at the serving side: sampling, "
+                    f"chat template, an engine path)" if said else ""))
     if ms is not None:
         parts = " + ".join(f"{k.replace('_', ' ')} {ms[k]:.3f} ms" for k in ("draft", "verify", "draft_extend", "rest"))
         lines.append(f"a decode cycle ({data['timed_cycles']} timed, {data['clock']}; this server's own): {parts} = "

@@ -184,7 +184,8 @@ class WiringCheck(AcceptanceCount):
     # ---- the background replay ---------------------------------------------------------------------
     def command(self, states: Path, target_dir: Path, snapshot: Optional[Path] = None) -> List[str]:
         """The doctor replay command for ``states`` (argv, run by :mod:`.wiring_replay_process`)."""
-        return replay_process.replay_command(self.draft_dir, states, target_dir, self.tp_size, snapshot)
+        return replay_process.replay_command(self.draft_dir, states, target_dir, self.tp_size, snapshot,
+                                             served_draft_steps())
 
     def memory_limit(self, states: Path) -> int:
         """The replay process's address-space limit in bytes (:func:`.wiring_replay_process.memory_limit`)."""
@@ -367,6 +368,15 @@ def after_resolve_spec_tokens(result, *args, **kwargs):
         for check in _checks:
             check.count(correct)
     return result
+
+
+def served_draft_steps() -> int:
+    """The server's ``--speculative-num-steps`` (1 where it cannot be read): how many draft steps the replay scores."""
+    try:
+        steps = int(getattr(dump_states.server_args(), "speculative_num_steps", None) or 1)
+    except Exception:  # noqa: BLE001 - no server (tests, the offline command): the first step only
+        return 1
+    return max(1, steps)
 
 
 def checks() -> List[WiringCheck]:

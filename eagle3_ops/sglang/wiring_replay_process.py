@@ -26,14 +26,17 @@ THREADS = 2  # the replay's CPU threads
 
 
 def replay_command(draft_dir: Path, states: Path, target_dir: Path, tp_size: int,
-                   snapshot: Optional[Path] = None) -> List[str]:
+                   snapshot: Optional[Path] = None, draft_steps: int = 1) -> List[str]:
     """``python -m eagle3_ops doctor --replay`` on ``states`` with the target's config in ``target_dir`` (JSON out);
-    ``snapshot``: the draft as read at start-up (``--draft-snapshot``), else the draft as it is on disk."""
+    ``snapshot``: the draft as read at start-up (``--draft-snapshot``), else the draft as it is on disk;
+    ``draft_steps`` > 1: also the served wiring's later draft steps (``--replay-steps``, the server's own
+    ``--speculative-num-steps``), which the speculation report compares with what the server accepts."""
     code = "table" if sglang_mode("auto")[0] else "installed"
     return [sys.executable, "-m", "eagle3_ops", "doctor", "--draft", str(draft_dir), "--target",
             str(target_dir), "--replay", str(states), "--json", "--engine-code", code,
             *(["--tp", str(tp_size)] if tp_size > 1 else []),
-            *(["--draft-snapshot", str(snapshot)] if snapshot is not None else [])]
+            *(["--draft-snapshot", str(snapshot)] if snapshot is not None else []),
+            *(["--replay-steps", str(draft_steps)] if draft_steps > 1 else [])]
 
 
 def as_typed(cmd: List[str]) -> List[str]:

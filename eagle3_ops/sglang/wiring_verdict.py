@@ -115,7 +115,7 @@ def conclude(check, report: dict, states: Path, seconds: float, offline: str) ->
               "seconds": round(seconds, 1), "replay_command": offline, "draft_code": replay.get("draft_code"),
               "compute_dtype": replay.get("compute_dtype"), "search": replay.get("search"),
               "no_input_accuracy": replay.get("no_input_accuracy"), "doctor_verdict": verdict,
-              "candidates": replay.get("candidates", [])[:12]}
+              "candidates": replay.get("candidates", [])[:12], "chain": replay.get("chain")}
     if check.snapshot is not None:
         result["draft_files"] = [f["path"] for f in check.snapshot["files"] if f["role"] == "weights"]
         result["draft_files_rule"] = check.snapshot.get("rule")

@@ -163,7 +163,7 @@ def test_the_prediction_is_exact_on_a_synthetic_case(sr):
     costly = sr.predict([0.1], {"draft": 10.0, "verify": 5.0, "draft_extend": 5.0, "rest": 1.0})
     assert not costly["speculation_pays"]  # 1.1 tokens per 21 ms against 1 per 6 ms
     data = {"steps": 1, "topk": 1, "acceptance_per_position": [0.1], "verified_steps": 10, "mean_accepted_length": 1.1,
-            "prediction": costly, "cycle_ms": None, "replay_predicted_position_1": None}
+            "prediction": costly, "cycle_ms": None, "replay_predicted": None}
     assert "speculation costs more than it gives here" in sr.render(data)[0]
 
 
@@ -177,7 +177,8 @@ def test_the_report_is_logged_written_and_printed_offline(sr, monkeypatch, caplo
     monkeypatch.setattr(sr, "SAMPLE_EVERY", 1)  # the one cycle below is timed
     monkeypatch.setattr(sr, "MIN_TIMED", 1)     # and predicted from
     check = wiring_check.WiringCheck("LlamaForCausalLM", None, {}, [3, 5, 7], 8, 0, 1)
-    check.predicted = 0.7  # the live check's replay: top-1 agreement of the served wiring
+    check.predicted = 0.7  # the live check's replay: top-1 agreement of the served wiring, and its later steps
+    check.verdict = {"tokens": 512, "chain": {"per_step": [0.7, 0.6], "positions": [512, 180]}}
     monkeypatch.setattr(wiring_check, "_checks", [check])
     _stand_in_phases(monkeypatch, sr, {"draft": 0.004, "verify": 0.006, "draft_extend": 0.001})
     worker = _worker(steps=4)
@@ -194,7 +195,8 @@ def test_the_report_is_logged_written_and_printed_offline(sr, monkeypatch, caplo
     assert any("acceptance per draft position" in ln and "1: 75.0%, 2: 66.7%, 3: 75.0%, 4: 66.7%" in ln
                for ln in lines)
     assert any("a decode cycle (1 timed, host clock; this server's own)" in ln for ln in lines)
-    assert any("the replay predicts position 1 at 70.0% for the served wiring" in ln for ln in lines)
+    assert any("the replay predicts 1: 70.0% (512 positions), 2: 60.0% (180 positions) for the served wiring" in ln
+               for ln in lines)
     path = sr.result_path(sr.report().model_name)
     data = json.loads(path.read_text())
     assert data["verified_steps"] == 8 and data["histogram"] == [2, 2, 1, 1, 2]
