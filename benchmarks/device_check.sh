@@ -17,10 +17,11 @@
 #      (EAGLE3_BENCH_SET=seed benchmarks/bench_draft_fc.py; a row is written after each) -> bench.json
 #   5. the capture timings (benchmarks/bench_capture.py, quick set)                    -> bench_capture.json
 #   6. the rest of the gpu tests (pytest -m "gpu and not seed" tests)                   -> gpu_tests.{log,xml}
-#   7. the host path (benchmarks/bench_host_path.py: each eager face against its backend function), and the
-#      speculation report's timing code on the GPU (benchmarks/bench_spec_report.py --device cuda)
+#   7. the host path (benchmarks/bench_host_path.py: each eager face against its backend function)
 #                                                                                       -> host_path.txt
-#   8. the report: the final table LAST (device, driver, torch; the decisive rows stock vs ours with the
+#   8. the speculation report's timing code on the GPU (benchmarks/bench_spec_report.py --device cuda: its host
+#      cost per cycle; a GPU wait of known length timed as it times a verify phase)  -> spec_report_timing.txt
+#   9. the report: the final table LAST (device, driver, torch; the decisive rows stock vs ours with the
 #      qualification's verdict; PASS/FAIL per stage) -- the device tool returns the end of the output;
 #      every table in full in summary.txt
 # Everything goes to ONE results folder: $OUT/results-<UTC stamp> when OUT is set, else
@@ -30,7 +31,8 @@
 # Time: every stage runs under `timeout` with min(its cap, what is left of TOTAL_BUDGET after the least the
 # stages after it are guaranteed); a stage left with < 20 s is skipped and says so. pytest stages get SIGINT
 # first (junit report and bench JSON still written), then KILL. Caps (s), as on a 16-core H100:
-#   build 150 | seed tests 75 | qualify 40 each | fc timings 90 | capture timings 45 | gpu tests 180 | host 30
+#   build 150 | seed tests 75 | qualify 40 each | fc timings 90 | capture timings 45 | gpu tests 180 | host 30 |
+#   speculation report timing 20
 # Test workers: half the CPUs, 1..8 (Triton compiles are CPU-bound; one GPU).
 #
 # Usage (from anywhere):
@@ -41,7 +43,8 @@
 # Env:
 #   PYTHON            interpreter (default python3)        OUT / RESULTS_DIR  where results go (above)
 #   TOTAL_BUDGET      seconds for the whole script (420; QUICK=1: 240)
-#   BUILD_TIMEOUT SEED_TIMEOUT QUALIFY_TIMEOUT FC_BENCH_TIMEOUT CAPTURE_BENCH_TIMEOUT TESTS_TIMEOUT HOST_TIMEOUT: caps
+#   BUILD_TIMEOUT SEED_TIMEOUT QUALIFY_TIMEOUT FC_BENCH_TIMEOUT CAPTURE_BENCH_TIMEOUT TESTS_TIMEOUT HOST_TIMEOUT
+#   SPEC_TIMEOUT: caps
 #   GPU_TESTS         full | quick | skip: stage 6 (full)  TEST_WORKERS  xdist workers (half the CPUs, 1..8; 0 = none)
 #   BENCH_SET         seed | skip: stages 4 and 5 (seed)   SKIP_BUILD=1  reuse the extension in the tree
 #   MAX_JOBS          compile jobs (the CPUs, at most 16)
@@ -71,6 +74,7 @@ FC_BENCH_TIMEOUT="${FC_BENCH_TIMEOUT:-90}"
 CAPTURE_BENCH_TIMEOUT="${CAPTURE_BENCH_TIMEOUT:-45}"
 TESTS_TIMEOUT="${TESTS_TIMEOUT:-180}"
 HOST_TIMEOUT="${HOST_TIMEOUT:-30}"
+SPEC_TIMEOUT="${SPEC_TIMEOUT:-20}"
 GPU_TESTS="${GPU_TESTS:-full}"
 BENCH_SET="${BENCH_SET:-seed}"
 # The least each later stage is guaranteed (seconds), subtracted from what an earlier stage may use. The rest
@@ -398,18 +402,33 @@ if [ "$QUICK" != 1 ]; then
     say "7. host path (cap ${T}s)"
     EAGLE3_HOST_BENCH_ROUNDS=7 timeout -s INT -k 5 "$T" "$PY" benchmarks/bench_host_path.py > "$RES/host_path.txt" 2>&1
     RC=$?
-    # the speculation report's timing code on this GPU (CUDA event marks, a GPU wait of known length timed as a
-    # verify phase; no SGLang needed); on a dry run the host clock marks. Appended to the same file.
-    SPEC_DEVICE=cuda; [ "$DRY_RUN" = 1 ] && SPEC_DEVICE=cpu
-    EAGLE3_HOST_BENCH_ROUNDS=5 timeout -s INT -k 5 20 "$PY" benchmarks/bench_spec_report.py --device "$SPEC_DEVICE" \
-      >> "$RES/host_path.txt" 2>&1 || RC=$?
     grep -vE "^\s*$" "$RES/host_path.txt" | tail -6
     ST="$(status_of "$RC")"; [ "$DRY_RUN" = 1 ] && { [ "$RC" = 0 ] && ST=DRY || ST=FAIL; }
     stage_done 7 "host path" "$ST" "$S" "$T" "host_path.txt"
   fi
+
+  # ---- 8. the speculation report's timing code -----------------------------------------------------------
+  # the SGLang plugin's speculation report times one decode cycle in 64 with CUDA events read once complete; here
+  # that code alone (no SGLang): its host cost per cycle, and a GPU wait of known length timed as a verify phase
+  # against CUDA events recorded around it (~5 s). In a dry run: the host-clock marks on the CPU.
+  S=$SECONDS
+  T="$(budget "$SPEC_TIMEOUT" "$RESERVE_REPORT")"
+  if [ "$T" -lt "$MIN_STAGE" ]; then
+    say "8. speculation report timing: SKIPPED, out of time budget"
+    stage_done 8 "speculation report timing" SKIPPED "$S" "$T" "out of time budget"
+  else
+    say "8. speculation report timing (cap ${T}s)"
+    SPEC_DEVICE=cuda; [ "$DRY_RUN" = 1 ] && SPEC_DEVICE=cpu
+    EAGLE3_HOST_BENCH_ROUNDS=5 timeout -s INT -k 5 "$T" "$PY" benchmarks/bench_spec_report.py --device "$SPEC_DEVICE" \
+      > "$RES/spec_report_timing.txt" 2>&1
+    RC=$?
+    grep -vE "^\s*$" "$RES/spec_report_timing.txt" | tail -6
+    ST="$(status_of "$RC")"; [ "$DRY_RUN" = 1 ] && { [ "$RC" = 0 ] && ST=DRY || ST=FAIL; }
+    stage_done 8 "speculation report timing" "$ST" "$S" "$T" "spec_report_timing.txt"
+  fi
 fi
 
-# ---- 8. report (last) ------------------------------------------------------------------------------
+# ---- 9. report (last) ------------------------------------------------------------------------------
 say "done in $(( SECONDS - T0 ))s"
 REPORT=(report "$RES" --build "$BUILD" --arch "$TORCH_CUDA_ARCH_LIST" --elapsed "$(( SECONDS - T0 ))"
         --budget "$TOTAL_BUDGET")

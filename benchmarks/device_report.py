@@ -504,9 +504,11 @@ def report(args) -> int:
                   for ln in [f"-- {n} timings"] + bench_lines(b, True)]
     bench_short = [ln for b in benches for ln in bench_summary_lines(b.get("rows", []), False)]
     host = _tail(os.path.join(res, "host_path.txt"), 1500).strip().splitlines()
+    spec = _tail(os.path.join(res, "spec_report_timing.txt"), 1500).strip().splitlines()
     table = final_table(args, stages, qual, benches, tests)
     full = head + failing_full + [""] + qualify_lines(qual, True) + [""] + bench_full + [""] + \
-        (["host path:"] + host if host else []) + [""] + table + [f"eagle3_ops device check: {verdict_text}"]
+        (["host path:"] + host if host else []) + (["speculation report timing:"] + spec if spec else []) + [""] + \
+        table + [f"eagle3_ops device check: {verdict_text}"]
     short = head + failing_short + [""] + qualify_lines(qual, False) + [""] + \
         (["timings (median and range per bench):"] + bench_short if bench_short else []) + \
         table + [f"eagle3_ops device check: {verdict_text}"]

@@ -19,9 +19,10 @@ sys.path.insert(0, str(HERE))
 import device_report  # noqa: E402
 
 STAGE_ORDER = ["1. build", "2. correctness", "3. qualification", "4. draft_fc timings", "5. capture timings",
-               "6. the rest of the gpu tests", "7. host path"]
+               "6. the rest of the gpu tests", "7. host path", "8. speculation report timing"]
 RESULT_FILES = {"env.txt", "build.log", "seed_tests.log", "seed_tests.xml", "qualify.json", "bench.log", "bench.json",
-                "bench_capture.json", "gpu_tests.log", "gpu_tests.xml", "host_path.txt", "stages.tsv", "summary.txt"}
+                "bench_capture.json", "gpu_tests.log", "gpu_tests.xml", "host_path.txt", "spec_report_timing.txt",
+                "stages.tsv", "summary.txt"}
 
 
 def test_script_parses():
@@ -48,7 +49,7 @@ def test_dry_run_shows_every_stage_in_order_with_the_caps_of_a_16_core_h100(tmp_
     positions = [next(i for i, ln in enumerate(said) if s in ln) for s in STAGE_ORDER]
     assert positions == sorted(positions), said
     for stage, cap in (("1. build", 150), ("2. correctness", 75), ("3. qualification", 40), ("4. draft_fc", 90),
-                       ("5. capture", 45), ("6. the rest", 180), ("7. host", 30)):
+                       ("5. capture", 45), ("6. the rest", 180), ("7. host", 30), ("8. speculation", 20)):
         assert any(stage in ln and f"cap {cap}s" in ln for ln in said), (stage, cap, said)
     assert '-m gpu and seed tests/ops/test_seed_shapes.py' in out and "-m gpu and not seed tests" in out
     assert "static_model.py --detail --device auto" in out
@@ -57,8 +58,8 @@ def test_dry_run_shows_every_stage_in_order_with_the_caps_of_a_16_core_h100(tmp_
     # the final table comes last: the stages, then the verdict line
     lines = out.splitlines()
     assert "eagle3_ops device check: DRY RUN" in lines[-1]
-    table = lines[-9:-1]
-    assert table[0] == "stages:" and [ln.split(".", 1)[0].strip() for ln in table[1:]] == list("1234567")
+    table = lines[-10:-1]
+    assert table[0] == "stages:" and [ln.split(".", 1)[0].strip() for ln in table[1:]] == list("12345678")
     assert all("DRY" in ln or "SKIPPED" in ln for ln in table[1:]), table
     files = {f.name for f in res.iterdir()}
     assert files <= RESULT_FILES and {"summary.txt", "env.txt", "stages.tsv"} <= files, files
@@ -68,7 +69,7 @@ def test_quick_runs_the_first_four_stages_within_240_s(tmp_path):
     p, out, res = _dry_run(tmp_path, QUICK="1")
     assert p.returncode == 0, out
     assert "budget 240s, QUICK=1: stages 1-4" in out
-    assert "5. capture" not in out and "6. the rest" not in out and "7. host" not in out
+    assert "5. capture" not in out and "6. the rest" not in out and "7. host" not in out and "8. spec" not in out
     stages = device_report.read_stages(str(res / "stages.tsv"))
     assert [s["n"] for s in stages] == ["1", "2", "3", "4"]
 
@@ -105,7 +106,8 @@ STAGES = [("1", "build (9.0a)", "PASS", "31", "150", "ok"), ("2", "correctness a
           ("4", "draft_fc timings at the seed's shapes", "PASS", "52", "90", "bench.json"),
           ("5", "capture timings", "PASS", "19", "45", "bench_capture.json"),
           ("6", "the rest of the gpu tests", "PASS", "160", "180", "gpu_tests.xml"),
-          ("7", "host path", "PASS", "9", "30", "host_path.txt")]
+          ("7", "host path", "PASS", "9", "30", "host_path.txt"),
+          ("8", "speculation report timing", "PASS", "5", "20", "spec_report_timing.txt")]
 
 
 def _results(tmp_path, failing_test=False, qualify_rc=0, stages=STAGES):
@@ -173,7 +175,7 @@ def test_report_pass_ends_with_the_final_table(tmp_path, capsys):
     assert any("fused_norm_cap" in r and "does not beat stock" in r for r in rows)
     assert any("cap3_packer" in r and "a copy into the buffer" in r for r in rows)
     stage_lines = table[table.index("stages:") + 1:-1]
-    assert [ln.split(".", 1)[0].strip() for ln in stage_lines] == list("1234567")
+    assert [ln.split(".", 1)[0].strip() for ln in stage_lines] == list("12345678")
     assert "[1 passed, 0 failed, 1 errors, 0 skipped]" in stage_lines[1]  # the seed tests' counts
     assert "tests.sglang.test_x" in summary  # unimportable module listed, not counted as a failure
     assert "T=1,H=4096" in summary  # every row in summary.txt
@@ -185,9 +187,10 @@ def test_report_fails_on_a_failing_test_a_failed_stage_or_a_cut(tmp_path, capsys
     timeout = [s if s[0] != "6" else s[:2] + ("TIMEOUT",) + s[3:] for s in STAGES]
     rc, out, _ = _report(_results(tmp_path / "b", stages=timeout), capsys)
     assert rc == 1 and "FAIL (stage 6 TIMEOUT)" in out.splitlines()[-1]
-    cut = [s if s[0] != "7" else ("7", "host path", "SKIPPED", "0", "4", "out of time budget") for s in STAGES]
+    cut = [s if s[0] != "8" else ("8", "speculation report timing", "SKIPPED", "0", "4", "out of time budget")
+           for s in STAGES]  # the last stage is the one a cut reaches
     rc, out, _ = _report(_results(tmp_path / "c", stages=cut), capsys)
-    assert rc == 1 and "INCOMPLETE (stage 7 skipped: out of time)" in out.splitlines()[-1]
+    assert rc == 1 and "INCOMPLETE (stage 8 skipped: out of time)" in out.splitlines()[-1]
     assert "out of time budget" in out.splitlines()[-2]  # the stage line says why
 
 
