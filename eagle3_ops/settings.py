@@ -258,6 +258,16 @@ def get_or_default(name: str, logger, env: Optional[Mapping[str, str]] = None) -
         return SETTINGS[name].default
 
 
+def switch_or_off(name: str, logger, env: Optional[Mapping[str, str]] = None) -> bool:
+    """A switch's value, where a bad value is reported once and the switch is off (for the features that only
+    observe, whose off side is SGLang's own behaviour: the live wiring check, the speculation report)."""
+    try:
+        return bool(get(name, env))
+    except SettingError as e:
+        report_once(e, logger)
+        return False
+
+
 def problems(env: Optional[Mapping[str, str]] = None) -> List[str]:
     """One message per bad runtime setting and per unknown ``EAGLE3_OPS_*`` variable."""
     out = []

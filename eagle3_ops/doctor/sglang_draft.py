@@ -213,13 +213,7 @@ class SGLangDraftRunner:
 
         h = self.harness
         B, n = ids.shape
-        tokens = ids
-        if self.token_rows is not None:
-            tokens = self.token_rows[ids]
-            if bool((tokens < 0).any()):
-                raise DoctorInputError("replay: a token whose embedding row was not loaded")
-        elif self.uses_target_embeddings:
-            tokens = torch.zeros_like(ids)  # the embedding table is not read: input_embeds serve
+        tokens = self._rows(ids)
         kv = h.KVCache(self.config, self.dtype, size=B * n + 2, max_reqs=B + 1, max_context=n + 2)
         reqs = [h.Req(kv.new_req()) for _ in range(B)]
         spec = EagleDraftExtendInput(hidden_states=aux.reshape(B * n, -1).to(self.dtype).contiguous(),
@@ -248,13 +242,7 @@ class SGLangDraftRunner:
 
         h = self.harness
         n = ids.shape[1]
-        tokens = ids[0]
-        if self.token_rows is not None:
-            tokens = self.token_rows[tokens]
-            if bool((tokens < 0).any()):
-                raise DoctorInputError("replay: a token whose embedding row was not loaded")
-        elif self.uses_target_embeddings:
-            tokens = torch.zeros_like(tokens)  # the embedding table is not read: input_embeds serve
+        tokens = self._rows(ids[0])
         kv = h.KVCache(self.config, self.dtype, size=n * (steps + 1) + 2, max_reqs=n + 2, max_context=n + steps + 2)
         ext = h.Req(kv.new_req())
         spec = EagleDraftExtendInput(hidden_states=aux.reshape(n, -1).to(self.dtype).contiguous(),
@@ -284,6 +272,16 @@ class SGLangDraftRunner:
             preds.append(self._to_target(out.next_token_logits.argmax(-1)))
             hidden = out.hidden_states
         return preds
+
+    def _rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """The input ids the class embeds: rows of its reduced embedding table where it holds only the recorded
+        tokens' rows, zeros where the target's embeddings are passed as input_embeds (its table is not read)."""
+        if self.token_rows is not None:
+            tokens = self.token_rows[ids]
+            if bool((tokens < 0).any()):
+                raise DoctorInputError("replay: a token whose embedding row was not loaded")
+            return tokens
+        return torch.zeros_like(ids) if self.uses_target_embeddings else ids
 
     def _forward(self, fb, kv, input_embeds, ForwardContext, forward_context):
         kv.backend.init_forward_metadata(fb)

@@ -52,14 +52,10 @@ PHASES = ("draft", "verify", "draft_extend")
 
 
 def enabled() -> bool:
-    """Whether the report runs (``EAGLE3_OPS_SPEC_REPORT``, default on)."""
+    """Whether the report runs (``EAGLE3_OPS_SPEC_REPORT``, default on; a bad value: one line, and off)."""
     from .. import settings
 
-    try:
-        return bool(settings.get(ENV_SWITCH))
-    except settings.SettingError as e:
-        settings.report_once(e, log)
-        return False
+    return settings.switch_or_off(ENV_SWITCH, log)
 
 
 # ---- acceptance per position -------------------------------------------------------------------------

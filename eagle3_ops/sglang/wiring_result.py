@@ -26,11 +26,7 @@ RECORD_TOKENS = 1024  # positions recorded at most: host memory = tokens x bound
 
 def enabled() -> bool:
     """Whether the live check is on (its setting; a bad value is one line, once, and the check off)."""
-    try:
-        return bool(settings.get(ENV_SWITCH))
-    except settings.SettingError as e:
-        settings.report_once(e, log)
-        return False
+    return settings.switch_or_off(ENV_SWITCH, log)
 
 
 def result_path(model_name: Optional[str] = None) -> Path:
