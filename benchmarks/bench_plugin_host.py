@@ -25,6 +25,7 @@ around the public face) and after it (the bound call made at install).
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import shutil
@@ -63,7 +64,8 @@ def _draft_case():
     shape = qualify.Shape("draft_fc", H, K, H, "bfloat16", False, True, False)
     state.plan = qualify.Plan("cpu", shape, [qualify.Choice("draft_fc", 8, "reference", None, 0.0, 1.0, 1.0, "stock")])
     if hasattr(hooks, "bind_calls"):  # after issue 39: the install binds the planned calls
-        hooks.bind_calls(state, "reference", max_tokens=8)
+        hooks.bind_calls(state, "reference")
+        state.allocate_workspace(8)
     h = torch.randn(M, K * H, dtype=torch.bfloat16)
     batch = types.SimpleNamespace(spec_info=types.SimpleNamespace(hidden_states=h))
     kwargs = {"forward_batch": batch}
@@ -76,15 +78,13 @@ def _draft_case():
 
 def _capture_cases():
     """(name, call) for one capture and one fused norm capture, as the target's hooks make them."""
-    from eagle3_ops.sglang import capture_hooks
-
     T, H, K = 4, 64, 3
     buf = torch.zeros(T, K * H, dtype=torch.bfloat16)
     value = torch.randn(T, H, dtype=torch.bfloat16)
     x, residual = torch.randn(T, H, dtype=torch.bfloat16), torch.randn(T, H, dtype=torch.bfloat16)
     weight = torch.ones(H, dtype=torch.bfloat16)
-    if hasattr(capture_hooks.TargetCaptureState, "fuses") and "copy" in capture_hooks.TargetCaptureState.__init__.\
-            __code__.co_names:  # after issue 39: the hooks call what the install bound (state.copy, state.fused)
+    if importlib.util.find_spec("eagle3_ops.bound") is not None:
+        # after issue 39: the hooks call what the install bound (state.copy, state.fused)
         from eagle3_ops import bound
 
         copy = bound.capture("reference", torch.device("cpu"), torch.bfloat16)

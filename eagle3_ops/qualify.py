@@ -267,6 +267,7 @@ def _qualify_fc(shape: Shape, rows: int, device, timer: Timer, plan: Plan, margi
                 # the call the plugin would make: bound (backend verified, path fixed), planned once
                 run = _bound_fc(backend, path, device, args, folded)
 
+                # its defaults name the candidate (backend, path, ..., folded): what a test's timer reads
                 def call(backend=backend, path=path, run=run, out=out, args=args, folded=folded):
                     if run_candidate is None:
                         run(*args, p.eps, out, norm_folded=folded)

@@ -126,10 +126,10 @@ def run_replay_child(pair: dict, positions: int) -> dict:
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
     t0 = time.monotonic()
     proc = subprocess.run(wc.limited(cmd, limit, wc.TIME_LIMIT_S * wc.THREADS + 60), capture_output=True,
-                          env=wc._child_env(), timeout=wc.TIME_LIMIT_S)
+                          env=wc.child_env(), timeout=wc.TIME_LIMIT_S)
     wall = time.monotonic() - t0
     after = resource.getrusage(resource.RUSAGE_CHILDREN)
-    report = wc._parse(proc.stdout)
+    report = wc.parse_report(proc.stdout)
     return {"rc": proc.returncode, "wall_s": round(wall, 1),
             "cpu_s": round(after.ru_utime + after.ru_stime - before.ru_utime - before.ru_stime, 1),
             "peak_rss_gib": round(after.ru_maxrss / 2**20, 2), "address_space_limit_gib": round(limit / 2**30, 1),

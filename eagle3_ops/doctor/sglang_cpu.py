@@ -222,10 +222,13 @@ def decode_batch(kv: KVCache, reqs: List[Req], next_tokens: List[int], *, captur
     return fb
 
 
-def run(model, fb, kv: KVCache):
-    """One SGLang forward of ``model`` on ``fb`` (returns its LogitsProcessorOutput)."""
+def run(model, fb, kv: KVCache, input_embeds: Optional[torch.Tensor] = None):
+    """One SGLang forward of ``model`` on ``fb`` (returns its LogitsProcessorOutput); ``input_embeds``: passed on
+    (an EAGLE-3 head whose embedding SGLang replaces with the target's), else the model embeds ``fb.input_ids``."""
     from sglang.srt.model_executor.forward_context import ForwardContext, forward_context
 
     kv.backend.init_forward_metadata(fb)
     with torch.no_grad(), forward_context(ForwardContext(attn_backend=kv.backend)):
-        return model(fb.input_ids, fb.positions, fb)
+        if input_embeds is None:
+            return model(fb.input_ids, fb.positions, fb)
+        return model(fb.input_ids, fb.positions, fb, input_embeds=input_embeds)

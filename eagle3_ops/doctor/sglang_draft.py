@@ -178,9 +178,7 @@ class SGLangDraftRunner:
         """Target token ids the draft's first step predicts at every position: ``aux`` [B, n, K*H_t] (the
         captures at position t), ``ids`` [B, n] (token t+1), ``embeds`` [B, n, H] (its target embedding,
         where SGLang gives the draft the target's) -> [B, n]."""
-        draft_ids = self.logits(aux, ids, embeds).argmax(-1)
-        hot = getattr(self.model, "hot_token_id", None)  # d2t, as SGLang's EAGLE worker maps them
-        return hot.to(draft_ids.device)[draft_ids] if hot is not None else draft_ids
+        return self._to_target(self.logits(aux, ids, embeds).argmax(-1))
 
     def draft_targets(self) -> torch.Tensor:
         """The target id of each draft token (the class's ``hot_token_id``, d2t; the identity without one)."""
@@ -208,23 +206,26 @@ class SGLangDraftRunner:
         """The draft's logits over its own vocabulary at every position (arguments as :meth:`predict`; ``aux``
         as wide as the draft's hidden size is taken as the fc output: the class's own forward then skips its
         fc) -> [B, n, draft vocabulary]."""
-        from sglang.srt.model_executor.forward_context import ForwardContext, forward_context
+        B, n = ids.shape
+        kv = self.harness.KVCache(self.config, self.dtype, size=B * n + 2, max_reqs=B + 1, max_context=n + 2)
+        out, _ = self._extend(kv, aux, ids, embeds, "NULL")
+        return out.next_token_logits.view(B, n, -1)
+
+    def _extend(self, kv, aux: torch.Tensor, ids: torch.Tensor, embeds: Optional[torch.Tensor], capture: str):
+        """SGLang's draft extend (``DRAFT_EXTEND_V2``, every position's logits) of the B prompts ``ids`` [B, n] on the
+        captures ``aux`` [B, n, K*H_t], one new request each: (its LogitsProcessorOutput, the requests)."""
         from sglang.srt.speculative.eagle_info import EagleDraftExtendInput
 
         h = self.harness
         B, n = ids.shape
-        tokens = self._rows(ids)
-        kv = h.KVCache(self.config, self.dtype, size=B * n + 2, max_reqs=B + 1, max_context=n + 2)
         reqs = [h.Req(kv.new_req()) for _ in range(B)]
         spec = EagleDraftExtendInput(hidden_states=aux.reshape(B * n, -1).to(self.dtype).contiguous(),
                                      num_tokens_per_req=n, num_tokens_for_logprob_per_req=n)
         spec.select_index = None  # every position's logits (LogitsProcessor, draft-extend-v2 path)
-        fb = h.extend_batch(kv, reqs, tokens.tolist(), mode="DRAFT_EXTEND_V2", capture="NULL", spec_info=spec)
-        kv.backend.init_forward_metadata(fb)
-        input_embeds = embeds.reshape(B * n, -1).to(self.dtype) if self.uses_target_embeddings else None
-        with forward_context(ForwardContext(attn_backend=kv.backend)):
-            out = self.model(fb.input_ids, fb.positions, fb, input_embeds=input_embeds)
-        return out.next_token_logits.view(B, n, -1)
+        fb = h.extend_batch(kv, reqs, self._rows(ids).tolist(), mode="DRAFT_EXTEND_V2", capture=capture,
+                            spec_info=spec)
+        return h.run(self.model, fb, kv, self._embeds(embeds.reshape(B * n, -1) if embeds is not None else None)), \
+            reqs
 
     @torch.no_grad()
     def chain(self, aux: torch.Tensor, ids: torch.Tensor, embeds: Optional[torch.Tensor], steps: int):
@@ -237,20 +238,13 @@ class SGLangDraftRunner:
         positions' chains run as one batch: each request's first j + 1 KV slots are the extend's (SGLang's
         req_to_token table points at them), its later slots its own. ``aux`` [1, n, K*H_t], ``ids`` [1, n],
         ``embeds`` [1, n, H] or None -> a list of ``steps`` tensors, step k's of length n - k + 1."""
-        from sglang.srt.model_executor.forward_context import ForwardContext, forward_context
-        from sglang.srt.speculative.eagle_info import EagleDraftExtendInput, EagleDraftInput
+        from sglang.srt.speculative.eagle_info import EagleDraftInput
 
         h = self.harness
         n = ids.shape[1]
         tokens = self._rows(ids[0])
         kv = h.KVCache(self.config, self.dtype, size=n * (steps + 1) + 2, max_reqs=n + 2, max_context=n + steps + 2)
-        ext = h.Req(kv.new_req())
-        spec = EagleDraftExtendInput(hidden_states=aux.reshape(n, -1).to(self.dtype).contiguous(),
-                                     num_tokens_per_req=n, num_tokens_for_logprob_per_req=n)
-        spec.select_index = None
-        fb = h.extend_batch(kv, [ext], [tokens.tolist()], mode="DRAFT_EXTEND_V2", capture="FULL", spec_info=spec)
-        out = self._forward(fb, kv, embeds.reshape(n, -1) if self.uses_target_embeddings else None,
-                            ForwardContext, forward_context)
+        out, (ext,) = self._extend(kv, aux, ids, embeds, "FULL")
         preds, hidden = [self._to_target(out.next_token_logits.argmax(-1))], out.hidden_states
         locs = kv.req_to_token_pool.req_to_token[ext.pool_index, :n].long()
         reqs = []
@@ -267,8 +261,7 @@ class SGLangDraftRunner:
             nxt = tokens[k - 1:k - 1 + m]
             fb = h.decode_batch(kv, reqs, nxt.tolist(), capture="LAST",
                                 spec_info=EagleDraftInput(hidden_states=hidden.contiguous()))
-            out = self._forward(fb, kv, embeds[0, k - 1:k - 1 + m] if self.uses_target_embeddings else None,
-                                ForwardContext, forward_context)
+            out = h.run(self.model, fb, kv, self._embeds(embeds[0, k - 1:k - 1 + m] if embeds is not None else None))
             preds.append(self._to_target(out.next_token_logits.argmax(-1)))
             hidden = out.hidden_states
         return preds
@@ -283,13 +276,16 @@ class SGLangDraftRunner:
             return tokens
         return torch.zeros_like(ids) if self.uses_target_embeddings else ids
 
-    def _forward(self, fb, kv, input_embeds, ForwardContext, forward_context):
-        kv.backend.init_forward_metadata(fb)
-        with forward_context(ForwardContext(attn_backend=kv.backend)):
-            return self.model(fb.input_ids, fb.positions, fb,
-                              input_embeds=input_embeds.to(self.dtype) if input_embeds is not None else None)
+    def _embeds(self, embeds: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+        """The target's embeddings as the class's ``input_embeds`` where SGLang gives it the target's, else None."""
+        if not self.uses_target_embeddings:
+            return None
+        if embeds is None:
+            raise ValueError("this draft takes the target's embeddings (SGLang's set_embed): pass them")
+        return embeds.to(self.dtype)
 
     def _to_target(self, draft_ids: torch.Tensor) -> torch.Tensor:
+        """Draft token ids as target ids (the class's ``hot_token_id``, d2t; the identity without one)."""
         hot = getattr(self.model, "hot_token_id", None)  # d2t, as SGLang's EAGLE worker maps them
         return hot.to(draft_ids.device)[draft_ids] if hot is not None else draft_ids
 

@@ -282,10 +282,10 @@ class DraftFcState:
         return need
 
 
-def bind_calls(state: DraftFcState, default_backend: Optional[str] = None, max_tokens: Optional[int] = None) -> None:
+def bind_calls(state: DraftFcState, default_backend: Optional[str] = None) -> None:
     """The bound draft_fc call (``eagle3_ops.bound.DraftFc``: backend function verified, path fixed) of every
     (backend, path) ``state.plan`` serves; without a plan (qualification off), ``default_backend``'s with its
-    own crossover table, under the key None. ``max_tokens``: also size (and so plan ahead) the workspace."""
+    own crossover table, under the key None. :meth:`DraftFcState.allocate_workspace` then plans them ahead."""
     device, dtype = state.fc.weight.device, state.fc.weight.dtype
     calls = {}
     if state.plan is None:
@@ -296,8 +296,6 @@ def bind_calls(state: DraftFcState, default_backend: Optional[str] = None, max_t
             if c.backend is not None and (c.backend, c.path) not in calls:
                 calls[(c.backend, c.path)] = bound.DraftFc(c.backend, c.path, device, dtype)
     state.calls = calls
-    if max_tokens is not None:
-        state.allocate_workspace(max_tokens)
 
 
 # ---- installation ------------------------------------------------------------------------------------

@@ -249,7 +249,6 @@ class SpecReport:
         self.times = CycleTimes()
         self.next_at_steps = FIRST_AFTER_CYCLES
         self.last_logged: Optional[float] = None
-        self.lock = threading.Lock()
 
     def count(self, correct_per_request) -> None:
         """One verify step's accepted drafts per request; the report line when due."""

@@ -91,13 +91,12 @@ MIN_PROMPT_TOKENS = 32     # a shorter prompt gives the replay too little contex
 CLOSE_AFTER_TOKENS = 256   # the recording closes after the prompt that brings it to this many
 TIME_LIMIT_S = 900         # the background replay's wall-clock bound
 
-# The names other modules and tests use from here; tests/real_size.py reads _child_env and _parse too.
+# The names other modules and tests use from here.
 __all__ = ["ACCEPTANCE_STEPS", "ACCEPTANCE_TARGET", "CLOSE_AFTER_TOKENS", "ENV_SWITCH", "GAP_POINTS",
            "KEEP_RECORDINGS", "LABEL", "MIN_PROMPT_TOKENS", "OWNER_FILE", "RECORD_TOKENS", "THREADS", "TIME_LIMIT_S",
            "UNSERVABLE", "WiringCheck", "advice", "after_resolve_spec_tokens", "boundaries_in_words", "checks",
            "child_env", "enabled", "ids_to_serve", "limited", "parse_report", "result_path", "start",
            "unservable_advice"]
-_child_env, _parse = child_env, parse_report
 
 _checks: List["WiringCheck"] = []
 
